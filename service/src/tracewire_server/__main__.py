@@ -1,0 +1,64 @@
+"""`python -m tracewire_server --model PATH [--port N] [any vLLM engine option]`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from .server import ServerConfig, serve
+
+# The embedded default model, when running from a checkout of the project.
+_EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-tiny"
+
+
+def parse_args(argv: list[str]) -> ServerConfig:
+    from .engine import default_cpu_environment
+    from .vllm_compat import AsyncEngineArgs, FlexibleArgumentParser
+
+    default_cpu_environment()
+    parser = FlexibleArgumentParser(
+        prog="python -m tracewire_server",
+        description="tracewire: observe and steer vLLM generation over gRPC. "
+        "Every vLLM engine option is accepted (see below).",
+    )
+    group = parser.add_argument_group("tracewire")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=50051, help="gRPC port")
+    group.add_argument(
+        "--grace-period",
+        type=float,
+        default=10.0,
+        help="seconds in-flight calls get to finish on SIGTERM before they are cancelled",
+    )
+    group.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="largest gRPC message sent or received",
+    )
+    parser = AsyncEngineArgs.add_cli_args(parser)
+    if _EMBEDDED_MODEL.is_dir():
+        parser.set_defaults(model=str(_EMBEDDED_MODEL))
+    args = parser.parse_args(argv)
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        grace_seconds=args.grace_period,
+        max_message_bytes=args.max_message_bytes,
+        engine_args=engine_args,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The engine adapter: one vLLM AsyncLLM in this process, behind a small typed API.
+
+The gRPC layer never touches vLLM; it calls this with validated prompts and
+sampling keyword arguments and gets vLLM's RequestOutputs back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import vllm_compat
+from .errors import InvalidArgument, Unavailable
+from .limits import ModelLimits
+from .prompts import EnginePrompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    path: str
+    kind: str
+    output_size: int
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    model: str
+    architecture: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    num_layers: int
+    hidden_size: int
+    tensor_parallel_size: int
+    modules: tuple[ModuleSpec, ...]
+
+
+@dataclass
+class SchedulerCounters:
+    """The scheduler's counts at its last reported step (written by the stat logger)."""
+
+    running: int = 0
+    waiting: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    unfinished: int
+    running: int
+    waiting: int
+
+
+class _CountersLogger(vllm_compat.StatLoggerBase):
+    """A vLLM stat logger that only remembers the scheduler's latest counts."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0, *, sink: SchedulerCounters):
+        self._sink = sink
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+        if scheduler_stats is not None:
+            self._sink.running = scheduler_stats.num_running_reqs
+            self._sink.waiting = scheduler_stats.num_waiting_reqs
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+@dataclass
+class Engine:
+    llm: Any
+    tokenizer: Any
+    description: ModelDescription
+    limits: ModelLimits
+    counters: SchedulerCounters = field(default_factory=SchedulerCounters)
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+    _prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+    @classmethod
+    async def start(cls, engine_args: Any) -> Engine:
+        counters = SchedulerCounters()
+
+        def counters_logger(vllm_config: Any, engine_index: int = 0) -> _CountersLogger:
+            return _CountersLogger(vllm_config, engine_index, sink=counters)
+
+        # The constructor blocks for the whole engine start (tens of seconds): run
+        # it off the event loop so health checks are answered meanwhile. vLLM
+        # starts its output handler lazily on the first request when built
+        # outside a running loop.
+        llm = await asyncio.to_thread(
+            vllm_compat.AsyncLLM.from_engine_args, engine_args, stat_loggers=[counters_logger]
+        )
+        tokenizer = await vllm_compat.get_tokenizer(llm)
+        description = _describe(llm, tokenizer, engine_args)
+        limits = ModelLimits(
+            vocab_size=description.vocab_size,
+            max_model_len=description.max_model_len,
+            max_logprobs=llm.model_config.max_logprobs,
+        )
+        return cls(llm=llm, tokenizer=tokenizer, description=description, limits=limits,
+                   counters=counters)
+
+    def new_request_id(self) -> str:
+        return f"tw-{self._prefix}-{next(self._ids)}"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return [str(self.tokenizer.decode([t])) for t in token_ids]
+
+    async def generate(
+        self, prompt: EnginePrompt, sampling: dict[str, Any], *, stream: bool
+    ) -> AsyncIterator[Any]:
+        """vLLM RequestOutputs for one prompt: deltas when `stream`, else the final one.
+
+        Closing or cancelling the iterator aborts the request in the engine
+        (vLLM's generate() does that on CancelledError / GeneratorExit).
+        """
+        try:
+            params = vllm_compat.make_sampling_params(sampling, stream=stream)
+        except vllm_compat.CLIENT_ERRORS as e:
+            raise InvalidArgument("sampling_params", str(e)) from e
+        request_id = self.new_request_id()
+        outputs = self.llm.generate(vllm_compat.tokens_prompt(prompt.token_ids), params, request_id)
+        try:
+            async for out in outputs:
+                yield out
+        except vllm_compat.CLIENT_ERRORS as e:
+            raise InvalidArgument("", f"the engine rejected the request: {e}") from e
+        except vllm_compat.EngineDeadError as e:
+            raise Unavailable(f"the engine died: {e}") from e
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            unfinished=self.llm.get_num_unfinished_requests(),
+            running=self.counters.running,
+            waiting=self.counters.waiting,
+        )
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.llm.errored)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:
+    model_config = llm.model_config
+    hf = model_config.hf_config
+    text_config = getattr(hf, "get_text_config", lambda: hf)()
+    hidden = int(text_config.hidden_size)
+    num_layers = int(text_config.num_hidden_layers)
+    vocab = int(model_config.get_vocab_size())
+    modules = [ModuleSpec("embed_tokens", "embedding", hidden)]
+    for i in range(num_layers):
+        modules += [
+            ModuleSpec(f"layers.{i}", "decoder_layer", hidden),
+            ModuleSpec(f"layers.{i}.self_attn", "attention", hidden),
+            ModuleSpec(f"layers.{i}.mlp", "mlp", hidden),
+        ]
+    modules += [ModuleSpec("norm", "norm", hidden), ModuleSpec("lm_head", "lm_head", vocab)]
+    eos: list[int] = []
+    for candidate in (tokenizer.eos_token_id, getattr(hf, "eos_token_id", None)):
+        for token in candidate if isinstance(candidate, list) else [candidate]:
+            if token is not None and token not in eos:
+                eos.append(int(token))
+    bos = tokenizer.bos_token_id
+    name = model_config.served_model_name or model_config.model
+    if isinstance(name, list):
+        name = name[0]
+    return ModelDescription(
+        model=str(name),
+        architecture=(hf.architectures or [type(hf).__name__])[0],
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        vocab_size=vocab,
+        max_model_len=int(model_config.max_model_len),
+        eos_token_ids=tuple(eos),
+        bos_token_id=int(bos) if bos is not None else None,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        tensor_parallel_size=int(llm.vllm_config.parallel_config.tensor_parallel_size),
+        modules=tuple(modules),
+    )
+
+
+def default_cpu_environment() -> None:
+    """KV-cache size for the CPU build when the user set none (GiB)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,0 +1,76 @@
+"""Errors raised where a problem is detected, mapped to gRPC status in one place.
+
+Code below the gRPC layer raises these; `servicer.py` turns them into a status
+(with a google.rpc.BadRequest detail naming the field for invalid arguments).
+Nothing else in the server builds a status by hand.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+
+class TracewireError(Exception):
+    """Base of every error that becomes a gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(TracewireError):
+    """The request is malformed; `field` is the path of the offending field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.description = message
+
+
+class ResourceExhausted(TracewireError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(TracewireError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unavailable(TracewireError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Internal(TracewireError):
+    code = grpc.StatusCode.INTERNAL
+
+
+def to_rpc_status(error: TracewireError) -> status_pb2.Status:
+    """The rich google.rpc.Status for an error (details: BadRequest for fields)."""
+    status = status_pb2.Status(code=_CODE_VALUES[error.code], message=error.message)
+    if isinstance(error, InvalidArgument) and error.field:
+        detail = any_pb2.Any()
+        detail.Pack(
+            error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(
+                        field=error.field, description=error.description
+                    )
+                ]
+            )
+        )
+        status.details.append(detail)
+    return status
+
+
+_CODE_VALUES = {
+    grpc.StatusCode.INVALID_ARGUMENT: code_pb2.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION: code_pb2.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
+}

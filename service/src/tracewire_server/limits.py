@@ -1,0 +1,12 @@
+"""What the served model allows: the facts request validation checks against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int  # vLLM's engine-wide cap on logprobs / prompt_logprobs (-1: vocab)

@@ -1,0 +1,98 @@
+"""Process lifecycle: the grpc.aio server, health, reflection, engine start and drain.
+
+Order of events: listen at once with health NOT_SERVING (RPCs answer
+UNAVAILABLE) -> start the engine -> SERVING -> on SIGTERM/SIGINT: NOT_SERVING,
+refuse new calls, give in-flight calls a grace period, cancel the rest (which
+aborts their engine requests), stop the engine, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tracewire.v1 import service_pb2, service_pb2_grpc
+
+from .engine import Engine
+from .servicer import TraceServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["TraceService"].full_name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str
+    port: int
+    grace_seconds: float
+    max_message_bytes: int
+    engine_args: Any  # vllm AsyncEngineArgs
+
+
+async def serve(config: ServerConfig) -> int:
+    servicer = TraceServicer()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+        ]
+    )
+    service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    address = f"{config.host}:{config.port}"
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"tracewire: cannot listen on {address}")
+
+    async def set_health(status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("tracewire listening on %s; starting the engine", address)
+
+    started = time.monotonic()
+    engine_task = asyncio.create_task(Engine.start(config.engine_args))
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    engine: Engine | None = None
+    try:
+        engine = await engine_task  # a stop during start still waits for the engine to exist
+    except BaseException:
+        await server.stop(0)
+        raise
+    if not stop.is_set():
+        servicer.engine = engine
+        await set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "tracewire SERVING %s on %s (engine up in %.1f s)",
+            engine.description.model,
+            address,
+            time.monotonic() - started,
+        )
+        await stop_task
+
+    log.info("draining: refusing new calls, %.0f s grace for in-flight ones", config.grace_seconds)
+    servicer.draining = True
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(config.grace_seconds)
+    engine.shutdown()
+    log.info("tracewire stopped")
+    return 0

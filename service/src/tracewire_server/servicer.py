@@ -1,0 +1,242 @@
+"""The gRPC layer: tracewire.v1.TraceService on grpc.aio.
+
+Turns protobuf requests into validated engine calls and engine results back
+into protobuf. This is the one place where TracewireErrors become gRPC status
+codes; everything below raises them where the problem is detected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_status import rpc_status
+from tracewire.v1 import service_pb2, service_pb2_grpc
+
+from . import __version__, outputs, vllm_compat
+from .engine import Engine
+from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
+from .prompts import EnginePrompt, to_engine_prompt
+from .sampling import to_vllm_kwargs
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: TracewireError) -> None:
+    await context.abort_with_status(rpc_status.to_status(to_rpc_status(error)))
+
+
+def _unexpected(method: str, error: Exception) -> TracewireError:
+    log.exception("%s failed", method)
+    return Internal(f"{method} failed: {type(error).__name__}: {error}")
+
+
+def unary(
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
+    """Map errors of a unary handler to status codes."""
+
+    @functools.wraps(fn)
+    async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except TracewireError as e:
+            await _abort(context, e)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug must not look like success
+            await _abort(context, _unexpected(fn.__name__, e))
+        raise AssertionError("unreachable: abort raises")
+
+    return handler
+
+
+def streaming(
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]:
+    """Map errors of a server-streaming handler to status codes."""
+
+    @functools.wraps(fn)
+    async def handler(
+        self: Any, request: Req, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Resp]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except TracewireError as e:
+            await _abort(context, e)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, _unexpected(fn.__name__, e))
+
+    return handler
+
+
+class TraceServicer(service_pb2_grpc.TraceServiceServicer):
+    """Serves one engine. `engine` is None until it has started."""
+
+    # Streamed deltas buffered per call before the engine side waits for the
+    # client; vLLM merges deltas meanwhile, so a slow reader loses nothing.
+    STREAM_BUFFER = 64
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.draining = False
+
+    def _ready(self) -> Engine:
+        if self.draining:
+            raise Unavailable("the server is shutting down")
+        if self.engine is None:
+            raise Unavailable("the engine is starting; retry when health reports SERVING")
+        if self.engine.errored:
+            raise Unavailable("the engine has failed; the server must be restarted")
+        return self.engine
+
+    def _check_model(self, engine: Engine, model: str) -> None:
+        if model and model != engine.description.model:
+            raise InvalidArgument(
+                "model", f"unknown model {model!r}; this server serves {engine.description.model!r}"
+            )
+
+    def _plain_request(
+        self,
+        engine: Engine,
+        request: service_pb2.GenerateRequest | service_pb2.GenerateStreamRequest,
+    ) -> tuple[list[EnginePrompt], dict[str, Any]]:
+        self._check_model(engine, request.model)
+        if not request.prompts:
+            raise InvalidArgument("prompts", "at least one prompt is required")
+        sampling = to_vllm_kwargs(request.sampling_params, engine.limits, "sampling_params")
+        prompts = [
+            to_engine_prompt(p, engine, engine.limits, f"prompts[{i}]")
+            for i, p in enumerate(request.prompts)
+        ]
+        return prompts, sampling
+
+    @unary
+    async def Generate(
+        self, request: service_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.GenerateResponse:
+        engine = self._ready()
+        prompts, sampling = self._plain_request(engine, request)
+
+        async def run(prompt: EnginePrompt) -> Any:
+            final = None
+            async for out in engine.generate(prompt, sampling, stream=False):
+                final = out
+            return outputs.request_output(final, prompt.text)
+
+        # A TaskGroup cancels (and so aborts in the engine) every prompt's request
+        # when one fails or the call is cancelled.
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(run(p)) for p in prompts]
+        return service_pb2.GenerateResponse(outputs=[t.result() for t in tasks])
+
+    @streaming
+    async def GenerateStream(
+        self, request: service_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[service_pb2.GenerateStreamResponse]:
+        engine = self._ready()
+        prompts, sampling = self._plain_request(engine, request)
+        queue: asyncio.Queue[service_pb2.GenerateStreamResponse | BaseException | None] = (
+            asyncio.Queue(self.STREAM_BUFFER)
+        )
+
+        async def pump(index: int, prompt: EnginePrompt) -> None:
+            try:
+                first = True
+                async for out in engine.generate(prompt, sampling, stream=True):
+                    message = outputs.request_output(out, prompt.text, include_prompt=first)
+                    first = False
+                    await queue.put(
+                        service_pb2.GenerateStreamResponse(prompt_index=index, output=message)
+                    )
+                await queue.put(None)
+            except Exception as e:  # noqa: BLE001 - handed to the consumer to raise
+                await queue.put(e)
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            # Client gone, deadline, or an error: abort whatever still runs.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    @unary
+    async def Tokenize(
+        self, request: service_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.TokenizeResponse:
+        engine = self._ready()
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = engine.encode(request.text, add_special_tokens=add_special)
+        return service_pb2.TokenizeResponse(token_ids=ids, tokens=engine.token_strings(ids))
+
+    @unary
+    async def Detokenize(
+        self, request: service_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.DetokenizeResponse:
+        engine = self._ready()
+        vocab = engine.limits.vocab_size
+        for i, token in enumerate(request.token_ids):
+            if not 0 <= token < vocab:
+                raise InvalidArgument(
+                    f"token_ids[{i}]", f"token id {token} is outside the vocabulary [0, {vocab})"
+                )
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        text = engine.decode(list(request.token_ids), skip_special_tokens=skip)
+        return service_pb2.DetokenizeResponse(text=text)
+
+    @unary
+    async def GetModelInfo(
+        self, request: service_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.GetModelInfoResponse:
+        d = self._ready().description
+        info = service_pb2.GetModelInfoResponse(
+            model=d.model,
+            vocab_size=d.vocab_size,
+            eos_token_ids=list(d.eos_token_ids),
+            max_model_len=d.max_model_len,
+            dtype=d.dtype,
+            num_layers=d.num_layers,
+            hidden_size=d.hidden_size,
+            architecture=d.architecture,
+            modules=[
+                service_pb2.ModuleInfo(path=m.path, kind=m.kind, output_size=m.output_size)
+                for m in d.modules
+            ],
+            vllm_version=vllm_compat.VLLM_VERSION,
+            server_version=__version__,
+            tensor_parallel_size=d.tensor_parallel_size,
+        )
+        if d.bos_token_id is not None:
+            info.bos_token_id = d.bos_token_id
+        return info
+
+    @unary
+    async def GetEngineStats(
+        self, request: service_pb2.GetEngineStatsRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.GetEngineStatsResponse:
+        stats = self._ready().stats()
+        return service_pb2.GetEngineStatsResponse(
+            num_unfinished_requests=stats.unfinished,
+            num_running_requests=stats.running,
+            num_waiting_requests=stats.waiting,
+        )

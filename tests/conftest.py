@@ -1,0 +1,133 @@
+"""One real tracewire server (real vLLM engine, CPU build) per test session.
+
+The server runs as `python -m tracewire_server` in a subprocess, exactly as a
+user starts it. Its health is polled from the moment it is spawned, so the
+NOT_SERVING -> SERVING transition is observed, not assumed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = Path(os.environ.get("TRACEWIRE_TEST_MODEL", ROOT / "models" / "tracewire-tiny"))
+# float32 so values can be compared with transformers at tight tolerances.
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "32"]
+START_TIMEOUT = 600.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    target: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    health_seen: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self, timeout: float = 2.0) -> str:
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+    def wait_serving(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                status = self.health()
+            except grpc.RpcError:
+                time.sleep(0.2)
+                continue
+            if not self.health_seen or self.health_seen[-1] != status:
+                self.health_seen.append(status)
+            if status == "SERVING":
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"server not SERVING after {START_TIMEOUT} s:\n{self.log()}")
+
+    def stop(self, timeout: float = 120.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+
+def start_server(tmp_dir: Path, *extra: str) -> ServerProcess:
+    port = free_port()
+    log_path = tmp_dir / f"server-{port}.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    cmd = [sys.executable, "-m", "tracewire_server", "--model", str(MODEL),
+           "--port", str(port), *ENGINE_ARGS, *extra]
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(f"127.0.0.1:{port}", process, log_path)
+    try:
+        server.wait_serving()
+    except BaseException:
+        process.kill()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("server"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server: ServerProcess) -> Iterator[object]:
+    import tracewire
+
+    with tracewire.Client(server.target, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def hf() -> object:
+    """The independent reference: transformers on the same weights, float32."""
+    from reference import HFReference
+
+    return HFReference(MODEL)
+
+
+def engine_stats(target: str) -> object:
+    """The server's GetEngineStats, through a bare generated stub."""
+    from tracewire.v1 import service_pb2, service_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        return service_pb2_grpc.TraceServiceStub(channel).GetEngineStats(
+            service_pb2.GetEngineStatsRequest(), timeout=10
+        )
+
+
+def wait_for_unfinished(target: str, predicate, timeout: float = 30.0) -> bool:
+    """Poll until predicate(num_unfinished_requests) holds; False on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate(engine_stats(target).num_unfinished_requests):
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,131 @@
+"""Every invalid request gets INVALID_ARGUMENT naming the field; serving goes on."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import tracewire
+from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, service_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.target) as channel:
+        yield service_pb2_grpc.TraceServiceStub(channel)
+
+
+def _text(s):
+    return prompt_pb2.Prompt(text=s)
+
+
+def _ids(ids):
+    return prompt_pb2.Prompt(token_ids=prompt_pb2.TokenIds(ids=ids))
+
+
+def _expect_invalid(stub, request, field):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(request, timeout=60)
+    err = tracewire.errors.from_rpc_error(info.value)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert err.field == field, (err.field, err.message)
+    assert field in info.value.details()
+    return err
+
+
+CASES = {
+    "empty prompt list": (service_pb2.GenerateRequest(), "prompts"),
+    "empty prompt": (service_pb2.GenerateRequest(prompts=[prompt_pb2.Prompt()]), "prompts[0]"),
+    "empty text": (service_pb2.GenerateRequest(prompts=[_text("")]), "prompts[0].text"),
+    "empty ids": (service_pb2.GenerateRequest(prompts=[_text("a"), _ids([])]),
+                  "prompts[1].token_ids.ids"),
+    "id above vocab": (service_pb2.GenerateRequest(prompts=[_ids([1, 2, 10**6])]),
+                       "prompts[0].token_ids.ids[2]"),
+    "negative id": (service_pb2.GenerateRequest(prompts=[_ids([-1])]),
+                    "prompts[0].token_ids.ids[0]"),
+    "prompt too long": (service_pb2.GenerateRequest(prompts=[_ids([5] * 600)]), "prompts[0]"),
+    "negative max_tokens": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(max_tokens=-3)),
+        "sampling_params.max_tokens"),
+    "zero max_tokens": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(max_tokens=0)),
+        "sampling_params.max_tokens"),
+    "negative temperature": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(temperature=-0.5)),
+        "sampling_params.temperature"),
+    "top_p zero": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(top_p=0.0)),
+        "sampling_params.top_p"),
+    "top_p above one": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(top_p=1.5)),
+        "sampling_params.top_p"),
+    "n zero": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(n=0)),
+        "sampling_params.n"),
+    "nan temperature": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(temperature=float("nan"))),
+        "sampling_params.temperature"),
+    "logprobs above cap": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(logprobs=10**6)),
+        "sampling_params.logprobs"),
+    "stop token outside vocab": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(stop_token_ids=[10**7])),
+        "sampling_params.stop_token_ids[0]"),
+    "logit bias outside vocab": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(logit_bias={-4: 1.0})),
+        "sampling_params.logit_bias[0]"),
+    "unknown model": (service_pb2.GenerateRequest(prompts=[_text("a")], model="gpt-17"), "model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_invalid_generate_names_the_field(stub, client, case):
+    request, field = CASES[case]
+    _expect_invalid(stub, request, field)
+    # The server and engine keep serving everyone else.
+    (out,) = client.generate("The capital of France is", temperature=0.0, max_tokens=2)
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_invalid_stream_request_names_the_field(stub):
+    request = service_pb2.GenerateStreamRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(top_p=2.0))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.GenerateStream(request, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.top_p" in info.value.details()
+
+
+def test_detokenize_rejects_ids_outside_vocab(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Detokenize(service_pb2.DetokenizeRequest(token_ids=[1, 10**6]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_ids[1]" in info.value.details()
+
+
+def test_sdk_raises_typed_error_with_field(client):
+    with pytest.raises(tracewire.InvalidArgument) as info:
+        client.generate("a", top_p=3.0)
+    assert info.value.field == "sampling_params.top_p"
+
+
+def test_sdk_misspelled_keyword_names_valid_ones(client):
+    with pytest.raises(tracewire.InvalidArgument) as info:
+        client.generate("a", temprature=0.0)
+    message = str(info.value)
+    assert "'temprature'" in message and "Did you mean 'temperature'" in message
+    assert "max_tokens" in message and "stop_token_ids" in message
+
+
+def test_concurrent_bad_requests_do_not_disturb_a_good_one(server, client, hf):
+    import concurrent.futures
+
+    def bad(i):
+        with pytest.raises(tracewire.InvalidArgument):
+            tracewire.Client(server.target, timeout=60).generate([[10**6 + i]])
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        good = pool.submit(client.generate, "The capital of France is",
+                           temperature=0.0, max_tokens=8, ignore_eos=True)
+        list(pool.map(bad, range(16)))
+        out = good.result()
+    assert out[0].outputs[0].token_ids == hf.greedy(hf.encode("The capital of France is"), 8)
