@@ -20,7 +20,7 @@ def test_greedy_matches_transformers_loop(client, hf):
         assert out.prompt == prompt
         expected = hf.greedy(ids, 12)
         assert out.outputs[0].token_ids == expected, prompt
-        assert out.outputs[0].text == hf.tokenizer.decode(expected)
+        assert out.outputs[0].text == hf.tokenizer.decode(expected, skip_special_tokens=True)
         assert out.outputs[0].finish_reason == "length"
         assert out.finished
 
@@ -35,7 +35,7 @@ def test_logprobs_match_transformers_log_softmax(client, hf):
 
     Tolerance: 1e-3 absolute in logprob (float32 on both sides; kernels differ).
     """
-    (out,) = client.generate(PROMPT, temperature=0.0, max_tokens=4, logprobs=3)
+    (out,) = client.generate(PROMPT, temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
     completion = out.outputs[0]
     assert completion.logprobs is not None and len(completion.logprobs) == 4
     ids = hf.encode(PROMPT)
@@ -90,16 +90,16 @@ def test_n_returns_n_sequences(client):
 
 def test_stop_string_ends_generation_like_vllm(client, hf):
     ids = hf.encode(PROMPT)
-    full = hf.tokenizer.decode(hf.greedy(ids, 12))
+    full = hf.tokenizer.decode(hf.greedy(ids, 12), skip_special_tokens=True)
     stop = full.strip().split()[1]  # a word that greedy decoding will produce
-    (out,) = client.generate(PROMPT, temperature=0.0, max_tokens=12, stop=[stop])
+    kw = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (out,) = client.generate(PROMPT, stop=[stop], **kw)
     c = out.outputs[0]
     assert c.finish_reason == "stop"
     assert c.stop_reason == stop
     assert stop not in c.text  # vLLM strips the stop string by default
     assert full.startswith(c.text)
-    (kept,) = client.generate(PROMPT, temperature=0.0, max_tokens=12, stop=[stop],
-                              include_stop_str_in_output=True)
+    (kept,) = client.generate(PROMPT, stop=[stop], include_stop_str_in_output=True, **kw)
     assert kept.outputs[0].text.endswith(stop)
 
 
@@ -107,7 +107,8 @@ def test_stop_token_ids_end_generation(client, hf):
     ids = hf.encode(PROMPT)
     greedy = hf.greedy(ids, 8)
     stop_token = greedy[2]
-    (out,) = client.generate(PROMPT, temperature=0.0, max_tokens=8, stop_token_ids=[stop_token])
+    (out,) = client.generate(PROMPT, temperature=0.0, max_tokens=8, stop_token_ids=[stop_token],
+                             ignore_eos=True)
     c = out.outputs[0]
     assert c.finish_reason == "stop"
     assert c.stop_reason == stop_token

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import tracewire
-from conftest import engine_stats, wait_for_unfinished
+from conftest import MODEL, engine_stats, wait_for_unfinished
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -29,7 +29,7 @@ def test_model_info_describes_the_served_model(client, hf):
     assert info.max_model_len == 512
     assert info.dtype == "float32"
     assert hf.tokenizer.eos_token_id in info.eos_token_ids
-    assert info.model.endswith("tracewire-tiny")
+    assert info.model == str(MODEL)
     paths = [m.path for m in info.modules]
     assert paths[0] == "embed_tokens" and paths[-2:] == ["norm", "lm_head"]
     assert f"layers.{cfg.num_hidden_layers - 1}.mlp" in paths
@@ -58,16 +58,17 @@ def test_reflection_lists_and_describes_the_service(server):
 
 
 def test_deadline_aborts_the_engine_request(server):
-    client = tracewire.Client(server.target, timeout=1.5)
+    # 500 tokens take ~1.5 s on 2 CPU cores; the deadline is 5x shorter.
+    client = tracewire.Client(server.target, timeout=0.3)
     with pytest.raises(tracewire.DeadlineExceeded):
-        client.generate("The capital of France is", max_tokens=400, ignore_eos=True,
+        client.generate("The capital of France is", max_tokens=500, ignore_eos=True,
                         temperature=0.0)
     assert wait_for_unfinished(server.target, lambda n: n == 0), "the engine request outlived its deadline"
 
 
 def test_client_disconnect_aborts_the_stream(server):
     client = tracewire.Client(server.target, timeout=120)
-    stream = client.generate_stream("The capital of France is", max_tokens=400,
+    stream = client.generate_stream("The capital of France is", max_tokens=500,
                                     ignore_eos=True, temperature=0.0)
     next(stream)
     assert engine_stats(server.target).num_unfinished_requests == 1
