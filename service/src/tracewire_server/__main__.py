@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .server import ServerConfig, serve
+from .servicer import TraceOptions
 
 # The embedded default model, when running from a checkout of the project.
 _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-tiny"
@@ -38,6 +39,25 @@ def parse_args(argv: list[str]) -> ServerConfig:
         default=256 * 1024 * 1024,
         help="largest gRPC message sent or received",
     )
+    group.add_argument(
+        "--max-read-bytes",
+        type=int,
+        default=TraceOptions.max_read_bytes,
+        help="largest total of read values one trace may ask for; larger traces are refused "
+        "with RESOURCE_EXHAUSTED before they run",
+    )
+    group.add_argument(
+        "--trace-buffer-bytes",
+        type=int,
+        default=TraceOptions.buffer_bytes,
+        help="step results one trace may have waiting for a slow client before it fails "
+        "with RESOURCE_EXHAUSTED",
+    )
+    group.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="testing only: interventions named '__fault__:<message>' raise in the engine hooks",
+    )
     parser = AsyncEngineArgs.add_cli_args(parser)
     if _EMBEDDED_MODEL.is_dir():
         parser.set_defaults(model=str(_EMBEDDED_MODEL))
@@ -49,6 +69,11 @@ def parse_args(argv: list[str]) -> ServerConfig:
         grace_seconds=args.grace_period,
         max_message_bytes=args.max_message_bytes,
         engine_args=engine_args,
+        trace=TraceOptions(
+            max_read_bytes=args.max_read_bytes,
+            buffer_bytes=args.trace_buffer_bytes,
+            fault_injection=args.enable_fault_injection,
+        ),
     )
 
 

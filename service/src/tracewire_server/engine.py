@@ -19,6 +19,9 @@ from . import vllm_compat
 from .errors import InvalidArgument, Unavailable
 from .limits import ModelLimits
 from .prompts import EnginePrompt
+from .sidechannel import Receiver
+
+WORKER_EXTENSION = "tracewire_server.worker_hooks.TracewireWorkerExtension"
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +88,19 @@ class Engine:
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
+    receiver: Receiver | None = None
+
     @classmethod
-    async def start(cls, engine_args: Any) -> Engine:
+    async def start(cls, engine_args: Any, *, fault_injection: bool = False) -> Engine:
         counters = SchedulerCounters()
+        if engine_args.worker_extension_cls not in ("", WORKER_EXTENSION):
+            raise ValueError(
+                "tracewire installs its own worker_extension_cls; "
+                f"{engine_args.worker_extension_cls!r} cannot be combined with it"
+            )
+        engine_args.worker_extension_cls = WORKER_EXTENSION
+        receiver = Receiver()
+        receiver.start()
 
         def counters_logger(vllm_config: Any, engine_index: int = 0) -> _CountersLogger:
             return _CountersLogger(vllm_config, engine_index, sink=counters)
@@ -106,8 +119,10 @@ class Engine:
             max_model_len=description.max_model_len,
             max_logprobs=llm.model_config.max_logprobs,
         )
+        # Wrap every worker's sampler; only rank 0 sends records to `receiver`.
+        await llm.collective_rpc("tracewire_install", args=(receiver.address, fault_injection))
         return cls(llm=llm, tokenizer=tokenizer, description=description, limits=limits,
-                   counters=counters)
+                   counters=counters, receiver=receiver)
 
     def new_request_id(self) -> str:
         return f"tw-{self._prefix}-{next(self._ids)}"
@@ -156,6 +171,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        if self.receiver is not None:
+            self.receiver.close()
 
 
 def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:

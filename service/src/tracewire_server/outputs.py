@@ -36,7 +36,7 @@ def request_output(
             msg.prompt = prompt_text
         msg.prompt_token_ids.extend(out.prompt_token_ids or ())
         if out.prompt_logprobs is not None:
-            msg.prompt_logprobs.extend(_positions(out.prompt_logprobs))
+            msg.prompt_logprobs.extend(positions(out.prompt_logprobs))
     msg.outputs.extend(completion_output(c) for c in out.outputs)
     return msg
 
@@ -46,21 +46,29 @@ def completion_output(c: Any) -> output_pb2.CompletionOutput:
         index=c.index,
         text=c.text,
         token_ids=list(c.token_ids),
-        finish_reason=_FINISH_REASONS.get(c.finish_reason, output_pb2.FINISH_REASON_UNSPECIFIED),
+        finish_reason=finish_reason(c.finish_reason),
     )
     if c.cumulative_logprob is not None:
         msg.cumulative_logprob = c.cumulative_logprob
     if c.logprobs is not None:
-        msg.logprobs.extend(_positions(c.logprobs))
-    # vLLM reports the stop token id or stop string; None for EOS / length.
-    if isinstance(c.stop_reason, int):
-        msg.stop_token_id = c.stop_reason
-    elif isinstance(c.stop_reason, str):
-        msg.stop_string = c.stop_reason
+        msg.logprobs.extend(positions(c.logprobs))
+    set_stop_reason(msg, c.stop_reason)
     return msg
 
 
-def _positions(
+def finish_reason(reason: str | None) -> output_pb2.FinishReason.ValueType:
+    return _FINISH_REASONS.get(reason, output_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def set_stop_reason(msg: output_pb2.CompletionOutput, reason: int | str | None) -> None:
+    """vLLM reports the stop token id or stop string; None for EOS / length."""
+    if isinstance(reason, int):
+        msg.stop_token_id = reason
+    elif isinstance(reason, str):
+        msg.stop_string = reason
+
+
+def positions(
     per_position: Iterable[Mapping[int, Any] | None],
 ) -> list[output_pb2.PositionLogprobs]:
     result = []

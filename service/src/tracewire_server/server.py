@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 from .engine import Engine
-from .servicer import TraceServicer
+from .servicer import TraceOptions, TraceServicer
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,11 @@ class ServerConfig:
     grace_seconds: float
     max_message_bytes: int
     engine_args: Any  # vllm AsyncEngineArgs
+    trace: TraceOptions
 
 
 async def serve(config: ServerConfig) -> int:
-    servicer = TraceServicer()
+    servicer = TraceServicer(config.trace)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -69,7 +70,9 @@ async def serve(config: ServerConfig) -> int:
     log.info("tracewire listening on %s; starting the engine", address)
 
     started = time.monotonic()
-    engine_task = asyncio.create_task(Engine.start(config.engine_args))
+    engine_task = asyncio.create_task(
+        Engine.start(config.engine_args, fault_injection=config.trace.fault_injection)
+    )
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     engine: Engine | None = None

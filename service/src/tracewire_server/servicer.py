@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -18,10 +20,12 @@ from grpc_status import rpc_status
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 from . import __version__, outputs, vllm_compat
+from .compiler import compile_trace
 from .engine import Engine
 from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
 from .prompts import EnginePrompt, to_engine_prompt
 from .sampling import to_vllm_kwargs
+from .trace import TraceRun
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,18 @@ def streaming(
     return handler
 
 
+@dataclass(frozen=True)
+class TraceOptions:
+    """Server-wide limits for traces."""
+
+    # Largest total of read values one trace may ask for (refused up front).
+    max_read_bytes: int = 1 << 30
+    # Step results one trace may have waiting for a slow client.
+    buffer_bytes: int = 64 << 20
+    # Honour fault-injection interventions (tests only).
+    fault_injection: bool = False
+
+
 class TraceServicer(service_pb2_grpc.TraceServiceServicer):
     """Serves one engine. `engine` is None until it has started."""
 
@@ -87,9 +103,11 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
     # client; vLLM merges deltas meanwhile, so a slow reader loses nothing.
     STREAM_BUFFER = 64
 
-    def __init__(self) -> None:
+    def __init__(self, options: TraceOptions | None = None) -> None:
         self.engine: Engine | None = None
         self.draining = False
+        self.options = options or TraceOptions()
+        self._traces = itertools.count()
 
     def _ready(self) -> Engine:
         if self.draining:
@@ -179,6 +197,25 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    @streaming
+    async def Trace(
+        self, request: service_pb2.TraceRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[service_pb2.TraceResponse]:
+        engine = self._ready()
+        self._check_model(engine, request.model)
+        assert engine.receiver is not None
+        compiled = compile_trace(
+            request,
+            engine.limits,
+            engine,
+            trace_key=f"{engine.new_request_id()}-t{next(self._traces)}",
+            server_max_read_bytes=self.options.max_read_bytes,
+            fault_injection=self.options.fault_injection,
+        )
+        run = TraceRun(engine, engine.receiver, compiled, self.options.buffer_bytes)
+        async for event in run.events():
+            yield event
 
     @unary
     async def Tokenize(

@@ -1,0 +1,343 @@
+"""The plan compiler: a TraceRequest -> validated engine requests with their plans.
+
+Every check names the offending field path. The result is plain typed data:
+one EngineSequence per sampled sequence (n > 1 is fanned out here, the way
+vLLM fans it out: sequence i gets seed + i when a seed is set), each carrying
+the SequencePlan its worker hooks run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tracewire.v1 import intervention_pb2 as ipb
+from tracewire.v1 import sampling_pb2, service_pb2
+
+from . import plan as P
+from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from .limits import ModelLimits
+from .prompts import Encoder, EnginePrompt, to_engine_prompt
+from .sampling import to_vllm_kwargs
+from .tensors import float_vector
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's default
+# With --enable-fault-injection (tests only), an intervention named
+# "__fault__:<message>" raises <message> inside the worker hook at its steps.
+FAULT_PREFIX = "__fault__:"
+
+
+@dataclass(frozen=True)
+class EngineSequence:
+    invoke_index: int
+    sequence_index: int
+    sampling: dict[str, Any]  # vllm.SamplingParams kwargs, extra_args included
+    plan: P.SequencePlan
+
+
+@dataclass(frozen=True)
+class CompiledInvoke:
+    index: int
+    key: str
+    prompt: EnginePrompt
+    sequences: tuple[EngineSequence, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class CompiledTrace:
+    invokes: tuple[CompiledInvoke, ...]
+    ops_by_invoke: tuple[tuple[P.Op, ...], ...]
+    read_bytes_bound: int
+    stream_every_step: bool
+
+
+_COMPARISONS = {
+    ipb.COMPARISON_GREATER: ">",
+    ipb.COMPARISON_GREATER_EQUAL: ">=",
+    ipb.COMPARISON_LESS: "<",
+    ipb.COMPARISON_LESS_EQUAL: "<=",
+}
+
+
+def merge_sampling(
+    base: sampling_pb2.SamplingParams, override: sampling_pb2.SamplingParams
+) -> sampling_pb2.SamplingParams:
+    """The trace's parameters with the invoke's set fields replacing them."""
+    merged = sampling_pb2.SamplingParams()
+    merged.CopyFrom(base)
+    for desc, value in override.ListFields():  # only set / non-empty fields
+        merged.ClearField(desc.name)
+        if desc.message_type is not None and desc.message_type.GetOptions().map_entry:
+            getattr(merged, desc.name).update(value)
+        elif desc.is_repeated:
+            getattr(merged, desc.name).extend(value)
+        else:
+            setattr(merged, desc.name, value)
+    return merged
+
+
+class _Compiler:
+    def __init__(
+        self,
+        limits: ModelLimits,
+        encoder: Encoder,
+        server_max_read_bytes: int,
+        fault_injection: bool,
+    ):
+        self.limits = limits
+        self.encoder = encoder
+        self.server_max_read_bytes = server_max_read_bytes
+        self.fault_injection = fault_injection
+
+    # -- whole request -------------------------------------------------------
+
+    def trace(self, request: service_pb2.TraceRequest, trace_key: str) -> CompiledTrace:
+        if not request.invokes:
+            raise InvalidArgument("invokes", "at least one invoke is required")
+        invokes, all_ops, bound = [], [], 0
+        for i, invoke in enumerate(request.invokes):
+            field = f"invokes[{i}]"
+            prompt = to_engine_prompt(invoke.prompt, self.encoder, self.limits, f"{field}.prompt")
+            params = merge_sampling(request.sampling_params, invoke.sampling_params)
+            where = "sampling_params" if not invoke.HasField("sampling_params") else (
+                f"{field}.sampling_params")
+            kwargs = to_vllm_kwargs(params, self.limits, where)
+            n = kwargs.pop("n", 1)
+            max_tokens = kwargs.get("max_tokens", DEFAULT_MAX_TOKENS)
+            ops = self.ops(invoke.interventions, f"{field}.interventions", max_tokens)
+            all_ops.append(ops)
+            bound += n * sum(self.read_bytes(op, max_tokens) for op in ops)
+            key = f"{trace_key}/{i}"
+            sequences = []
+            for s in range(n):
+                seq_kwargs = dict(kwargs)
+                if "seed" in seq_kwargs:
+                    seq_kwargs["seed"] = seq_kwargs["seed"] + s
+                plan = P.SequencePlan(key=f"{key}/{s}", ops=ops)
+                seq_kwargs["extra_args"] = {P.EXTRA_ARGS_KEY: P.encode_plan(plan)}
+                sequences.append(EngineSequence(i, s, seq_kwargs, plan))
+            invokes.append(CompiledInvoke(i, key, prompt, tuple(sequences), max_tokens))
+
+        cap = self.server_max_read_bytes
+        asked = request.options.max_read_bytes
+        if asked < 0:
+            raise InvalidArgument("options.max_read_bytes", "must be >= 0")
+        budget = min(asked, cap) if asked else cap
+        if bound > budget:
+            raise ResourceExhausted(
+                f"the trace's reads could return up to {bound} bytes (reads x selected steps x "
+                f"sequences), over the limit of {budget} bytes; read fewer steps, top-k instead "
+                "of full rows, or raise options.max_read_bytes (server cap "
+                f"{cap} bytes, --max-read-bytes)"
+            )
+        every = request.options.stream_every_step if request.options.HasField(
+            "stream_every_step") else True
+        return CompiledTrace(tuple(invokes), tuple(all_ops), bound, every)
+
+    def read_bytes(self, op: P.Op, max_tokens: int) -> int:
+        """Upper bound on the bytes one sequence's op returns over the generation."""
+        action = op.action
+        if isinstance(action, P.ReadSample):
+            per_step = 4
+        elif isinstance(action, P.ReadLogprobs):
+            per_step = 8 * (1 + action.top_k)
+        elif isinstance(action, P.ReadLogits):
+            if action.top_k is not None:
+                per_step = 8 * action.top_k
+            elif action.token_ids is not None:
+                per_step = 8 * len(action.token_ids)
+            else:
+                per_step = 4 * self.limits.vocab_size
+        else:
+            return 0
+        last = op.steps.last()
+        if op.steps.steps is not None:
+            steps = sum(1 for s in op.steps.steps if s < max_tokens)
+        else:
+            end = max_tokens if last is None else min(last + 1, max_tokens)
+            steps = max(0, end - op.steps.start)
+        return per_step * steps
+
+    # -- interventions -------------------------------------------------------
+
+    def ops(self, interventions: Any, field: str, max_tokens: int) -> tuple[P.Op, ...]:
+        ops: list[P.Op] = []
+        names: dict[str, int] = {}
+        for j, iv in enumerate(interventions):
+            f = f"{field}[{j}]"
+            action = self.action(iv, f)
+            name = iv.name
+            if self.fault_injection and name.startswith(FAULT_PREFIX):
+                action = P.InjectFault(name.removeprefix(FAULT_PREFIX))
+            if isinstance(action, P.READS) and not name:
+                raise InvalidArgument(f"{f}.name", "reads need a name to return values under")
+            if name:
+                if name in names:
+                    raise InvalidArgument(
+                        f"{f}.name", f"duplicate name {name!r} (also {field}[{names[name]}])"
+                    )
+                names[name] = j
+            condition = self.condition(iv.condition, f"{f}.condition") if iv.HasField(
+                "condition") else None
+            if isinstance(action, P.WRITES) and P.uses_drawn_token(condition):
+                raise InvalidArgument(
+                    f"{f}.condition",
+                    "a write acts before the draw, so its condition cannot use the drawn token "
+                    "(sampled_in, token_probability without token_id)",
+                )
+            steps = self.steps(iv.steps, f"{f}.steps") if iv.HasField("steps") else P.StepSet()
+            ops.append(P.Op(name or f"#{j}", steps, condition, action))
+        return tuple(ops)
+
+    def steps(self, sel: ipb.StepSelector, field: str) -> P.StepSet:
+        kind = sel.WhichOneof("kind")
+        if kind == "range":
+            start = sel.range.start
+            stop = sel.range.stop if sel.range.HasField("stop") else None
+            if start < 0:
+                raise InvalidArgument(f"{field}.range.start", f"must be >= 0, got {start}")
+            if stop is not None and stop < start:
+                raise InvalidArgument(
+                    f"{field}.range.stop", f"must be >= start ({start}), got {stop}"
+                )
+            return P.StepSet(start=start, stop=stop)
+        if kind == "list":
+            for k, s in enumerate(sel.list.steps):
+                if s < 0:
+                    raise InvalidArgument(f"{field}.list.steps[{k}]", f"must be >= 0, got {s}")
+            if not sel.list.steps:
+                raise InvalidArgument(f"{field}.list.steps", "must not be empty")
+            return P.StepSet(steps=frozenset(sel.list.steps))
+        return P.StepSet()  # all (or unset)
+
+    def token(self, token: int, field: str) -> int:
+        if not 0 <= token < self.limits.vocab_size:
+            raise InvalidArgument(
+                field, f"token id {token} is outside the vocabulary [0, {self.limits.vocab_size})"
+            )
+        return token
+
+    def tokens(self, ids: Any, field: str) -> tuple[int, ...]:
+        if not len(ids):
+            raise InvalidArgument(field, "must not be empty")
+        return tuple(self.token(t, f"{field}[{k}]") for k, t in enumerate(ids))
+
+    def top_k(self, k: int, field: str, allow_zero: bool = False) -> int:
+        low = 0 if allow_zero else 1
+        if not low <= k <= self.limits.vocab_size:
+            raise InvalidArgument(
+                field, f"must be in [{low}, {self.limits.vocab_size}] (the vocabulary), got {k}"
+            )
+        return k
+
+    def action(self, iv: ipb.Intervention, field: str) -> P.Action:
+        kind = iv.WhichOneof("action")
+        if kind is None:
+            raise InvalidArgument(f"{field}.action", "set one action (a read, a write or stop)")
+        f = f"{field}.{kind}"
+        if kind == "read_logits":
+            r = iv.read_logits
+            stage = "raw" if r.stage == ipb.LOGITS_STAGE_RAW else "processed"
+            which = r.WhichOneof("selection")
+            if which == "top_k":
+                return P.ReadLogits(stage, top_k=self.top_k(r.top_k.k, f"{f}.top_k.k"))
+            if which == "token_ids":
+                return P.ReadLogits(
+                    stage, token_ids=self.tokens(r.token_ids.token_ids, f"{f}.token_ids.token_ids")
+                )
+            return P.ReadLogits(stage)
+        if kind == "read_sample":
+            return P.ReadSample()
+        if kind == "read_logprobs":
+            return P.ReadLogprobs(self.top_k(iv.read_logprobs.top_k, f"{f}.top_k", True))
+        if kind == "force_sample":
+            return P.ForceSample(self.token(iv.force_sample.token_id, f"{f}.token_id"))
+        if kind == "write_logits":
+            return self.write_logits(iv.write_logits, f)
+        if kind == "stop":
+            return P.Stop()
+        if kind in ("read_module", "read_logit_lens", "write_module"):
+            raise FailedPrecondition(
+                f"{f}: module reads, the logit lens and module writes are not served by this "
+                "server version yet (only logits-level interventions)"
+            )
+        raise InvalidArgument(f"{field}.action", f"unknown action {kind!r}")
+
+    def write_logits(self, w: ipb.WriteLogits, field: str) -> P.Action:
+        op = w.WhichOneof("op")
+        vocab = self.limits.vocab_size
+        if op == "replace":
+            values = float_vector(w.replace, vocab, f"{field}.replace")
+            return P.ReplaceLogits(values.astype("<f4").tobytes())
+        if op == "add":
+            values = float_vector(w.add, vocab, f"{field}.add")
+            return P.AddLogits(values.astype("<f4").tobytes())
+        if op == "bias":
+            if not w.bias.bias:
+                raise InvalidArgument(f"{field}.bias.bias", "must not be empty")
+            for token, value in w.bias.bias.items():
+                self.token(token, f"{field}.bias.bias[{token}]")
+                if not math.isfinite(value):
+                    raise InvalidArgument(f"{field}.bias.bias[{token}]", "must be finite")
+            return P.BiasLogits(dict(w.bias.bias))
+        if op == "mask":
+            return P.MaskLogits(self.tokens(w.mask.token_ids, f"{field}.mask.token_ids"))
+        raise InvalidArgument(f"{field}.op", "set replace, add, bias or mask")
+
+    def condition(self, c: ipb.Condition, field: str) -> P.Condition:
+        kind = c.WhichOneof("kind")
+        f = f"{field}.{kind}"
+        if kind == "sampled_in":
+            return P.SampledIn(frozenset(self.tokens(c.sampled_in.token_ids, f"{f}.token_ids")))
+        if kind == "argmax_in":
+            return P.ArgmaxIn(frozenset(self.tokens(c.argmax_in.token_ids, f"{f}.token_ids")))
+        if kind == "text_contains":
+            if not c.text_contains:
+                raise InvalidArgument(f, "must not be empty")
+            return P.TextContains(c.text_contains)
+        if kind == "text_matches":
+            try:
+                re.compile(c.text_matches)
+            except re.error as e:
+                raise InvalidArgument(f, f"invalid regular expression: {e}") from None
+            return P.TextMatches(c.text_matches)
+        if kind == "token_probability":
+            tp = c.token_probability
+            token = self.token(tp.token_id, f"{f}.token_id") if tp.HasField("token_id") else None
+            cmp, value = self.threshold(tp.threshold, f"{f}.threshold")
+            return P.TokenProbability(token, cmp, value)
+        if kind == "entropy":
+            cmp, value = self.threshold(c.entropy, f)
+            return P.Entropy(cmp, value)
+        if kind in ("all_of", "any_of"):
+            group = getattr(c, kind).conditions
+            if not group:
+                raise InvalidArgument(f"{f}.conditions", "must not be empty")
+            items = tuple(self.condition(x, f"{f}.conditions[{k}]") for k, x in enumerate(group))
+            return P.AllOf(items) if kind == "all_of" else P.AnyOf(items)
+        if kind == "not":
+            return P.Not(self.condition(getattr(c, "not"), f))
+        raise InvalidArgument(field, "set one condition kind")
+
+    def threshold(self, t: ipb.Threshold, field: str) -> tuple[P.Comparison, float]:
+        if t.comparison not in _COMPARISONS:
+            raise InvalidArgument(f"{field}.comparison", "set a comparison")
+        if not math.isfinite(t.value):
+            raise InvalidArgument(f"{field}.value", "must be finite")
+        return _COMPARISONS[t.comparison], t.value  # type: ignore[return-value]
+
+
+def compile_trace(
+    request: service_pb2.TraceRequest,
+    limits: ModelLimits,
+    encoder: Encoder,
+    trace_key: str,
+    server_max_read_bytes: int,
+    fault_injection: bool = False,
+) -> CompiledTrace:
+    return _Compiler(limits, encoder, server_max_read_bytes, fault_injection).trace(
+        request, trace_key
+    )

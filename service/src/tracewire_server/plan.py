@@ -1,0 +1,217 @@
+"""The plan: what the worker hooks do for one engine request, as typed data.
+
+`compile_trace` (in trace_compiler.py) validates a TraceRequest and produces
+one SequencePlan per engine request; the plan travels to the worker inside
+SamplingParams.extra_args as msgpack bytes and is decoded there once. Nothing
+in a plan is executable: it is a list of ops over a closed set of actions and
+conditions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+EXTRA_ARGS_KEY = "tracewire"
+
+Comparison = Literal[">", ">=", "<", "<="]
+
+
+class StepSet(msgspec.Struct, frozen=True):
+    """Steps an op is active at: [start, stop) (stop None: open) or an explicit set."""
+
+    start: int = 0
+    stop: int | None = None
+    steps: frozenset[int] | None = None
+
+    def contains(self, step: int) -> bool:
+        if self.steps is not None:
+            return step in self.steps
+        return step >= self.start and (self.stop is None or step < self.stop)
+
+    def last(self) -> int | None:
+        """The last selected step, or None when the selection is open-ended."""
+        if self.steps is not None:
+            return max(self.steps) if self.steps else None
+        return None if self.stop is None else self.stop - 1
+
+
+# -- conditions ---------------------------------------------------------------
+
+
+class SampledIn(msgspec.Struct, frozen=True, tag="sampled_in"):
+    token_ids: frozenset[int]
+
+
+class ArgmaxIn(msgspec.Struct, frozen=True, tag="argmax_in"):
+    token_ids: frozenset[int]
+
+
+class TextContains(msgspec.Struct, frozen=True, tag="text_contains"):
+    text: str
+
+
+class TextMatches(msgspec.Struct, frozen=True, tag="text_matches"):
+    pattern: str
+
+
+class TokenProbability(msgspec.Struct, frozen=True, tag="token_probability"):
+    token_id: int | None  # None: the drawn token
+    comparison: Comparison
+    value: float
+
+
+class Entropy(msgspec.Struct, frozen=True, tag="entropy"):
+    comparison: Comparison
+    value: float
+
+
+class AllOf(msgspec.Struct, frozen=True, tag="all_of"):
+    conditions: tuple[Condition, ...]
+
+
+class AnyOf(msgspec.Struct, frozen=True, tag="any_of"):
+    conditions: tuple[Condition, ...]
+
+
+class Not(msgspec.Struct, frozen=True, tag="not"):
+    condition: Condition
+
+
+Condition = Union[
+    SampledIn, ArgmaxIn, TextContains, TextMatches, TokenProbability, Entropy, AllOf, AnyOf, Not
+]
+
+
+# -- actions ------------------------------------------------------------------
+
+LogitsStage = Literal["raw", "processed"]
+
+
+class ReadLogits(msgspec.Struct, frozen=True, tag="read_logits"):
+    stage: LogitsStage
+    top_k: int | None = None  # the k largest, with ids
+    token_ids: tuple[int, ...] | None = None  # these ids, in order
+    # neither: the full row
+
+
+class ReadSample(msgspec.Struct, frozen=True, tag="read_sample"):
+    pass
+
+
+class ReadLogprobs(msgspec.Struct, frozen=True, tag="read_logprobs"):
+    top_k: int
+
+
+class ForceSample(msgspec.Struct, frozen=True, tag="force_sample"):
+    token_id: int
+
+
+class ReplaceLogits(msgspec.Struct, frozen=True, tag="replace_logits"):
+    values: bytes  # float32 [vocab], little-endian
+
+
+class AddLogits(msgspec.Struct, frozen=True, tag="add_logits"):
+    values: bytes  # float32 [vocab], little-endian
+
+
+class BiasLogits(msgspec.Struct, frozen=True, tag="bias_logits"):
+    bias: dict[int, float]
+
+
+class MaskLogits(msgspec.Struct, frozen=True, tag="mask_logits"):
+    token_ids: tuple[int, ...]
+
+
+class Stop(msgspec.Struct, frozen=True, tag="stop"):
+    pass
+
+
+class InjectFault(msgspec.Struct, frozen=True, tag="inject_fault"):
+    """Raise inside the worker hook (only when the server runs with
+    --enable-fault-injection): proves a failing intervention fails its own
+    trace only."""
+
+    message: str
+
+
+Read = Union[ReadLogits, ReadSample, ReadLogprobs]
+Write = Union[ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault]
+Action = Union[
+    ReadLogits,
+    ReadSample,
+    ReadLogprobs,
+    ForceSample,
+    ReplaceLogits,
+    AddLogits,
+    BiasLogits,
+    MaskLogits,
+    InjectFault,
+    Stop,
+]
+READS = (ReadLogits, ReadSample, ReadLogprobs)
+WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault)
+
+
+class Op(msgspec.Struct, frozen=True):
+    name: str
+    steps: StepSet
+    condition: Condition | None
+    action: Action
+
+
+class SequencePlan(msgspec.Struct, frozen=True):
+    """Everything the worker does for one engine request (one sequence)."""
+
+    key: str  # joins the worker's records with the server's request
+    ops: tuple[Op, ...]
+
+    @property
+    def writes(self) -> tuple[Op, ...]:
+        return tuple(op for op in self.ops if isinstance(op.action, WRITES))
+
+    def needs_text(self) -> bool:
+        return any(_uses_text(op.condition) for op in self.ops)
+
+    def needs_raw_logits(self) -> bool:
+        return any(isinstance(op.action, ReadLogits) and op.action.stage == "raw" for op in self.ops)
+
+
+def _uses_text(condition: Condition | None) -> bool:
+    if condition is None:
+        return False
+    if isinstance(condition, (TextContains, TextMatches)):
+        return True
+    if isinstance(condition, (AllOf, AnyOf)):
+        return any(_uses_text(c) for c in condition.conditions)
+    if isinstance(condition, Not):
+        return _uses_text(condition.condition)
+    return False
+
+
+def uses_drawn_token(condition: Condition | None) -> bool:
+    """Whether the condition needs the token drawn at this step."""
+    if condition is None:
+        return False
+    if isinstance(condition, SampledIn):
+        return True
+    if isinstance(condition, TokenProbability):
+        return condition.token_id is None
+    if isinstance(condition, (AllOf, AnyOf)):
+        return any(uses_drawn_token(c) for c in condition.conditions)
+    if isinstance(condition, Not):
+        return uses_drawn_token(condition.condition)
+    return False
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(SequencePlan)
+
+
+def encode_plan(plan: SequencePlan) -> bytes:
+    return _ENCODER.encode(plan)
+
+
+def decode_plan(data: bytes) -> SequencePlan:
+    return _DECODER.decode(data)

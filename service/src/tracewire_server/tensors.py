@@ -1,0 +1,86 @@
+"""tracewire.v1.Tensor <-> numpy, and the raw form values travel in inside the server.
+
+Tensors are little-endian, row-major raw bytes; bfloat16 has no numpy dtype,
+so it travels as its raw uint16 pattern and is widened only where computed on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+from tracewire.v1 import tensor_pb2
+
+from .errors import InvalidArgument
+
+_NUMPY: dict[int, np.dtype] = {
+    tensor_pb2.DTYPE_FLOAT32: np.dtype("<f4"),
+    tensor_pb2.DTYPE_FLOAT16: np.dtype("<f2"),
+    tensor_pb2.DTYPE_BFLOAT16: np.dtype("<u2"),  # raw bit pattern
+    tensor_pb2.DTYPE_FLOAT64: np.dtype("<f8"),
+    tensor_pb2.DTYPE_INT32: np.dtype("<i4"),
+    tensor_pb2.DTYPE_INT64: np.dtype("<i8"),
+    tensor_pb2.DTYPE_BOOL: np.dtype("?"),
+}
+_DTYPE_NAMES = {
+    "float32": tensor_pb2.DTYPE_FLOAT32,
+    "float16": tensor_pb2.DTYPE_FLOAT16,
+    "bfloat16": tensor_pb2.DTYPE_BFLOAT16,
+    "float64": tensor_pb2.DTYPE_FLOAT64,
+    "int32": tensor_pb2.DTYPE_INT32,
+    "int64": tensor_pb2.DTYPE_INT64,
+    "bool": tensor_pb2.DTYPE_BOOL,
+}
+
+
+class RawTensor(msgspec.Struct, array_like=True, frozen=True):
+    """A tensor as it crosses process boundaries: dtype name, shape, raw bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> RawTensor:
+        name = array.dtype.name
+        if name not in _DTYPE_NAMES:
+            raise TypeError(f"cannot send dtype {name}")
+        # tobytes() is C order whatever the layout; 0-d arrays keep shape ().
+        little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        return cls(name, tuple(int(d) for d in array.shape), little.tobytes(order="C"))
+
+    def to_proto(self) -> tensor_pb2.Tensor:
+        return tensor_pb2.Tensor(dtype=_DTYPE_NAMES[self.dtype], shape=self.shape, data=self.data)
+
+
+def float_vector(tensor: tensor_pb2.Tensor, length: int, field: str) -> np.ndarray:
+    """A finite float32 vector of exactly `length` elements from a request tensor."""
+    array = to_numpy(tensor, field).astype(np.float32).reshape(-1)
+    if array.size != length or len(tensor.shape) > 1:
+        raise InvalidArgument(
+            f"{field}.shape", f"expected a vector of {length} elements, got shape {list(tensor.shape)}"
+        )
+    if not np.isfinite(array).all():
+        raise InvalidArgument(f"{field}.data", "must not contain NaN or infinity")
+    return array
+
+
+def to_numpy(tensor: tensor_pb2.Tensor, field: str) -> np.ndarray:
+    dtype = _NUMPY.get(tensor.dtype)
+    if dtype is None:
+        raise InvalidArgument(f"{field}.dtype", "dtype must be set")
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{field}.shape", "dimensions must be >= 0")
+    count = math.prod(shape)
+    if len(tensor.data) != count * dtype.itemsize:
+        raise InvalidArgument(
+            f"{field}.data",
+            f"has {len(tensor.data)} bytes; shape {list(shape)} of {dtype.name} needs "
+            f"{count * dtype.itemsize}",
+        )
+    array = np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    if tensor.dtype == tensor_pb2.DTYPE_BFLOAT16:
+        array = (array.astype(np.uint32) << 16).view(np.float32)
+    return array

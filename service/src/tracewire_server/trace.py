@@ -1,0 +1,254 @@
+"""Running a compiled trace: engine requests, worker records, one event stream.
+
+For every sequence (one engine request each) a task consumes vLLM's token
+stream and, step by step, the worker's record for that step (side channel),
+checks they agree, and emits a StepResult. A record marked `stopped` ends the
+sequence there: the task leaves the engine's stream, which aborts the request
+in the engine, and the output is cut after the stop step. When every sequence
+of an invoke has ended, its InvokeResult follows; a TraceEnd closes the trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracewire.v1 import output_pb2, service_pb2, trace_pb2
+
+from . import outputs
+from .compiler import CompiledInvoke, CompiledTrace, EngineSequence
+from .detokenize import TextTracker
+from .engine import Engine
+from .errors import Internal, ResourceExhausted, TracewireError
+from .sidechannel import Receiver, StepRecord
+
+# How long a sequence waits for the worker's record of a step the engine
+# already reported. Records normally arrive before the token itself.
+RECORD_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _SequenceResult:
+    completion: output_pb2.CompletionOutput
+    steps: int
+    prompt: Any = None  # the first vLLM output (prompt fields)
+
+
+@dataclass
+class _Budget:
+    """Bytes queued for the client and not yet sent; over the cap fails the trace."""
+
+    cap: int
+    queued: int = 0
+
+
+@dataclass
+class TraceRun:
+    engine: Engine
+    receiver: Receiver
+    trace: CompiledTrace
+    buffer_cap_bytes: int
+    _events: asyncio.Queue[tuple[trace_pb2.StepResult | None, Any]] = field(
+        default_factory=asyncio.Queue
+    )
+    _budget: _Budget = field(init=False)
+    _warnings: list[trace_pb2.TraceWarning] = field(default_factory=list)
+    _generated: int = 0
+    _read_bytes: int = 0
+    _failure: TracewireError | None = None
+
+    def __post_init__(self) -> None:
+        self._budget = _Budget(self.buffer_cap_bytes)
+
+    async def events(self) -> AsyncIterator[service_pb2.TraceResponse]:
+        started = time.monotonic()
+        tasks = [asyncio.create_task(self._invoke(inv)) for inv in self.trace.invokes]
+        done_invokes = 0
+        try:
+            while done_invokes < len(tasks):
+                kind, payload = await self._events.get()
+                if self._failure is not None:  # do not make the client read a backlog first
+                    raise self._failure
+                if kind == "step":
+                    self._budget.queued -= payload.ByteSize()
+                    yield service_pb2.TraceResponse(step=payload)
+                elif kind == "invoke":
+                    done_invokes += 1
+                    yield service_pb2.TraceResponse(invoke_result=payload)
+                else:
+                    raise AssertionError(f"unknown event {kind}")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        prompt_tokens = sum(len(inv.prompt.token_ids) for inv in self.trace.invokes)
+        yield service_pb2.TraceResponse(
+            end=trace_pb2.TraceEnd(
+                warnings=self._warnings,
+                usage=trace_pb2.Usage(
+                    prompt_tokens=prompt_tokens,
+                    generated_tokens=self._generated,
+                    elapsed_seconds=time.monotonic() - started,
+                    read_bytes=self._read_bytes,
+                ),
+            )
+        )
+
+    def _emit_step(self, step: trace_pb2.StepResult) -> None:
+        size = step.ByteSize()
+        self._budget.queued += size
+        if self._budget.queued > self._budget.cap:
+            raise ResourceExhausted(
+                f"the client is reading too slowly: {self._budget.queued} bytes of step results "
+                f"are waiting, over the per-trace buffer of {self._budget.cap} bytes"
+            )
+        self._events.put_nowait(("step", step))
+
+    async def _invoke(self, inv: CompiledInvoke) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._sequence(inv, s)) for s in inv.sequences]
+            results = [t.result() for t in tasks]
+            self._warn_unreached(inv, results)
+            self._events.put_nowait(("invoke", self._invoke_result(inv, results)))
+        except* TracewireError as group_error:
+            self._fail(group_error.exceptions[0])
+        except* Exception as group_error:  # noqa: BLE001 - reported to the client as INTERNAL
+            e = group_error.exceptions[0]
+            self._fail(Internal(f"trace failed: {type(e).__name__}: {e}"))
+
+    def _fail(self, error: BaseException) -> None:
+        if self._failure is None:
+            assert isinstance(error, TracewireError)
+            self._failure = error
+            self._events.put_nowait(("error", None))  # wake the consumer
+
+    async def _sequence(self, inv: CompiledInvoke, seq: EngineSequence) -> _SequenceResult:
+        records: asyncio.Queue[StepRecord] = asyncio.Queue()
+        self.receiver.register(seq.plan.key, records.put_nowait)
+        text = TextTracker(lambda ids: self.engine.decode(ids, skip_special_tokens=skip_special))
+        skip_special = seq.sampling.get("skip_special_tokens", True)
+        completion = output_pb2.CompletionOutput(index=seq.sequence_index)
+        vllm_text: list[str] = []
+        first: Any = None
+        stopped_at: int | None = None
+        try:
+            stream = self.engine.generate(inv.prompt, seq.sampling, stream=True)
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    first = first or out
+                    c = out.outputs[0]
+                    for k, token in enumerate(c.token_ids):
+                        step = len(completion.token_ids)
+                        record = await self._record(records, seq, step, token)
+                        completion.token_ids.append(token)
+                        if c.logprobs is not None:
+                            completion.logprobs.extend(outputs.positions([c.logprobs[k]]))
+                        self._generated += 1
+                        self._step_result(seq, step, token, text.add(token), record)
+                        if record.stopped:
+                            stopped_at = step
+                            break
+                    if stopped_at is not None:
+                        break  # leaving the stream aborts the request in the engine
+                    vllm_text.append(c.text)
+                    if c.cumulative_logprob is not None:
+                        completion.cumulative_logprob = c.cumulative_logprob
+                    if c.finish_reason is not None:
+                        completion.finish_reason = outputs.finish_reason(c.finish_reason)
+                        outputs.set_stop_reason(completion, c.stop_reason)
+        finally:
+            self.receiver.unregister(seq.plan.key)
+        if stopped_at is not None:
+            completion.text = self.engine.decode(
+                list(completion.token_ids), skip_special_tokens=skip_special
+            )
+            completion.finish_reason = output_pb2.FINISH_REASON_STOP
+            if len(completion.logprobs):
+                completion.cumulative_logprob = sum(
+                    next(e.logprob for e in pos.entries if e.token_id == t)
+                    for t, pos in zip(completion.token_ids, completion.logprobs, strict=True)
+                )
+        else:
+            completion.text = "".join(vllm_text)
+        return _SequenceResult(completion, len(completion.token_ids), first)
+
+    async def _record(
+        self, records: asyncio.Queue[StepRecord], seq: EngineSequence, step: int, token: int
+    ) -> StepRecord:
+        try:
+            record = await asyncio.wait_for(records.get(), RECORD_TIMEOUT_S)
+        except TimeoutError:
+            raise Internal(
+                f"invoke {seq.invoke_index} sequence {seq.sequence_index}: no record from the "
+                f"engine's hooks for step {step} within {RECORD_TIMEOUT_S:.0f} s"
+            ) from None
+        if record.error is not None:
+            raise Internal(
+                f"invoke {seq.invoke_index} sequence {seq.sequence_index}: an intervention failed "
+                f"in the engine at step {record.step}: {record.error}"
+            )
+        if record.step != step or record.token_id != token:
+            raise Internal(
+                f"invoke {seq.invoke_index} sequence {seq.sequence_index}: the engine's hooks saw "
+                f"step {record.step} token {record.token_id}, the engine reported step {step} "
+                f"token {token}"
+            )
+        return record
+
+    def _step_result(
+        self, seq: EngineSequence, step: int, token: int, text_delta: str, record: StepRecord
+    ) -> None:
+        if not (self.trace.stream_every_step or record.values or record.stopped):
+            return
+        result = trace_pb2.StepResult(
+            invoke_index=seq.invoke_index,
+            sequence_index=seq.sequence_index,
+            step=step,
+            token_id=token,
+            text_delta=text_delta,
+            stopped=record.stopped,
+        )
+        for name, value in record.values.items():
+            target = result.values[name]
+            target.values.CopyFrom(value.values.to_proto())
+            if value.token_ids is not None:
+                target.token_ids.CopyFrom(value.token_ids.to_proto())
+            self._read_bytes += len(value.values.data)
+        self._emit_step(result)
+
+    def _invoke_result(
+        self, inv: CompiledInvoke, results: list[_SequenceResult]
+    ) -> trace_pb2.InvokeResult:
+        first = results[0].prompt
+        output = output_pb2.RequestOutput(request_id=inv.key, finished=True)
+        if inv.prompt.text is not None:
+            output.prompt = inv.prompt.text
+        output.prompt_token_ids.extend(inv.prompt.token_ids)
+        if first is not None:
+            if first.prompt_logprobs is not None:
+                output.prompt_logprobs.extend(outputs.positions(first.prompt_logprobs))
+            output.num_cached_tokens = int(getattr(first, "num_cached_tokens", 0) or 0)
+        output.outputs.extend(r.completion for r in results)
+        return trace_pb2.InvokeResult(invoke_index=inv.index, output=output)
+
+    def _warn_unreached(self, inv: CompiledInvoke, results: list[_SequenceResult]) -> None:
+        reached = max(r.steps for r in results) - 1  # last step any sequence made
+        for op in self.trace.ops_by_invoke[inv.index]:
+            last = op.steps.last()
+            if last is not None and last > reached:
+                self._warnings.append(
+                    trace_pb2.TraceWarning(
+                        code="STEP_NOT_REACHED",
+                        message=(
+                            f"intervention {op.name!r} of invoke {inv.index} selected step {last}, "
+                            f"but the generation ended at step {reached}"
+                        ),
+                        invoke_index=inv.index,
+                        intervention=op.name,
+                    )
+                )

@@ -1,0 +1,338 @@
+"""Worker hooks: run each request's plan inside vLLM's sampler.
+
+Installed in every worker through `worker_extension_cls` + collective_rpc.
+The sampler's `forward` and `apply_logits_processors` are wrapped on the
+instance:
+
+    forward(logits)                       <- raw logits captured here
+      apply_logits_processors(logits)     <- vLLM's processing (bias, penalties, ...)
+        + tracewire writes                <- force / replace / add / bias / mask
+        + processed row captured          <- what the sampler draws from
+      sample(logits)                      <- vLLM draws
+    -> sampled ids                        <- reads, conditions, stops evaluated here
+
+Rows belong to requests in `input_batch.req_ids` order; rows of requests still
+in a (chunked) prefill are skipped (vLLM discards their samples). A request
+without a plan costs one dict lookup per step; a batch without plans goes
+straight to vLLM's own code.
+
+Failures inside one request's ops are caught per request and reported on its
+record (its trace fails); vLLM's sampling always proceeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import plan as P
+from .sidechannel import ReadResult, Sender, StepRecord
+from .tensors import RawTensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sequence:
+    """Per-request state the worker keeps across steps."""
+
+    plan: P.SequencePlan
+    step: int = 0
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    patterns: dict[str, re.Pattern[str]] = field(default_factory=dict)
+
+
+@dataclass
+class _Row:
+    index: int  # row in the logits
+    seq: _Sequence
+    raw: torch.Tensor | None = None
+    processed: torch.Tensor | None = None
+    token: int = -1
+    values: dict[str, ReadResult] = field(default_factory=dict)
+    stopped: bool = False
+    error: str | None = None
+
+
+class _Context:
+    """What a condition can look at for one row at one step."""
+
+    def __init__(self, hooks: SamplerHooks, row: _Row, drawn: bool) -> None:
+        self.hooks, self.row, self.drawn = hooks, row, drawn
+        self._logprobs: torch.Tensor | None = None
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        if self._logprobs is None:
+            assert self.row.processed is not None
+            self._logprobs = torch.log_softmax(self.row.processed, dim=-1)
+        return self._logprobs
+
+    def text(self) -> str:
+        tokens = self.row.seq.tokens + ([self.row.token] if self.drawn else [])
+        return self.hooks.decode(tokens)
+
+
+def _compare(value: float, comparison: str, threshold: float) -> bool:
+    if comparison == ">":
+        return value > threshold
+    if comparison == ">=":
+        return value >= threshold
+    if comparison == "<":
+        return value < threshold
+    return value <= threshold
+
+
+def _holds(cond: P.Condition | None, ctx: _Context) -> bool:
+    if cond is None:
+        return True
+    if isinstance(cond, P.SampledIn):
+        return ctx.row.token in cond.token_ids
+    if isinstance(cond, P.ArgmaxIn):
+        assert ctx.row.processed is not None
+        return int(torch.argmax(ctx.row.processed)) in cond.token_ids
+    if isinstance(cond, P.TextContains):
+        return cond.text in ctx.text()
+    if isinstance(cond, P.TextMatches):
+        patterns = ctx.row.seq.patterns
+        if cond.pattern not in patterns:
+            patterns[cond.pattern] = re.compile(cond.pattern)
+        return patterns[cond.pattern].search(ctx.text()) is not None
+    if isinstance(cond, P.TokenProbability):
+        token = ctx.row.token if cond.token_id is None else cond.token_id
+        prob = float(torch.exp(ctx.logprobs[token]))
+        return _compare(prob, cond.comparison, cond.value)
+    if isinstance(cond, P.Entropy):
+        lp = ctx.logprobs
+        probs = torch.exp(lp)
+        entropy = float(-(probs * torch.where(probs > 0, lp, torch.zeros_like(lp))).sum())
+        return _compare(entropy, cond.comparison, cond.value)
+    if isinstance(cond, P.AllOf):
+        return all(_holds(c, ctx) for c in cond.conditions)
+    if isinstance(cond, P.AnyOf):
+        return any(_holds(c, ctx) for c in cond.conditions)
+    if isinstance(cond, P.Not):
+        return not _holds(cond.condition, ctx)
+    raise TypeError(f"unknown condition {type(cond).__name__}")
+
+
+def _apply_write(action: P.Write, row: torch.Tensor, fault_injection: bool) -> None:
+    if isinstance(action, P.ForceSample):
+        # Only the forced token stays finite: greedy and random sampling (any
+        # temperature, top-k, top-p) must then draw it.
+        row.fill_(float("-inf"))
+        row[action.token_id] = 0.0
+    elif isinstance(action, P.ReplaceLogits):
+        row.copy_(torch.from_numpy(np.frombuffer(action.values, dtype="<f4").copy()))
+    elif isinstance(action, P.AddLogits):
+        row.add_(torch.from_numpy(np.frombuffer(action.values, dtype="<f4").copy()))
+    elif isinstance(action, P.BiasLogits):
+        ids = torch.tensor(list(action.bias.keys()), dtype=torch.long, device=row.device)
+        vals = torch.tensor(list(action.bias.values()), dtype=row.dtype, device=row.device)
+        row.index_add_(0, ids, vals)
+    elif isinstance(action, P.MaskLogits):
+        ids = torch.tensor(action.token_ids, dtype=torch.long, device=row.device)
+        row.index_fill_(0, ids, float("-inf"))
+    elif isinstance(action, P.InjectFault):
+        if fault_injection:
+            raise RuntimeError(action.message)
+    else:
+        raise TypeError(f"unknown write {type(action).__name__}")
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu").numpy()
+
+
+def _read(action: P.Read, row: _Row, ctx: _Context) -> ReadResult:
+    if isinstance(action, P.ReadSample):
+        return ReadResult(RawTensor.from_numpy(np.asarray(row.token, dtype=np.int32)))
+    if isinstance(action, P.ReadLogprobs):
+        lp = ctx.logprobs
+        ids = [row.token]
+        vals = [lp[row.token]]
+        if action.top_k:
+            top = torch.topk(lp, action.top_k)
+            ids += top.indices.tolist()
+            vals += list(top.values)
+        return ReadResult(
+            RawTensor.from_numpy(_numpy(torch.stack(vals)).astype(np.float32)),
+            RawTensor.from_numpy(np.asarray(ids, dtype=np.int32)),
+        )
+    assert isinstance(action, P.ReadLogits)
+    source = row.raw if action.stage == "raw" else row.processed
+    assert source is not None
+    if action.top_k is not None:
+        top = torch.topk(source, action.top_k)
+        return ReadResult(
+            RawTensor.from_numpy(_numpy(top.values).astype(np.float32)),
+            RawTensor.from_numpy(_numpy(top.indices).astype(np.int32)),
+        )
+    if action.token_ids is not None:
+        ids = torch.tensor(action.token_ids, dtype=torch.long, device=source.device)
+        return ReadResult(
+            RawTensor.from_numpy(_numpy(source[ids]).astype(np.float32)),
+            RawTensor.from_numpy(np.asarray(action.token_ids, dtype=np.int32)),
+        )
+    return ReadResult(RawTensor.from_numpy(_numpy(source).astype(np.float32)))
+
+
+class SamplerHooks:
+    """Owns the per-request plans and wraps one model runner's sampler."""
+
+    def __init__(self, runner: Any, sender: Sender | None, fault_injection: bool) -> None:
+        self.runner = runner
+        self.sender = sender
+        self.fault_injection = fault_injection
+        self.sequences: dict[str, _Sequence | None] = {}
+        self._rows: list[_Row] | None = None
+        self._tokenizer: Any = None
+
+    # -- installation ----------------------------------------------------------
+
+    def install(self, sampler: Any) -> None:
+        original_forward = sampler.forward
+        original_apply = sampler.apply_logits_processors
+
+        def forward(logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kw: Any) -> Any:
+            rows = self._traced_rows()
+            if not rows:
+                return original_forward(logits, sampling_metadata, *args, **kw)
+            self._capture_raw(rows, logits)
+            self._rows = rows
+            try:
+                out = original_forward(logits, sampling_metadata, *args, **kw)
+            finally:
+                self._rows = None
+            self._after_sample(rows, out.sampled_token_ids)
+            return out
+
+        def apply_logits_processors(logits: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+            logits = original_apply(logits, *args, **kw)
+            if self._rows:
+                self._write_and_capture(self._rows, logits)
+            return logits
+
+        sampler.forward = forward
+        sampler.apply_logits_processors = apply_logits_processors
+
+    # -- per step --------------------------------------------------------------
+
+    def _sequence(self, req_id: str) -> _Sequence | None:
+        if req_id in self.sequences:
+            return self.sequences[req_id]
+        state = self.runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        blob = extra.get(P.EXTRA_ARGS_KEY)
+        seq = _Sequence(P.decode_plan(blob)) if blob is not None else None
+        if len(self.sequences) > 2 * len(self.runner.requests) + 64:
+            live = self.runner.requests.keys()
+            self.sequences = {k: v for k, v in self.sequences.items() if k in live}
+        self.sequences[req_id] = seq
+        return seq
+
+    def _traced_rows(self) -> list[_Row]:
+        batch = self.runner.input_batch
+        req_ids = batch.req_ids
+        discard = getattr(self.runner, "discard_request_mask", None)
+        discard_np = discard.np[: len(req_ids)] if discard is not None else None
+        rows = []
+        for i, req_id in enumerate(req_ids):
+            seq = self._sequence(req_id)
+            if seq is None or seq.error is not None:
+                continue
+            if discard_np is not None and discard_np[i]:
+                continue  # mid-prefill: vLLM throws this sample away
+            rows.append(_Row(i, seq))
+        return rows
+
+    def _capture_raw(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        for row in rows:
+            if row.seq.plan.needs_raw_logits():
+                row.raw = logits[row.index].detach().float().clone()
+
+    def _write_and_capture(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        for row in rows:
+            try:
+                row.processed = logits[row.index].detach().clone()
+                ctx = _Context(self, row, drawn=False)
+                wrote = False
+                for op in row.seq.plan.writes:
+                    if op.steps.contains(row.seq.step) and _holds(op.condition, ctx):
+                        _apply_write(op.action, logits[row.index], self.fault_injection)
+                        wrote = True
+                if wrote:
+                    row.processed = logits[row.index].detach().clone()
+            except Exception as e:  # noqa: BLE001 - fails this request's trace only
+                row.error = f"{type(e).__name__}: {e}"
+
+    def _after_sample(self, rows: list[_Row], sampled: torch.Tensor) -> None:
+        tokens = sampled.view(sampled.shape[0], -1)[:, 0].tolist()
+        records = []
+        for row in rows:
+            seq = row.seq
+            row.token = int(tokens[row.index])
+            if row.error is None:
+                try:
+                    self._reads_and_stops(row)
+                except Exception as e:  # noqa: BLE001
+                    row.error = f"{type(e).__name__}: {e}"
+            if row.error is not None:
+                seq.error = row.error  # no more work for this request
+            records.append(
+                StepRecord(
+                    key=seq.plan.key,
+                    step=seq.step,
+                    token_id=row.token,
+                    values=row.values,
+                    stopped=row.stopped,
+                    error=row.error,
+                )
+            )
+            seq.tokens.append(row.token)
+            seq.step += 1
+        if self.sender is not None and records:
+            self.sender.send(records)
+
+    def _reads_and_stops(self, row: _Row) -> None:
+        ctx = _Context(self, row, drawn=True)
+        step = row.seq.step
+        for op in row.seq.plan.ops:
+            if not op.steps.contains(step):
+                continue
+            if isinstance(op.action, P.READS):
+                if _holds(op.condition, ctx):
+                    row.values[op.name] = _read(op.action, row, ctx)
+            elif isinstance(op.action, P.Stop):
+                if _holds(op.condition, ctx):
+                    row.stopped = True
+
+    def decode(self, tokens: list[int]) -> str:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            config = self.runner.vllm_config.model_config
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                config.tokenizer, trust_remote_code=config.trust_remote_code
+            )
+        return str(self._tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+class TracewireWorkerExtension:
+    """Mixed into vLLM's worker class (worker_extension_cls)."""
+
+    def tracewire_install(self, address: str, fault_injection: bool = False) -> int:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        rank = getattr(self, "rank", 0)
+        sender = Sender(address) if rank == 0 else None
+        hooks = SamplerHooks(runner, sender, fault_injection)
+        hooks.install(runner.sampler)
+        self.tracewire_hooks = hooks
+        return int(rank)
