@@ -24,7 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path(os.environ.get("TRACEWIRE_TEST_MODEL", ROOT / "models" / "tracewire-tiny"))
 # float32 so values can be compared with transformers at tight tolerances.
-ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "32"]
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "32",
+               # small enough that a stalled reader hits it; tests only
+               "--trace-buffer-bytes", str(2 << 20), "--enable-fault-injection"]
 START_TIMEOUT = 600.0
 
 
@@ -103,6 +105,15 @@ def client(server: ServerProcess) -> Iterator[object]:
 
     with tracewire.Client(server.target, timeout=300) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def stub(server: ServerProcess) -> Iterator[object]:
+    """The generated gRPC stub, as any gRPC client would use it."""
+    from tracewire.v1 import service_pb2_grpc
+
+    with grpc.insecure_channel(server.target) as channel:
+        yield service_pb2_grpc.TraceServiceStub(channel)
 
 
 @pytest.fixture(scope="session")

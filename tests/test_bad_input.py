@@ -5,13 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import tracewire
-from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, service_pb2_grpc
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    with grpc.insecure_channel(server.target) as channel:
-        yield service_pb2_grpc.TraceServiceStub(channel)
+from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2
 
 
 def _text(s):

@@ -1,0 +1,253 @@
+"""The Trace RPC against transformers on the same weights.
+
+Tolerances: logits within 2e-3 absolute + 1e-4 relative (float32 on both sides;
+vLLM's CPU kernels and transformers' differ in summation order); logprobs
+within 1e-3.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+import torch
+from trace_requests import cmp, f32, invoke, iv, logits, run, steps, trace
+from tracewire.v1 import intervention_pb2 as I
+
+PROMPT = "The capital of France is"
+ATOL, RTOL = 2e-3, 1e-4
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_per_step_logits_equal_transformers(stub, hf):
+    result = run(stub, trace(invoke(PROMPT, iv("raw", read_logits=logits(raw=True)),
+                                    iv("seen", read_logits=logits()),
+                                    iv("tok", read_sample=I.ReadSample())),
+                             max_tokens=6, **GREEDY))
+    ids = hf.encode(PROMPT)
+    raws, seens, toks = result.values("raw"), result.values("seen"), result.values("tok")
+    assert len(raws) == len(seens) == len(toks) == 6
+    for step, (raw, seen, tok) in enumerate(zip(raws, seens, toks, strict=True)):
+        ref = hf.next_logits(ids).numpy()
+        assert raw.shape == ref.shape
+        np.testing.assert_allclose(raw, ref, atol=ATOL, rtol=RTOL, err_msg=f"step {step}")
+        np.testing.assert_array_equal(seen, raw)  # greedy, no penalties: nothing changes
+        assert tok.shape == () and int(tok) == int(ref.argmax())  # greedy draws the argmax
+        assert result.seq()[step].token_id == int(tok)
+        ids.append(int(tok))
+    assert result.tokens() == hf.greedy(hf.encode(PROMPT), 6)
+
+
+def test_step_results_stream_text_and_order(stub, hf):
+    result = run(stub, trace(invoke(PROMPT), max_tokens=8, **GREEDY))
+    steps_seen = result.seq()
+    assert [s.step for s in steps_seen] == list(range(8))
+    out = result.invokes[0].outputs[0]
+    assert "".join(s.text_delta for s in steps_seen) == out.text
+    assert out.text == hf.tokenizer.decode(hf.greedy(hf.encode(PROMPT), 8),
+                                           skip_special_tokens=True)
+    kinds = [ev.WhichOneof("event") for ev in result.events]
+    assert kinds[-2:] == ["invoke_result", "end"] and kinds.count("step") == 8
+    assert result.end.usage.generated_tokens == 8 and not result.end.warnings
+
+
+def test_top_k_and_chosen_ids_and_logprobs(stub, hf):
+    paris = hf.encode(" Paris")[0]
+    result = run(stub, trace(invoke(PROMPT, iv("top", read_logits=logits(k=5, raw=True)),
+                                    iv("some", read_logits=logits(ids=[paris, 3, 7], raw=True)),
+                                    iv("lp", read_logprobs=I.ReadLogprobs(top_k=3))),
+                             max_tokens=3, **GREEDY))
+    ids = hf.encode(PROMPT)
+    for step in range(3):
+        ref = hf.next_logits(ids)
+        top = torch.topk(ref, 5)
+        np.testing.assert_array_equal(result.ids("top")[step], top.indices.numpy())
+        np.testing.assert_allclose(result.values("top")[step], top.values.numpy(), atol=ATOL)
+        np.testing.assert_array_equal(result.ids("some")[step], [paris, 3, 7])
+        np.testing.assert_allclose(result.values("some")[step], ref[[paris, 3, 7]].numpy(),
+                                   atol=ATOL, rtol=RTOL)
+        lp = torch.log_softmax(ref, -1)
+        drawn = result.seq()[step].token_id
+        lp_ids, lp_vals = result.ids("lp")[step], result.values("lp")[step]
+        assert lp_ids[0] == drawn and list(lp_ids[1:]) == torch.topk(lp, 3).indices.tolist()
+        np.testing.assert_allclose(lp_vals, lp[lp_ids].numpy(), atol=1e-3)
+        ids.append(drawn)
+
+
+def test_forced_token_continues_like_transformers(stub, hf):
+    berlin = hf.encode(" Berlin")[0]
+    result = run(stub, trace(invoke(PROMPT, iv(sel=steps(at=[0]),
+                                               force_sample=I.ForceSample(token_id=berlin))),
+                             max_tokens=8, **GREEDY))
+    ids = hf.encode(PROMPT)
+    assert result.tokens() == [berlin] + hf.greedy(ids + [berlin], 7)
+    assert result.invokes[0].outputs[0].text.startswith(" Berlin")
+
+
+def test_forced_token_under_sampling(stub, hf):
+    berlin = hf.encode(" Berlin")[0]
+    result = run(stub, trace(invoke(PROMPT, iv(sel=steps(stop=3),
+                                               force_sample=I.ForceSample(token_id=berlin))),
+                             max_tokens=4, temperature=1.5, top_p=0.9, seed=3))
+    assert result.tokens()[:3] == [berlin] * 3
+
+
+def test_stop_at_step_two_returns_three_ids(stub, hf):
+    result = run(stub, trace(invoke(PROMPT, iv("ids", read_sample=I.ReadSample()),
+                                    iv(sel=steps(at=[2]), stop=I.Stop())),
+                             max_tokens=32, **GREEDY))
+    expected = hf.greedy(hf.encode(PROMPT), 3)
+    assert result.tokens() == expected
+    assert [int(v) for v in result.values("ids")] == expected
+    out = result.invokes[0].outputs[0]
+    assert out.finish_reason == 1  # FINISH_REASON_STOP
+    assert out.text == hf.tokenizer.decode(expected, skip_special_tokens=True)
+    assert result.seq()[-1].stopped and len(result.seq()) == 3
+
+
+@pytest.mark.parametrize("condition_name", ["sampled_in", "text_contains", "text_matches"])
+def test_stop_on_what_the_model_wrote(stub, hf, condition_name):
+    greedy = hf.greedy(hf.encode(PROMPT), 12)
+    period = hf.encode(".")[0]
+    assert period in greedy
+    first = greedy.index(period)
+    when = {
+        "sampled_in": I.Condition(sampled_in=I.TokenSet(token_ids=[period])),
+        "text_contains": I.Condition(text_contains="."),
+        "text_matches": I.Condition(text_matches=r"[.!?]$"),
+    }[condition_name]
+    result = run(stub, trace(invoke(PROMPT, iv(when=when, stop=I.Stop())),
+                             max_tokens=12, **GREEDY))
+    assert result.tokens() == greedy[: first + 1]
+
+
+def test_stop_on_probability_and_entropy(stub, hf):
+    ids = hf.encode(PROMPT)
+    greedy = hf.greedy(ids, 10)
+    probs, entropies = [], []
+    for k in range(10):
+        lp = torch.log_softmax(hf.next_logits(ids + greedy[:k]), -1)
+        probs.append(float(lp[greedy[k]].exp()))
+        entropies.append(float(-(lp.exp() * lp).sum()))
+    # The first step whose drawn token has probability below the median.
+    threshold = float(np.median(probs))
+    first_low = next(k for k, p in enumerate(probs) if p < threshold)
+    when = I.Condition(token_probability=I.TokenProbability(
+        threshold=I.Threshold(comparison=cmp("<"), value=threshold)))
+    result = run(stub, trace(invoke(PROMPT, iv(when=when, stop=I.Stop())), max_tokens=10, **GREEDY))
+    assert result.tokens() == greedy[: first_low + 1]
+
+    e_threshold = float(np.median(entropies))
+    first_high = next(k for k, e in enumerate(entropies) if e > e_threshold)
+    when = I.Condition(entropy=I.Threshold(comparison=cmp(">"), value=e_threshold))
+    result = run(stub, trace(invoke(PROMPT, iv(when=when, stop=I.Stop())), max_tokens=10, **GREEDY))
+    assert result.tokens() == greedy[: first_high + 1]
+
+
+def test_conditional_force_only_when_argmax_is_paris(stub, hf):
+    paris, berlin = hf.encode(" Paris")[0], hf.encode(" Berlin")[0]
+    ids = hf.encode(PROMPT)
+    assert hf.greedy(ids, 1) == [paris]
+    force = iv(when=I.Condition(argmax_in=I.TokenSet(token_ids=[paris])),
+               force_sample=I.ForceSample(token_id=berlin))
+    result = run(stub, trace(invoke(PROMPT, force), invoke("The capital of Japan is", force),
+                             max_tokens=4, **GREEDY))
+    assert result.tokens(0) == [berlin] + hf.greedy(ids + [berlin], 3)
+    japan = hf.encode("The capital of Japan is")
+    assert result.tokens(1) == hf.greedy(japan, 4)  # never argmax Paris: untouched
+
+
+def test_logit_writes_match_reference(stub, hf):
+    ids = hf.encode(PROMPT)
+    ref = hf.next_logits(ids)
+    first, second = torch.topk(ref, 2).indices.tolist()
+    vocab = ref.shape[0]
+    # mask the argmax: the runner-up is drawn
+    masked = run(stub, trace(invoke(PROMPT, iv(sel=steps(at=[0]), write_logits=I.WriteLogits(
+        mask=I.TokenSet(token_ids=[first])))), max_tokens=1, **GREEDY))
+    assert masked.tokens() == [second]
+    # per-token bias on a chosen token makes it win
+    target = 42
+    bias = float(ref[first] - ref[target]) + 5.0
+    biased = run(stub, trace(invoke(PROMPT, iv("seen", sel=steps(at=[0]), read_logits=logits(
+        ids=[target])), iv(sel=steps(at=[0]), write_logits=I.WriteLogits(
+            bias=I.TokenBias(bias={target: bias})))), max_tokens=1, **GREEDY))
+    assert biased.tokens() == [target]
+    np.testing.assert_allclose(biased.values("seen")[0], [float(ref[target]) + bias], atol=ATOL)
+    # add a vector: equivalent to the bias above
+    vector = np.zeros(vocab, dtype=np.float32)
+    vector[target] = bias
+    added = run(stub, trace(invoke(PROMPT, iv(sel=steps(at=[0]), write_logits=I.WriteLogits(
+        add=f32(vector)))), max_tokens=1, **GREEDY))
+    assert added.tokens() == [target]
+    # replace the row at every step: the sampler draws from ours
+    row = np.full(vocab, -10.0, dtype=np.float32)
+    row[7] = 10.0
+    replaced = run(stub, trace(invoke(PROMPT, iv("seen", read_logits=logits()), iv(
+        write_logits=I.WriteLogits(replace=f32(row)))), max_tokens=3, **GREEDY))
+    assert replaced.tokens() == [7, 7, 7]
+    np.testing.assert_array_equal(replaced.values("seen")[1], row)
+
+
+def test_processed_logits_include_sampling_bias(stub, hf):
+    target = 42
+    result = run(stub, trace(invoke(PROMPT, iv("raw", read_logits=logits(ids=[target], raw=True)),
+                                    iv("seen", read_logits=logits(ids=[target]))),
+                             max_tokens=1, logit_bias={target: 3.0}, **GREEDY))
+    raw, seen = result.values("raw")[0][0], result.values("seen")[0][0]
+    assert seen == pytest.approx(raw + 3.0, abs=1e-5)
+    assert raw == pytest.approx(float(hf.next_logits(hf.encode(PROMPT))[target]), abs=ATOL)
+
+
+def test_n_three_gives_three_sequences_with_their_own_steps(stub):
+    result = run(stub, trace(invoke(PROMPT, iv("tok", read_sample=I.ReadSample())),
+                             max_tokens=6, n=3, temperature=1.0, seed=0, ignore_eos=True))
+    outs = result.invokes[0].outputs
+    assert [o.index for o in outs] == [0, 1, 2]
+    for s in range(3):
+        toks = [int(v) for v in result.values("tok", sequence=s)]
+        assert toks == list(outs[s].token_ids) and len(toks) == 6
+        assert [st.step for st in result.seq(sequence=s)] == list(range(6))
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # sampled independently
+
+
+def test_two_invokes_behave_like_two_separate_runs(stub, client):
+    result = run(stub, trace(invoke(PROMPT, temperature=0.0),
+                             invoke(PROMPT, temperature=1.5, seed=1), max_tokens=8))
+    (cold,) = client.generate(PROMPT, temperature=0.0, max_tokens=8)
+    (hot,) = client.generate(PROMPT, temperature=1.5, seed=1, max_tokens=8)
+    assert result.tokens(0) == cold.outputs[0].token_ids
+    assert result.tokens(1) == hot.outputs[0].token_ids
+    assert result.invokes[1].outputs[0].text == hot.outputs[0].text
+
+
+def test_selector_beyond_the_end_warns(stub):
+    result = run(stub, trace(invoke(PROMPT, iv("late", sel=steps(at=[1, 9]),
+                                               read_sample=I.ReadSample())), max_tokens=4, **GREEDY))
+    assert len(result.values("late")) == 1  # step 1 ran, step 9 did not
+    (warning,) = result.end.warnings
+    assert warning.code == "STEP_NOT_REACHED" and warning.intervention == "late"
+    assert "step 9" in warning.message and "ended at step 3" in warning.message
+
+
+def test_concurrent_traces_equal_their_solo_runs(stub, hf):
+    berlin, target = hf.encode(" Berlin")[0], 42
+    writer = trace(invoke(PROMPT, iv(sel=steps(at=[0]), force_sample=I.ForceSample(token_id=berlin)),
+                          iv(sel=steps(start=2, stop=4), write_logits=I.WriteLogits(
+                              bias=I.TokenBias(bias={target: 50.0}))),
+                          iv("w", read_logits=logits(k=4))), max_tokens=10, **GREEDY)
+    reader = trace(invoke("The capital of Japan is", iv("r", read_logits=logits(raw=True))),
+                   max_tokens=10, **GREEDY)
+    solo_w, solo_r = run(stub, writer), run(stub, reader)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(run, stub, req) for req in [writer, reader] * 3]
+        results = [f.result() for f in futures]
+    for k, res in enumerate(results):
+        solo = solo_w if k % 2 == 0 else solo_r
+        name = "w" if k % 2 == 0 else "r"
+        assert res.tokens() == solo.tokens()
+        for a, b in zip(res.values(name), solo.values(name), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-4)
+    assert solo_w.tokens()[0] == berlin and solo_w.tokens()[2:4] == [target, target]
+    assert solo_r.tokens() == hf.greedy(hf.encode("The capital of Japan is"), 10)
