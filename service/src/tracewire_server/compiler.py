@@ -97,14 +97,14 @@ class _Compiler:
     def trace(self, request: service_pb2.TraceRequest, trace_key: str) -> CompiledTrace:
         if not request.invokes:
             raise InvalidArgument("invokes", "at least one invoke is required")
+        # The trace's own values first, so an error names the message that holds it.
+        to_vllm_kwargs(request.sampling_params, self.limits, "sampling_params")
         invokes, all_ops, bound = [], [], 0
         for i, invoke in enumerate(request.invokes):
             field = f"invokes[{i}]"
             prompt = to_engine_prompt(invoke.prompt, self.encoder, self.limits, f"{field}.prompt")
             params = merge_sampling(request.sampling_params, invoke.sampling_params)
-            where = "sampling_params" if not invoke.HasField("sampling_params") else (
-                f"{field}.sampling_params")
-            kwargs = to_vllm_kwargs(params, self.limits, where)
+            kwargs = to_vllm_kwargs(params, self.limits, f"{field}.sampling_params")
             n = kwargs.pop("n", 1)
             max_tokens = kwargs.get("max_tokens", DEFAULT_MAX_TOKENS)
             ops = self.ops(invoke.interventions, f"{field}.interventions", max_tokens)

@@ -160,7 +160,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            unfinished=self.llm.get_num_unfinished_requests(),
+            unfinished=vllm_compat.num_unfinished_requests(self.llm),
             running=self.counters.running,
             waiting=self.counters.waiting,
         )

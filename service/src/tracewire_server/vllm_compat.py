@@ -7,14 +7,22 @@ The rest of the server talks to vLLM only through this module and engine.py.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
-import vllm
-from vllm import SamplingParams
-from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.sampling_params import RequestOutputKind
-from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.metrics.loggers import StatLoggerBase
+# tracewire's worker hooks wrap the V1 GPU model runner's sampler
+# (vllm/v1/worker/gpu_model_runner.py). vLLM 0.26 with Triton (every CUDA
+# machine) picks the V2 runner (vllm/v1/worker/gpu/) for dense models by
+# default, whose sampler has neither `forward` nor `apply_logits_processors`.
+# Must be set before any engine config is built (the engine core inherits it).
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+import vllm  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 VLLM_VERSION: str = vllm.__version__
 
@@ -45,6 +53,7 @@ __all__ = [
     "VLLM_VERSION",
     "get_tokenizer",
     "make_sampling_params",
+    "num_unfinished_requests",
     "tokens_prompt",
 ]
 
@@ -66,3 +75,11 @@ async def get_tokenizer(llm: AsyncLLM) -> Any:
     if inspect.isawaitable(tokenizer):
         tokenizer = await tokenizer
     return tokenizer
+
+
+def num_unfinished_requests(llm: AsyncLLM) -> int:
+    """Requests the engine has not finished (AsyncLLM has no such method in vLLM 0.26)."""
+    method = getattr(llm, "get_num_unfinished_requests", None)
+    if method is not None:
+        return int(method())
+    return int(llm.output_processor.get_num_unfinished_requests())

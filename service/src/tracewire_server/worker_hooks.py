@@ -330,6 +330,12 @@ class TracewireWorkerExtension:
 
     def tracewire_install(self, address: str, fault_injection: bool = False) -> int:
         runner = self.model_runner  # type: ignore[attr-defined]
+        sampler = getattr(runner, "sampler", None)
+        if not hasattr(runner, "input_batch") or not hasattr(sampler, "apply_logits_processors"):
+            raise RuntimeError(  # vLLM's V2 runner (vllm/v1/worker/gpu/) has another sampler
+                f"tracewire needs vLLM's V1 model runner, not {type(runner).__module__}; "
+                "unset VLLM_USE_V2_MODEL_RUNNER"
+            )
         rank = getattr(self, "rank", 0)
         sender = Sender(address) if rank == 0 else None
         hooks = SamplerHooks(runner, sender, fault_injection)
