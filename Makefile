@@ -47,7 +47,7 @@ $(BUF): clients/ts/package.json
 serve: setup
 	$(PY) -m tracewire_server --model $(MODEL) --host $(HOST) --port $(PORT) $(ENGINE_ARGS)
 
-test: setup proto-check
+test: setup proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 GEN_PY := clients/python/src/tracewire/v1
@@ -71,7 +71,6 @@ proto-check: setup
 		|| { echo "generated code drifted from proto/: run 'make proto' and commit"; exit 1; }
 
 lint: setup
-	cd proto && ../$(BUF) lint
 	$(VENV)/bin/ruff check service tests clients/python/src bench models
 	cd clients/python && ../../$(VENV)/bin/mypy src/tracewire
 

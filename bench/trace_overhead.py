@@ -141,7 +141,7 @@ def main() -> int:
 
     import vllm
 
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     result = {
         "benchmark": "trace-overhead",
         "date": now.isoformat(timespec="seconds"),

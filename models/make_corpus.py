@@ -304,7 +304,7 @@ def world_docs(rng: random.Random) -> list[str]:
 def capital_docs(rng: random.Random) -> list[str]:
     docs: list[str] = []
     # Plain fact lists in a few orders.
-    for rep in range(6):
+    for _rep in range(6):
         order = COUNTRIES[:]
         rng.shuffle(order)
         for i in range(0, len(order), 5):

@@ -14,7 +14,7 @@ def test_greedy_matches_transformers_loop(client, hf):
     prompts = [PROMPT, "The capital of Japan is", "Monday, Tuesday,"]
     outs = client.generate(prompts, temperature=0.0, max_tokens=12, ignore_eos=True)
     assert len(outs) == len(prompts)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         ids = hf.encode(prompt)
         assert out.prompt_token_ids == ids
         assert out.prompt == prompt
@@ -40,7 +40,7 @@ def test_logprobs_match_transformers_log_softmax(client, hf):
     assert completion.logprobs is not None and len(completion.logprobs) == 4
     ids = hf.encode(PROMPT)
     total = 0.0
-    for token, position in zip(completion.token_ids, completion.logprobs):
+    for token, position in zip(completion.token_ids, completion.logprobs, strict=True):
         ref = torch.log_softmax(hf.next_logits(ids), dim=-1)
         top = torch.topk(ref, 3)
         assert token in position
@@ -153,5 +153,5 @@ def test_cumulative_logprob_is_finite_with_sampling(client):
     assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
     assert c.cumulative_logprob is not None and math.isfinite(c.cumulative_logprob)
     assert c.cumulative_logprob == pytest.approx(
-        sum(pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs)), abs=1e-4
+        sum(pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs, strict=True)), abs=1e-4
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -68,7 +68,7 @@ class Client:
             self._channel = grpc.insecure_channel(target, options=opts)
         else:
             self._channel = grpc.secure_channel(target, credentials, options=opts)
-        self._stub = service_pb2_grpc.TraceServiceStub(self._channel)
+        self._stub = service_pb2_grpc.TraceServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self.timeout = timeout
         self.tokenizer = RemoteTokenizer(self._unary)
 
@@ -145,7 +145,7 @@ class Client:
 def _prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLike]:
     """One prompt or a list of prompts -> a list (a list of ints is one prompt)."""
     if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
-        return [prompts]
+        return [cast(PromptLike, prompts)]
     if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    return list(prompts)
+        return [cast(PromptLike, prompts)]
+    return list(cast(Sequence[PromptLike], prompts))

@@ -47,7 +47,7 @@ def sampling_params(**keywords: Any) -> sampling_pb2.SamplingParams:
             try:
                 setattr(msg, name, value)
             except (TypeError, ValueError) as e:
-                raise InvalidArgument(f"sampling parameter {name}={value!r}: {e}", field=name)
+                raise InvalidArgument(f"sampling parameter {name}={value!r}: {e}", field=name) from None
     return msg
 
 
