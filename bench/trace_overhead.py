@@ -1,9 +1,12 @@
 """Trace overhead vs raw vLLM, side by side in one run (`make bench`).
 
-Phase 1 runs vLLM's AsyncLLM in this process (no tracewire at all); phase 2
-starts the tracewire server on the same engine settings and drives it through
-gRPC from this process. Same prompts, greedy, fixed new-token count, at
-concurrency 1, 16 and 64. Reports generated tokens/s and the ratio to raw.
+Two engines on the same settings live side by side: vLLM's AsyncLLM in this
+process (no tracewire code at all) and the tracewire server in a subprocess,
+driven through gRPC from this process. Rows are measured interleaved (raw,
+Generate, each trace kind, raw again, ...) and each cell is the median of the
+repeats, so machine drift hits every row alike. Same prompts, greedy, fixed
+new-token count, at concurrency 1, 16 and 64. Reports generated tokens/s and
+the ratio to raw.
 Results: bench/results/trace-overhead-<date>-<host>.json.
 """
 
@@ -16,6 +19,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -46,7 +50,12 @@ async def timed(concurrency: int, rounds: int, one) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-async def raw_vllm(model: str, levels, rounds, new_tokens) -> dict[int, float]:
+ROWS = ("trace, no interventions", "top-20 logits every step", "full logits every step",
+        "forced token at step 0")
+
+
+async def raw_engine(model: str, new_tokens: int):
+    """vLLM's AsyncLLM in this process: the baseline, no tracewire code at all."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -58,14 +67,12 @@ async def raw_vllm(model: str, levels, rounds, new_tokens) -> dict[int, float]:
 
     async def one(i: int) -> int:
         final = None
-        async for out in llm.generate({"prompt_token_ids": ids[i % len(ids)]}, params, f"r{i}-{time.monotonic_ns()}"):
+        request_id = f"r{i}-{time.monotonic_ns()}"
+        async for out in llm.generate({"prompt_token_ids": ids[i % len(ids)]}, params, request_id):
             final = out
         return len(final.outputs[0].token_ids)
 
-    try:
-        return {c: await timed(c, rounds, one) for c in levels}
-    finally:
-        llm.shutdown()
+    return llm, one
 
 
 def trace_request(kind: str, prompt: str, new_tokens: int):
@@ -76,8 +83,9 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
         "trace, no interventions": [],
         "top-20 logits every step": [I.Intervention(name="t", read_logits=I.ReadLogits(top_k=I.TopK(k=20)))],
         "full logits every step": [I.Intervention(name="f", read_logits=I.ReadLogits(full=I.FullRow()))],
-        "forced token at step 0": [I.Intervention(steps=I.StepSelector(list=I.StepList(steps=[0])),
-                                                  force_sample=I.ForceSample(token_id=5))],
+        "forced token at step 0": [
+            I.Intervention(steps=I.StepSelector(list=I.StepList(steps=[0])), force_sample=I.ForceSample(token_id=5))
+        ],
     }[kind]
     return service_pb2.TraceRequest(
         sampling_params=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True),
@@ -85,42 +93,63 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
     )
 
 
-async def tracewire_rows(model: str, levels, rounds, new_tokens) -> dict[str, dict[int, float]]:
-    import grpc
-    from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, service_pb2_grpc
-
+def start_server(model: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     args = [sys.executable, "-m", "tracewire_server", "--model", model, "--port", str(port),
             "--dtype", ENGINE["dtype"], "--max-model-len", str(ENGINE["max_model_len"]),
             "--max-num-seqs", str(ENGINE["max_num_seqs"])]
-    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
+
+
+async def tracewire_clients(port: int, new_tokens: int):
+    """One request function per tracewire row, all through gRPC from this process."""
+    import grpc
+    from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, service_pb2_grpc
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = service_pb2_grpc.TraceServiceStub(channel)
+    for _ in range(600):
+        try:
+            await stub.GetModelInfo(service_pb2.GetModelInfoRequest(), timeout=2)
+            break
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(1)
+    sampling = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+
+    async def generate(i: int) -> int:
+        r = await stub.Generate(service_pb2.GenerateRequest(
+            prompts=[prompt_pb2.Prompt(text=PROMPTS[i % len(PROMPTS)])], sampling_params=sampling))
+        return len(r.outputs[0].outputs[0].token_ids)
+
+    def traced(kind: str):
+        async def one(i: int) -> int:
+            steps = 0
+            async for ev in stub.Trace(trace_request(kind, PROMPTS[i % len(PROMPTS)], new_tokens)):
+                steps += ev.WhichOneof("event") == "step"
+            return steps
+        return one
+
+    return channel, {"Generate": generate, **{kind: traced(kind) for kind in ROWS}}
+
+
+async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int):
+    """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
+    the median of `repeats` per cell."""
+    server, port = start_server(model)
     try:
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        stub = service_pb2_grpc.TraceServiceStub(channel)
-        for _ in range(600):
-            try:
-                await stub.GetModelInfo(service_pb2.GetModelInfoRequest(), timeout=2)
-                break
-            except grpc.aio.AioRpcError:
-                await asyncio.sleep(1)
-        sampling = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-
-        async def generate(i: int) -> int:
-            r = await stub.Generate(service_pb2.GenerateRequest(
-                prompts=[prompt_pb2.Prompt(text=PROMPTS[i % len(PROMPTS)])], sampling_params=sampling))
-            return len(r.outputs[0].outputs[0].token_ids)
-
-        rows = {"Generate": {c: await timed(c, rounds, generate) for c in levels}}
-        for kind in ("trace, no interventions", "top-20 logits every step",
-                     "full logits every step", "forced token at step 0"):
-            async def traced(i: int, kind=kind) -> int:
-                steps = 0
-                async for ev in stub.Trace(trace_request(kind, PROMPTS[i % len(PROMPTS)], new_tokens)):
-                    steps += ev.WhichOneof("event") == "step"
-                return steps
-            rows[kind] = {c: await timed(c, rounds, traced) for c in levels}
-        await channel.close()
-        return rows
+        channel, rows = await tracewire_clients(port, new_tokens)
+        llm, raw = await raw_engine(model, new_tokens)
+        fns = {"raw vLLM AsyncLLM": raw, **rows}
+        samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in fns}
+        try:
+            for c in levels:
+                for _ in range(repeats):
+                    for name, fn in fns.items():
+                        samples[name][c].append(await timed(c, rounds, fn))
+        finally:
+            llm.shutdown()
+            await channel.close()
+        return {k: {c: statistics.median(v) for c, v in by_c.items()} for k, by_c in samples.items()}
     finally:
         server.terminate()
         server.wait(120)
@@ -132,12 +161,13 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency slot")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per cell (median)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     levels = [int(c) for c in args.concurrency.split(",")]
 
-    raw = asyncio.run(raw_vllm(args.model, levels, args.rounds, args.new_tokens))
-    rows = {"raw vLLM AsyncLLM": raw, **asyncio.run(tracewire_rows(args.model, levels, args.rounds, args.new_tokens))}
+    rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens))
+    raw = rows["raw vLLM AsyncLLM"]
 
     import vllm
 
@@ -149,7 +179,8 @@ def main() -> int:
                     "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
         "vllm_version": vllm.__version__,
         "model": args.model, "engine": ENGINE, "new_tokens": args.new_tokens,
-        "rounds": args.rounds, "tokens_per_second": rows,
+        "rounds": args.rounds, "repeats": args.repeats, "method": "rows interleaved, median of repeats",
+        "tokens_per_second": rows,
         "ratio_to_raw": {k: {c: v[c] / raw[c] for c in levels} for k, v in rows.items()},
     }
     out_dir = ROOT / "bench" / "results"

@@ -251,3 +251,52 @@ def test_concurrent_traces_equal_their_solo_runs(stub, hf):
             np.testing.assert_allclose(a, b, atol=1e-4)
     assert solo_w.tokens()[0] == berlin and solo_w.tokens()[2:4] == [target, target]
     assert solo_r.tokens() == hf.greedy(hf.encode("The capital of Japan is"), 10)
+
+
+def test_tracing_does_not_perturb_seeded_sampling(stub, client, hf):
+    """The reference's per-step example: temperature 0.8, top_p 0.95, seed 0, reading the
+    logits and the draw at every step. Tokens equal an untraced run with the same seed; each
+    step's logits equal transformers' for that prefix; each draw is inside the top-p mass."""
+    kw = dict(temperature=0.8, top_p=0.95, seed=0, max_tokens=6)
+    result = run(stub, trace(invoke(PROMPT, iv("logits", read_logits=logits()),
+                                    iv("drawn", read_sample=I.ReadSample())), **kw))
+    (plain,) = client.generate(PROMPT, **kw)
+    assert result.tokens() == plain.outputs[0].token_ids
+    ids = hf.encode(PROMPT)
+    for row, drawn in zip(result.values("logits"), result.values("drawn"), strict=True):
+        np.testing.assert_allclose(row, hf.next_logits(ids).numpy(), atol=ATOL, rtol=RTOL)
+        probs = torch.softmax(torch.from_numpy(row.copy()) / 0.8, -1)
+        order = torch.argsort(probs, descending=True)
+        rank = int((order == int(drawn)).nonzero())
+        assert float(probs[order[:rank]].sum()) < 0.95  # inside the nucleus
+        ids.append(int(drawn))
+
+
+def test_n_fan_out_matches_vllm_native_n(stub, client):
+    kw = dict(temperature=1.0, seed=0, max_tokens=8, n=3)
+    result = run(stub, trace(invoke(PROMPT), **kw))
+    (native,) = client.generate(PROMPT, **kw)
+    assert [list(o.token_ids) for o in result.invokes[0].outputs] == [
+        o.token_ids for o in native.outputs]
+
+
+def test_trace_result_carries_logprobs_like_generate(stub, client):
+    kw = dict(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
+    result = run(stub, trace(invoke(PROMPT), **kw))
+    (plain,) = client.generate(PROMPT, **kw)
+    out = result.invokes[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for traced, expected in zip(out.logprobs, plain.outputs[0].logprobs, strict=True):
+        assert [e.token_id for e in traced.entries] == list(expected)
+        for e in traced.entries:
+            assert e.logprob == pytest.approx(expected[e.token_id].logprob, abs=1e-5)
+            assert e.decoded_token == expected[e.token_id].decoded_token
+    assert out.cumulative_logprob == pytest.approx(plain.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+def test_token_id_prompts_equal_text_prompts(stub, hf):
+    ids = hf.encode(PROMPT)
+    result = run(stub, trace(invoke(PROMPT), invoke(ids), max_tokens=4, **GREEDY))
+    assert result.tokens(0) == result.tokens(1)
+    assert result.invokes[0].prompt == PROMPT and not result.invokes[1].HasField("prompt")
+    assert list(result.invokes[1].prompt_token_ids) == ids

@@ -34,7 +34,7 @@ class EngineSequence:
     invoke_index: int
     sequence_index: int
     sampling: dict[str, Any]  # vllm.SamplingParams kwargs, extra_args included
-    plan: P.SequencePlan
+    plan: P.SequencePlan | None  # None: nothing for the worker hooks to do
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,11 @@ class _Compiler:
                 seq_kwargs = dict(kwargs)
                 if "seed" in seq_kwargs:
                     seq_kwargs["seed"] = seq_kwargs["seed"] + s
-                plan = P.SequencePlan(key=f"{key}/{s}", ops=ops)
-                seq_kwargs["extra_args"] = {P.EXTRA_ARGS_KEY: P.encode_plan(plan)}
+                # Without ops the worker has nothing to do: no plan, no records; the
+                # step results come from vLLM's token stream alone.
+                plan = P.SequencePlan(key=f"{key}/{s}", ops=ops) if ops else None
+                if plan is not None:
+                    seq_kwargs["extra_args"] = {P.EXTRA_ARGS_KEY: P.encode_plan(plan)}
                 sequences.append(EngineSequence(i, s, seq_kwargs, plan))
             invokes.append(CompiledInvoke(i, key, prompt, tuple(sequences), max_tokens))
 

@@ -128,8 +128,10 @@ class TraceRun:
             self._events.put_nowait(("error", None))  # wake the consumer
 
     async def _sequence(self, inv: CompiledInvoke, seq: EngineSequence) -> _SequenceResult:
-        records: asyncio.Queue[StepRecord] = asyncio.Queue()
-        self.receiver.register(seq.plan.key, records.put_nowait)
+        records: asyncio.Queue[StepRecord] | None = None
+        if seq.plan is not None:
+            records = asyncio.Queue()
+            self.receiver.register(seq.plan.key, records.put_nowait)
         text = TextTracker(lambda ids: self.engine.decode(ids, skip_special_tokens=skip_special))
         skip_special = seq.sampling.get("skip_special_tokens", True)
         completion = output_pb2.CompletionOutput(index=seq.sequence_index)
@@ -162,7 +164,8 @@ class TraceRun:
                         completion.finish_reason = outputs.finish_reason(c.finish_reason)
                         outputs.set_stop_reason(completion, c.stop_reason)
         finally:
-            self.receiver.unregister(seq.plan.key)
+            if seq.plan is not None:
+                self.receiver.unregister(seq.plan.key)
         if stopped_at is not None:
             completion.text = self.engine.decode(
                 list(completion.token_ids), skip_special_tokens=skip_special
@@ -178,8 +181,10 @@ class TraceRun:
         return _SequenceResult(completion, len(completion.token_ids), first)
 
     async def _record(
-        self, records: asyncio.Queue[StepRecord], seq: EngineSequence, step: int, token: int
+        self, records: asyncio.Queue[StepRecord] | None, seq: EngineSequence, step: int, token: int
     ) -> StepRecord:
+        if records is None:  # no plan: nothing was recorded in the engine
+            return StepRecord(key="", step=step, token_id=token, values={})
         try:
             record = await asyncio.wait_for(records.get(), RECORD_TIMEOUT_S)
         except TimeoutError:

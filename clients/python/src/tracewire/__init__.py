@@ -6,7 +6,9 @@
     print(out[0].outputs[0].text)
 """
 
+from .aio import AsyncClient, AsyncTracer
 from .client import Client, ModelInfo, ModuleInfo, StreamUpdate
+from .conditions import Condition, argmax_in, entropy, prob, sampled_in, text_contains, text_matches
 from .errors import (
     Cancelled,
     DeadlineExceeded,
@@ -22,11 +24,29 @@ from .errors import (
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling import SAMPLING_KEYWORDS
 from .tokenizer import RemoteTokenizer
+from .tracing import Invoke, Logprobs, Saved, Step, StepView, TopK, Tracer, TraceWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SAMPLING_KEYWORDS",
+    "AsyncClient",
+    "AsyncTracer",
+    "Condition",
+    "Invoke",
+    "Logprobs",
+    "Saved",
+    "Step",
+    "StepView",
+    "TopK",
+    "TraceWarning",
+    "Tracer",
+    "argmax_in",
+    "entropy",
+    "prob",
+    "sampled_in",
+    "text_contains",
+    "text_matches",
     "Cancelled",
     "Client",
     "CompletionOutput",

@@ -8,11 +8,12 @@ from typing import Any, cast
 
 import grpc
 
-from .errors import from_rpc_error
+from .errors import InvalidArgument, from_rpc_error
 from .outputs import RequestOutput, request_output
 from .prompts import PromptLike, to_prompt
 from .sampling import sampling_params
 from .tokenizer import RemoteTokenizer
+from .tracing import Step, Tracer
 from .v1 import service_pb2, service_pb2_grpc
 
 
@@ -114,23 +115,34 @@ class Client:
         finally:
             call.cancel()
 
+    def trace(self, prompt: PromptLike | None = None, **sampling: Any) -> Tracer:
+        """A trace; used as `with client.trace(prompt, **sampling) as tracer:` it runs on exit.
+
+        Without a prompt, add prompts with `tracer.invoke(prompt, **overrides)`.
+        """
+        return Tracer(self._run_trace, prompt, **sampling)
+
+    def stream_trace(self, trace: Tracer | PromptLike, **sampling: Any) -> Iterator[Step]:
+        """Run a trace built with `client.trace(...)` (not entered), or a plain prompt, and
+        yield each step as it arrives. Saved values and `.result` fill in meanwhile."""
+        if not isinstance(trace, Tracer):
+            trace = self.trace(trace, **sampling)
+        elif sampling:
+            raise InvalidArgument("sampling keywords go to client.trace(), not stream_trace(tracer)")
+        return trace.events()
+
+    def _run_trace(self, request: service_pb2.TraceRequest) -> Iterator[service_pb2.TraceResponse]:
+        call = self._stub.Trace(request, timeout=self.timeout)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
     def model_info(self) -> ModelInfo:
         r = self._unary("GetModelInfo", service_pb2.GetModelInfoRequest())
-        return ModelInfo(
-            model=r.model,
-            architecture=r.architecture,
-            vocab_size=r.vocab_size,
-            eos_token_ids=list(r.eos_token_ids),
-            bos_token_id=r.bos_token_id if r.HasField("bos_token_id") else None,
-            max_model_len=r.max_model_len,
-            dtype=r.dtype,
-            num_layers=r.num_layers,
-            hidden_size=r.hidden_size,
-            tensor_parallel_size=r.tensor_parallel_size,
-            modules=[ModuleInfo(m.path, m.kind, m.output_size) for m in r.modules],
-            vllm_version=r.vllm_version,
-            server_version=r.server_version,
-        )
+        return model_info(r)
 
     def close(self) -> None:
         self._channel.close()
@@ -140,6 +152,24 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(
+        model=r.model,
+        architecture=r.architecture,
+        vocab_size=r.vocab_size,
+        eos_token_ids=list(r.eos_token_ids),
+        bos_token_id=r.bos_token_id if r.HasField("bos_token_id") else None,
+        max_model_len=r.max_model_len,
+        dtype=r.dtype,
+        num_layers=r.num_layers,
+        hidden_size=r.hidden_size,
+        tensor_parallel_size=r.tensor_parallel_size,
+        modules=[ModuleInfo(m.path, m.kind, m.output_size) for m in r.modules],
+        vllm_version=r.vllm_version,
+        server_version=r.server_version,
+    )
 
 
 def _prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLike]:

@@ -74,7 +74,7 @@ class _Measure:
         self._token_id = token_id
         self._entropy = entropy
 
-    def _compare(self, comparison: ipb.Comparison.ValueType, value: float) -> Condition:
+    def _compare(self, comparison: ipb.Comparison, value: float) -> Condition:
         threshold = ipb.Threshold(comparison=comparison, value=float(value))
         if self._entropy:
             return Condition(ipb.Condition(entropy=threshold))
@@ -83,16 +83,16 @@ class _Measure:
             tp.token_id = self._token_id
         return Condition(ipb.Condition(token_probability=tp))
 
-    def __gt__(self, value: float) -> Condition:  # type: ignore[override]
+    def __gt__(self, value: float) -> Condition:
         return self._compare(ipb.COMPARISON_GREATER, value)
 
-    def __ge__(self, value: float) -> Condition:  # type: ignore[override]
+    def __ge__(self, value: float) -> Condition:
         return self._compare(ipb.COMPARISON_GREATER_EQUAL, value)
 
-    def __lt__(self, value: float) -> Condition:  # type: ignore[override]
+    def __lt__(self, value: float) -> Condition:
         return self._compare(ipb.COMPARISON_LESS, value)
 
-    def __le__(self, value: float) -> Condition:  # type: ignore[override]
+    def __le__(self, value: float) -> Condition:
         return self._compare(ipb.COMPARISON_LESS_EQUAL, value)
 
 

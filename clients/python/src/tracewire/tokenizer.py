@@ -9,7 +9,8 @@ from .v1 import service_pb2
 
 
 class RemoteTokenizer:
-    """encode / decode / __call__ like a Hugging Face tokenizer, served remotely."""
+    """encode / decode / __call__ like a Hugging Face tokenizer, served remotely (decode keeps
+    special tokens unless skip_special_tokens=True, as Hugging Face does)."""
 
     def __init__(self, call: Callable[[str, Any], Any]) -> None:
         self._call = call
@@ -21,7 +22,7 @@ class RemoteTokenizer:
         )
         return list(response.token_ids)
 
-    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
         response = self._call(
             "Detokenize",

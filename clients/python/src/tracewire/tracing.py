@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -146,7 +146,7 @@ class _Read:
 class LogitsRef(_Read):
     """`view.logits`: the row the sampler draws from (`.raw`: lm_head's output)."""
 
-    def __init__(self, view: StepView, stage: ipb.LogitsStage.ValueType) -> None:
+    def __init__(self, view: StepView, stage: ipb.LogitsStage) -> None:
         self._stage = stage
 
         def full(iv: ipb.Intervention) -> None:
@@ -313,7 +313,7 @@ class Invoke:
         view.stop()
 
     def max_tokens(self) -> int:
-        value = self._sampling.get("max_tokens", self._tracer._sampling.get("max_tokens"))
+        value = self._sampling.get("max_tokens", self._tracer._trace_sampling.get("max_tokens"))
         return DEFAULT_MAX_TOKENS if value is None else int(value)
 
     def _add(self, iv: ipb.Intervention, view: StepView) -> None:
@@ -347,7 +347,7 @@ class Invoke:
     # -- results ---------------------------------------------------------------
 
     def _n(self) -> int:
-        n = self._sampling.get("n", self._tracer._sampling.get("n"))
+        n = self._sampling.get("n", self._tracer._trace_sampling.get("n"))
         return 1 if n is None else int(n)
 
     def _prepare(self) -> None:
@@ -374,7 +374,7 @@ class Invoke:
     def __enter__(self) -> Invoke:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         return None
 
 
@@ -384,7 +384,7 @@ class Tracer(Invoke):
     def __init__(self, runner: Runner, prompt: PromptLike | None = None, **sampling: Any) -> None:
         check_keywords(sampling)
         self._runner = runner
-        self._sampling = sampling
+        self._trace_sampling = sampling  # the invokes' defaults; self._sampling: own overrides
         self._invokes: list[Invoke] = []
         self._sent = False
         self.warnings: list[str] = []
@@ -395,9 +395,15 @@ class Tracer(Invoke):
             self._invokes.append(self)
         else:
             self.index = 0
+            self._sampling = {}
             self._interventions = []
             self._reads = {}
             self.result = None
+
+    @property
+    def invokes(self) -> list[Invoke]:
+        """The trace's invokes, in request order (their `.result` once it has run)."""
+        return list(self._invokes)
 
     def _check_open(self) -> None:
         if self._sent:
@@ -436,7 +442,7 @@ class Tracer(Invoke):
         if not self._invokes:
             raise InvalidArgument("a trace needs a prompt: client.trace(prompt) or tracer.invoke(prompt)")
         return service_pb2.TraceRequest(
-            sampling_params=sampling_params(**self._sampling),
+            sampling_params=sampling_params(**self._trace_sampling),
             invokes=[inv._message() for inv in self._invokes],
         )
 
@@ -480,4 +486,3 @@ class Tracer(Invoke):
 
 
 __all__ = ["Invoke", "Logprobs", "Saved", "Step", "StepView", "TopK", "TraceWarning", "Tracer"]
-_ = field
