@@ -71,7 +71,7 @@ def test_top_k_and_chosen_ids_and_logprobs(stub, hf):
         drawn = result.seq()[step].token_id
         lp_ids, lp_vals = result.ids("lp")[step], result.values("lp")[step]
         assert lp_ids[0] == drawn and list(lp_ids[1:]) == torch.topk(lp, 3).indices.tolist()
-        np.testing.assert_allclose(lp_vals, lp[lp_ids].numpy(), atol=1e-3)
+        np.testing.assert_allclose(lp_vals, lp[torch.from_numpy(lp_ids.astype(np.int64))].numpy(), atol=1e-3)
         ids.append(drawn)
 
 

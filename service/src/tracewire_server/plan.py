@@ -167,15 +167,40 @@ class SequencePlan(msgspec.Struct, frozen=True):
     key: str  # joins the worker's records with the server's request
     ops: tuple[Op, ...]
 
-    @property
-    def writes(self) -> tuple[Op, ...]:
-        return tuple(op for op in self.ops if isinstance(op.action, WRITES))
+    def active_at(self, step: int) -> tuple[Op, ...]:
+        """The ops selected at `step`. The worker sends a record for a step exactly
+        when this is non-empty, and the server waits for one exactly then."""
+        return tuple(op for op in self.ops if op.steps.contains(step))
 
     def needs_text(self) -> bool:
         return any(_uses_text(op.condition) for op in self.ops)
 
-    def needs_raw_logits(self) -> bool:
-        return any(isinstance(op.action, ReadLogits) and op.action.stage == "raw" for op in self.ops)
+
+
+def needs_raw_logits(ops: tuple[Op, ...]) -> bool:
+    return any(isinstance(op.action, ReadLogits) and op.action.stage == "raw" for op in ops)
+
+
+def needs_processed_logits(ops: tuple[Op, ...]) -> bool:
+    """Whether any op reads the sampler's row or has a condition computed from it."""
+    return any(
+        (isinstance(op.action, ReadLogits) and op.action.stage == "processed")
+        or isinstance(op.action, ReadLogprobs)
+        or _uses_logits(op.condition)
+        for op in ops
+    )
+
+
+def _uses_logits(condition: Condition | None) -> bool:
+    if condition is None:
+        return False
+    if isinstance(condition, (ArgmaxIn, TokenProbability, Entropy)):
+        return True
+    if isinstance(condition, (AllOf, AnyOf)):
+        return any(_uses_logits(c) for c in condition.conditions)
+    if isinstance(condition, Not):
+        return _uses_logits(condition.condition)
+    return False
 
 
 def _uses_text(condition: Condition | None) -> bool:

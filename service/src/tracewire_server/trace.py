@@ -183,7 +183,8 @@ class TraceRun:
     async def _record(
         self, records: asyncio.Queue[StepRecord] | None, seq: EngineSequence, step: int, token: int
     ) -> StepRecord:
-        if records is None:  # no plan: nothing was recorded in the engine
+        if records is None or not (seq.plan and seq.plan.active_at(step)):
+            # The worker records a step only when an op is selected at it.
             return StepRecord(key="", step=step, token_id=token, values={})
         try:
             record = await asyncio.wait_for(records.get(), RECORD_TIMEOUT_S)

@@ -42,8 +42,9 @@ class _Sequence:
     """Per-request state the worker keeps across steps."""
 
     plan: P.SequencePlan
+    needs_text: bool
     step: int = 0
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # kept only for text conditions
     error: str | None = None
     patterns: dict[str, re.Pattern[str]] = field(default_factory=dict)
 
@@ -52,6 +53,7 @@ class _Sequence:
 class _Row:
     index: int  # row in the logits
     seq: _Sequence
+    ops: tuple[P.Op, ...]  # the ops selected at this step (empty: only count the step)
     raw: torch.Tensor | None = None
     processed: torch.Tensor | None = None
     token: int = -1
@@ -146,41 +148,57 @@ def _apply_write(action: P.Write, row: torch.Tensor, fault_injection: bool) -> N
         raise TypeError(f"unknown write {type(action).__name__}")
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu").numpy()
+def _rows_of(group: list[_Row], stage: str) -> torch.Tensor:
+    """[G, vocab] float32: the group's captured rows, stacked (one copy)."""
+    rows = [r.raw if stage == "raw" else r.processed for r in group]
+    assert all(t is not None for t in rows)
+    return torch.stack(rows)  # type: ignore[arg-type]
 
 
-def _read(action: P.Read, row: _Row, ctx: _Context) -> ReadResult:
-    if isinstance(action, P.ReadSample):
-        return ReadResult(RawTensor.from_numpy(np.asarray(row.token, dtype=np.int32)))
-    if isinstance(action, P.ReadLogprobs):
-        lp = ctx.logprobs
-        ids = [row.token]
-        vals = [lp[row.token]]
-        if action.top_k:
-            top = torch.topk(lp, action.top_k)
-            ids += top.indices.tolist()
-            vals += list(top.values)
-        return ReadResult(
-            RawTensor.from_numpy(_numpy(torch.stack(vals)).astype(np.float32)),
-            RawTensor.from_numpy(np.asarray(ids, dtype=np.int32)),
-        )
-    assert isinstance(action, P.ReadLogits)
-    source = row.raw if action.stage == "raw" else row.processed
-    assert source is not None
-    if action.top_k is not None:
-        top = torch.topk(source, action.top_k)
-        return ReadResult(
-            RawTensor.from_numpy(_numpy(top.values).astype(np.float32)),
-            RawTensor.from_numpy(_numpy(top.indices).astype(np.int32)),
-        )
-    if action.token_ids is not None:
-        ids = torch.tensor(action.token_ids, dtype=torch.long, device=source.device)
-        return ReadResult(
-            RawTensor.from_numpy(_numpy(source[ids]).astype(np.float32)),
-            RawTensor.from_numpy(np.asarray(action.token_ids, dtype=np.int32)),
-        )
-    return ReadResult(RawTensor.from_numpy(_numpy(source).astype(np.float32)))
+def _batched_reads(fired: list[tuple[_Row, P.Op]]) -> None:
+    """Compute every fired read of this step, batched across rows by read kind: one
+    topk / gather / log_softmax per kind instead of one per row."""
+    groups: dict[tuple[Any, ...], list[tuple[_Row, P.Op]]] = {}
+    for row, op in fired:
+        a = op.action
+        if isinstance(a, P.ReadSample):
+            row.values[op.name] = ReadResult(RawTensor.from_numpy(np.asarray(row.token, dtype=np.int32)))
+            continue
+        if isinstance(a, P.ReadLogprobs):
+            key: tuple[Any, ...] = ("logprobs", a.top_k)
+        else:
+            assert isinstance(a, P.ReadLogits)
+            key = ("logits", a.stage, a.top_k, a.token_ids)
+        groups.setdefault(key, []).append((row, op))
+    for key, members in groups.items():
+        rows = [row for row, _ in members]
+        if key[0] == "logprobs":
+            top_k = key[1]
+            lp = torch.log_softmax(_rows_of(rows, "processed"), dim=-1)
+            drawn = torch.tensor([r.token for r in rows], dtype=torch.long, device=lp.device)
+            ids = drawn.unsqueeze(1)
+            if top_k:
+                ids = torch.cat([ids, torch.topk(lp, top_k).indices], dim=1)
+            values = lp.gather(1, ids).cpu().numpy()
+            id_array = ids.cpu().numpy().astype(np.int32)
+            for j, (row, op) in enumerate(members):
+                row.values[op.name] = ReadResult(RawTensor.from_numpy(values[j]), RawTensor.from_numpy(id_array[j]))
+            continue
+        _, stage, top_k, token_ids = key
+        src = _rows_of(rows, stage)
+        id_rows: np.ndarray | None = None
+        if top_k is not None:
+            top = torch.topk(src, top_k)
+            values, id_rows = top.values.cpu().numpy(), top.indices.cpu().numpy().astype(np.int32)
+        elif token_ids is not None:
+            index = torch.tensor(token_ids, dtype=torch.long, device=src.device)
+            values = src.index_select(1, index).cpu().numpy()
+            id_rows = np.broadcast_to(np.asarray(token_ids, dtype=np.int32), values.shape)
+        else:
+            values = src.cpu().numpy()
+        for j, (row, op) in enumerate(members):
+            ids_result = RawTensor.from_numpy(id_rows[j]) if id_rows is not None else None
+            row.values[op.name] = ReadResult(RawTensor.from_numpy(values[j]), ids_result)
 
 
 class SamplerHooks:
@@ -231,7 +249,10 @@ class SamplerHooks:
         params = getattr(state, "sampling_params", None)
         extra = getattr(params, "extra_args", None) or {}
         blob = extra.get(P.EXTRA_ARGS_KEY)
-        seq = _Sequence(P.decode_plan(blob)) if blob is not None else None
+        seq = None
+        if blob is not None:
+            plan = P.decode_plan(blob)
+            seq = _Sequence(plan, needs_text=plan.needs_text())
         if len(self.sequences) > 2 * len(self.runner.requests) + 64:
             live = self.runner.requests.keys()
             self.sequences = {k: v for k, v in self.sequences.items() if k in live}
@@ -250,69 +271,90 @@ class SamplerHooks:
                 continue
             if discard_np is not None and discard_np[i]:
                 continue  # mid-prefill: vLLM throws this sample away
-            rows.append(_Row(i, seq))
+            rows.append(_Row(i, seq, seq.plan.active_at(seq.step)))
         return rows
 
     def _capture_raw(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        for row in rows:
-            if row.seq.plan.needs_raw_logits():
-                row.raw = logits[row.index].detach().float().clone()
+        wanted = [row for row in rows if P.needs_raw_logits(row.ops)]
+        if wanted:
+            captured = logits[[row.index for row in wanted]].detach().float()  # a copy
+            for j, row in enumerate(wanted):
+                row.raw = captured[j]
 
     def _write_and_capture(self, rows: list[_Row], logits: torch.Tensor) -> None:
         for row in rows:
+            if not row.ops:
+                continue
             try:
-                row.processed = logits[row.index].detach().clone()
-                ctx = _Context(self, row, drawn=False)
                 wrote = False
-                for op in row.seq.plan.writes:
-                    if op.steps.contains(row.seq.step) and _holds(op.condition, ctx):
-                        _apply_write(op.action, logits[row.index], self.fault_injection)
-                        wrote = True
+                ctx = _Context(self, row, drawn=False)
+                for op in row.ops:
+                    if isinstance(op.action, P.WRITES):
+                        if op.condition is not None and row.processed is None:
+                            row.processed = logits[row.index].detach().clone()
+                        # Conditions see the row as vLLM made it, before any of our writes.
+                        if _holds(op.condition, ctx):
+                            _apply_write(op.action, logits[row.index], self.fault_injection)
+                            wrote = True
                 if wrote:
-                    row.processed = logits[row.index].detach().clone()
+                    row.processed = None  # captured again below, after the writes
             except Exception as e:  # noqa: BLE001 - fails this request's trace only
                 row.error = f"{type(e).__name__}: {e}"
+        wanted = [r for r in rows if r.ops and r.processed is None and P.needs_processed_logits(r.ops)]
+        if wanted:
+            captured = logits[[r.index for r in wanted]].detach().clone()
+            for j, row in enumerate(wanted):
+                row.processed = captured[j]
 
     def _after_sample(self, rows: list[_Row], sampled: torch.Tensor) -> None:
         tokens = sampled.view(sampled.shape[0], -1)[:, 0].tolist()
         records = []
+        fired: list[tuple[_Row, P.Op]] = []
+        for row in rows:
+            row.token = int(tokens[row.index])
+            if row.ops and row.error is None:
+                try:
+                    fired += self._conditions_after_draw(row)
+                except Exception as e:  # noqa: BLE001 - fails this request's trace only
+                    row.error = f"{type(e).__name__}: {e}"
+        try:
+            _batched_reads(fired)
+        except Exception as e:  # noqa: BLE001 - a batch failure fails the traces in it
+            for row, _ in fired:
+                row.error = f"{type(e).__name__}: {e}"
         for row in rows:
             seq = row.seq
-            row.token = int(tokens[row.index])
-            if row.error is None:
-                try:
-                    self._reads_and_stops(row)
-                except Exception as e:  # noqa: BLE001
-                    row.error = f"{type(e).__name__}: {e}"
-            if row.error is not None:
-                seq.error = row.error  # no more work for this request
-            records.append(
-                StepRecord(
-                    key=seq.plan.key,
-                    step=seq.step,
-                    token_id=row.token,
-                    values=row.values,
-                    stopped=row.stopped,
-                    error=row.error,
+            if row.ops:
+                if row.error is not None:
+                    seq.error = row.error  # no more work for this request
+                records.append(
+                    StepRecord(
+                        key=seq.plan.key,
+                        step=seq.step,
+                        token_id=row.token,
+                        values=row.values,
+                        stopped=row.stopped,
+                        error=row.error,
+                    )
                 )
-            )
-            seq.tokens.append(row.token)
+            if seq.needs_text:
+                seq.tokens.append(row.token)
             seq.step += 1
         if self.sender is not None and records:
             self.sender.send(records)
 
-    def _reads_and_stops(self, row: _Row) -> None:
+    def _conditions_after_draw(self, row: _Row) -> list[tuple[_Row, P.Op]]:
+        """Decide this row's stops and which of its reads fire (computed batched later)."""
         ctx = _Context(self, row, drawn=True)
-        step = row.seq.step
-        for op in row.seq.plan.ops:
-            if not op.steps.contains(step):
-                continue
+        fired = []
+        for op in row.ops:
             if isinstance(op.action, P.READS):
                 if _holds(op.condition, ctx):
-                    row.values[op.name] = _read(op.action, row, ctx)
+                    fired.append((row, op))
             elif isinstance(op.action, P.Stop):
                 if _holds(op.condition, ctx):
                     row.stopped = True
+        return fired
 
     def decode(self, tokens: list[int]) -> str:
         if self._tokenizer is None:
