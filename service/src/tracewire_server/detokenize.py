@@ -16,12 +16,14 @@ class TextTracker:
         self.ids: list[int] = []
         self._prefix = 0
         self._read = 0
+        self._prefix_text = ""  # decode(ids[prefix:read]), kept until the offsets move
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self._prefix : self._read])
         new_text = self._decode(self.ids[self._prefix :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        if len(new_text) > len(self._prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(self._prefix_text) :]
             self._prefix, self._read = self._read, len(self.ids)
-            return new_text[len(prefix_text) :]
+            self._prefix_text = self._decode(self.ids[self._prefix : self._read])
+            return delta
         return ""

@@ -7,6 +7,7 @@ sampling keyword arguments and gets vLLM's RequestOutputs back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -131,7 +132,19 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        # Traces decode every step: go straight to the Rust tokenizer when that is all
+        # Hugging Face's decode would do (vLLM's tokenizer borrows from a pool per call).
+        fast = self._fast_decoder
+        if fast is not None:
+            return str(fast.decode(token_ids, skip_special_tokens=skip_special_tokens))
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    @functools.cached_property
+    def _fast_decoder(self) -> Any:
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            return None
+        return backend
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [str(self.tokenizer.decode([t])) for t in token_ids]

@@ -50,8 +50,11 @@ class RawTensor(msgspec.Struct, array_like=True, frozen=True):
         little = array.astype(array.dtype.newbyteorder("<"), copy=False)
         return cls(name, tuple(int(d) for d in array.shape), little.tobytes(order="C"))
 
-    def to_proto(self) -> tensor_pb2.Tensor:
-        return tensor_pb2.Tensor(dtype=_DTYPE_NAMES[self.dtype], shape=self.shape, data=self.data)
+    def fill(self, message: tensor_pb2.Tensor) -> None:
+        """Write this tensor into a (sub)message in place."""
+        message.dtype = _DTYPE_NAMES[self.dtype]
+        message.shape.extend(self.shape)
+        message.data = self.data
 
 
 def float_vector(tensor: tensor_pb2.Tensor, length: int, field: str) -> np.ndarray:

@@ -74,8 +74,9 @@ class TraceRun:
                 if self._failure is not None:  # do not make the client read a backlog first
                     raise self._failure
                 if kind == "step":
-                    self._budget.queued -= payload.ByteSize()
-                    yield service_pb2.TraceResponse(step=payload)
+                    response, size = payload
+                    self._budget.queued -= size
+                    yield response
                 elif kind == "invoke":
                     done_invokes += 1
                     yield service_pb2.TraceResponse(invoke_result=payload)
@@ -98,15 +99,15 @@ class TraceRun:
             )
         )
 
-    def _emit_step(self, step: trace_pb2.StepResult) -> None:
-        size = step.ByteSize()
+    def _emit_step(self, response: service_pb2.TraceResponse) -> None:
+        size = response.ByteSize()
         self._budget.queued += size
         if self._budget.queued > self._budget.cap:
             raise ResourceExhausted(
                 f"the client is reading too slowly: {self._budget.queued} bytes of step results "
                 f"are waiting, over the per-trace buffer of {self._budget.cap} bytes"
             )
-        self._events.put_nowait(("step", step))
+        self._events.put_nowait(("step", (response, size)))
 
     async def _invoke(self, inv: CompiledInvoke) -> None:
         try:
@@ -187,7 +188,10 @@ class TraceRun:
             # The worker records a step only when an op is selected at it.
             return StepRecord(key="", step=step, token_id=token, values={})
         try:
-            record = await asyncio.wait_for(records.get(), RECORD_TIMEOUT_S)
+            # The record usually arrived before vLLM's token: skip wait_for's timer then.
+            record = records.get_nowait() if not records.empty() else await asyncio.wait_for(
+                records.get(), RECORD_TIMEOUT_S
+            )
         except TimeoutError:
             raise Internal(
                 f"invoke {seq.invoke_index} sequence {seq.sequence_index}: no record from the "
@@ -211,21 +215,22 @@ class TraceRun:
     ) -> None:
         if not (self.trace.stream_every_step or record.values or record.stopped):
             return
-        result = trace_pb2.StepResult(
-            invoke_index=seq.invoke_index,
-            sequence_index=seq.sequence_index,
-            step=step,
-            token_id=token,
-            text_delta=text_delta,
-            stopped=record.stopped,
-        )
+        # Built in place inside the response: no intermediate messages to copy.
+        response = service_pb2.TraceResponse()
+        result = response.step
+        result.invoke_index = seq.invoke_index
+        result.sequence_index = seq.sequence_index
+        result.step = step
+        result.token_id = token
+        result.text_delta = text_delta
+        result.stopped = record.stopped
         for name, value in record.values.items():
             target = result.values[name]
-            target.values.CopyFrom(value.values.to_proto())
+            value.values.fill(target.values)
             if value.token_ids is not None:
-                target.token_ids.CopyFrom(value.token_ids.to_proto())
+                value.token_ids.fill(target.token_ids)
             self._read_bytes += len(value.values.data)
-        self._emit_step(result)
+        self._emit_step(response)
 
     def _invoke_result(
         self, inv: CompiledInvoke, results: list[_SequenceResult]
