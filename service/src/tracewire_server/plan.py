@@ -9,6 +9,7 @@ conditions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, Union
 
 import msgspec
@@ -191,43 +192,31 @@ def needs_processed_logits(ops: tuple[Op, ...]) -> bool:
     )
 
 
-def _uses_logits(condition: Condition | None) -> bool:
+def _any_leaf(condition: Condition | None, leaf: Callable[[Condition], bool]) -> bool:
+    """Whether `leaf` holds for any leaf of the condition tree."""
     if condition is None:
         return False
-    if isinstance(condition, (ArgmaxIn, TokenProbability, Entropy)):
-        return True
     if isinstance(condition, (AllOf, AnyOf)):
-        return any(_uses_logits(c) for c in condition.conditions)
+        return any(_any_leaf(c, leaf) for c in condition.conditions)
     if isinstance(condition, Not):
-        return _uses_logits(condition.condition)
-    return False
+        return _any_leaf(condition.condition, leaf)
+    return leaf(condition)
 
 
 def _uses_text(condition: Condition | None) -> bool:
-    if condition is None:
-        return False
-    if isinstance(condition, (TextContains, TextMatches)):
-        return True
-    if isinstance(condition, (AllOf, AnyOf)):
-        return any(_uses_text(c) for c in condition.conditions)
-    if isinstance(condition, Not):
-        return _uses_text(condition.condition)
-    return False
+    return _any_leaf(condition, lambda c: isinstance(c, (TextContains, TextMatches)))
 
 
 def uses_drawn_token(condition: Condition | None) -> bool:
     """Whether the condition needs the token drawn at this step."""
-    if condition is None:
-        return False
-    if isinstance(condition, SampledIn):
-        return True
-    if isinstance(condition, TokenProbability):
-        return condition.token_id is None
-    if isinstance(condition, (AllOf, AnyOf)):
-        return any(uses_drawn_token(c) for c in condition.conditions)
-    if isinstance(condition, Not):
-        return uses_drawn_token(condition.condition)
-    return False
+    return _any_leaf(
+        condition,
+        lambda c: isinstance(c, SampledIn) or (isinstance(c, TokenProbability) and c.token_id is None),
+    )
+
+
+def _uses_logits(condition: Condition | None) -> bool:
+    return _any_leaf(condition, lambda c: isinstance(c, (ArgmaxIn, TokenProbability, Entropy)))
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from .client import ModelInfo, StreamUpdate, _prompt_list, model_info
+from .client import ModelInfo, StreamUpdate, _prompt_list, channel_options, model_info
 from .errors import InvalidArgument, from_rpc_error
 from .outputs import RequestOutput, request_output
 from .prompts import PromptLike, to_prompt
@@ -99,7 +99,7 @@ class AsyncClient:
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        opts = [("grpc.max_receive_message_length", 256 * 1024 * 1024), *options]
+        opts = channel_options(options)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=opts)
         else:

@@ -49,6 +49,11 @@ class StreamUpdate:
     output: RequestOutput
 
 
+def channel_options(extra: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Channel options: full-vocabulary reads make large messages."""
+    return [("grpc.max_receive_message_length", 256 * 1024 * 1024), *extra]
+
+
 class Client:
     """A connection to a tracewire server.
 
@@ -64,7 +69,7 @@ class Client:
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        opts = [("grpc.max_receive_message_length", 256 * 1024 * 1024), *options]
+        opts = channel_options(options)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=opts)
         else:
