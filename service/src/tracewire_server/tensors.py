@@ -7,6 +7,7 @@ so it travels as its raw uint16 pattern and is widened only where computed on.
 from __future__ import annotations
 
 import math
+import sys
 
 import msgspec
 import numpy as np
@@ -34,6 +35,10 @@ _DTYPE_NAMES = {
 }
 
 
+# numpy has no bfloat16: such values are widened or sent as raw uint16 patterns.
+_NAME_OF = {np.dtype(name): name for name in _DTYPE_NAMES if name != "bfloat16"}
+
+
 class RawTensor(msgspec.Struct, array_like=True, frozen=True):
     """A tensor as it crosses process boundaries: dtype name, shape, raw bytes."""
 
@@ -43,12 +48,13 @@ class RawTensor(msgspec.Struct, array_like=True, frozen=True):
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> RawTensor:
-        name = array.dtype.name
-        if name not in _DTYPE_NAMES:
-            raise TypeError(f"cannot send dtype {name}")
+        if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+            array = array.astype(array.dtype.newbyteorder("<"))
+        name = _NAME_OF.get(array.dtype.newbyteorder("=") if array.dtype.byteorder == "<" else array.dtype)
+        if name is None:  # numpy's dtype.name is slow; this runs per value per step
+            raise TypeError(f"cannot send dtype {array.dtype}")
         # tobytes() is C order whatever the layout; 0-d arrays keep shape ().
-        little = array.astype(array.dtype.newbyteorder("<"), copy=False)
-        return cls(name, tuple(int(d) for d in array.shape), little.tobytes(order="C"))
+        return cls(name, tuple(int(d) for d in array.shape), array.tobytes(order="C"))
 
     def fill(self, message: tensor_pb2.Tensor) -> None:
         """Write this tensor into a (sub)message in place."""

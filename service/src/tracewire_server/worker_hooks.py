@@ -50,12 +50,24 @@ class _Sequence:
 
 
 @dataclass
+class _Captured:
+    """One row of a step's captured logits batch."""
+
+    batch: torch.Tensor  # [rows, vocab] float32
+    position: int
+
+    @property
+    def row(self) -> torch.Tensor:
+        return self.batch[self.position]
+
+
+@dataclass
 class _Row:
     index: int  # row in the logits
     seq: _Sequence
     ops: tuple[P.Op, ...]  # the ops selected at this step (empty: only count the step)
-    raw: torch.Tensor | None = None
-    processed: torch.Tensor | None = None
+    raw: _Captured | None = None
+    processed: _Captured | None = None
     token: int = -1
     values: dict[str, ReadResult] = field(default_factory=dict)
     stopped: bool = False
@@ -70,10 +82,14 @@ class _Context:
         self._logprobs: torch.Tensor | None = None
 
     @property
+    def processed(self) -> torch.Tensor:
+        assert self.row.processed is not None
+        return self.row.processed.row
+
+    @property
     def logprobs(self) -> torch.Tensor:
         if self._logprobs is None:
-            assert self.row.processed is not None
-            self._logprobs = torch.log_softmax(self.row.processed, dim=-1)
+            self._logprobs = torch.log_softmax(self.processed, dim=-1)
         return self._logprobs
 
     def text(self) -> str:
@@ -97,8 +113,7 @@ def _holds(cond: P.Condition | None, ctx: _Context) -> bool:
     if isinstance(cond, P.SampledIn):
         return ctx.row.token in cond.token_ids
     if isinstance(cond, P.ArgmaxIn):
-        assert ctx.row.processed is not None
-        return int(torch.argmax(ctx.row.processed)) in cond.token_ids
+        return int(torch.argmax(ctx.processed)) in cond.token_ids
     if isinstance(cond, P.TextContains):
         return cond.text in ctx.text()
     if isinstance(cond, P.TextMatches):
@@ -149,10 +164,37 @@ def _apply_write(action: P.Write, row: torch.Tensor, fault_injection: bool) -> N
 
 
 def _rows_of(group: list[_Row], stage: str) -> torch.Tensor:
-    """[G, vocab] float32: the group's captured rows, stacked (one copy)."""
-    rows = [r.raw if stage == "raw" else r.processed for r in group]
-    assert all(t is not None for t in rows)
-    return torch.stack(rows)  # type: ignore[arg-type]
+    """[G, vocab] float32: the group's captured rows. Rows are captured as one batch per
+    stage, so this is that batch itself (no copy) when the group is all of it."""
+    captures = [r.raw if stage == "raw" else r.processed for r in group]
+    assert all(c is not None for c in captures)
+    batch = captures[0].batch  # type: ignore[union-attr]
+    positions = [c.position for c in captures]  # type: ignore[union-attr]
+    if all(c.batch is batch for c in captures):  # type: ignore[union-attr]
+        if positions == list(range(batch.shape[0])):
+            return batch
+        return batch[positions]
+    return torch.stack([c.batch[c.position] for c in captures])  # type: ignore[union-attr]
+
+
+def _top_k(src: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Values and int32 ids of the k largest per row, largest first. On the CPU numpy's
+    partition beats torch.topk by ~1.5x at vocabulary widths."""
+    if src.device.type != "cpu":
+        top = torch.topk(src, k)
+        return top.values.cpu().numpy(), top.indices.cpu().numpy().astype(np.int32)
+    values = src.numpy()
+    idx = np.argpartition(values, -k, axis=1)[:, -k:]
+    part = np.take_along_axis(values, idx, 1)
+    order = np.argsort(-part, axis=1, kind="stable")
+    return np.take_along_axis(part, order, 1), np.take_along_axis(idx, order, 1).astype(np.int32)
+
+
+def _capture(logits: torch.Tensor, rows: list[_Row]) -> list[_Captured]:
+    """One copy of these rows' logits, float32; each row gets a handle into it."""
+    index = torch.tensor([r.index for r in rows], dtype=torch.long, device=logits.device)
+    batch = logits.detach().index_select(0, index).float()
+    return [_Captured(batch, j) for j in range(len(rows))]
 
 
 def _batched_reads(fired: list[tuple[_Row, P.Op]]) -> None:
@@ -188,8 +230,7 @@ def _batched_reads(fired: list[tuple[_Row, P.Op]]) -> None:
         src = _rows_of(rows, stage)
         id_rows: np.ndarray | None = None
         if top_k is not None:
-            top = torch.topk(src, top_k)
-            values, id_rows = top.values.cpu().numpy(), top.indices.cpu().numpy().astype(np.int32)
+            values, id_rows = _top_k(src, top_k)
         elif token_ids is not None:
             index = torch.tensor(token_ids, dtype=torch.long, device=src.device)
             values = src.index_select(1, index).cpu().numpy()
@@ -277,9 +318,8 @@ class SamplerHooks:
     def _capture_raw(self, rows: list[_Row], logits: torch.Tensor) -> None:
         wanted = [row for row in rows if P.needs_raw_logits(row.ops)]
         if wanted:
-            captured = logits[[row.index for row in wanted]].detach().float()  # a copy
-            for j, row in enumerate(wanted):
-                row.raw = captured[j]
+            for row, captured in zip(wanted, _capture(logits, wanted), strict=True):
+                row.raw = captured
 
     def _write_and_capture(self, rows: list[_Row], logits: torch.Tensor) -> None:
         for row in rows:
@@ -291,7 +331,7 @@ class SamplerHooks:
                 for op in row.ops:
                     if isinstance(op.action, P.WRITES):
                         if op.condition is not None and row.processed is None:
-                            row.processed = logits[row.index].detach().clone()
+                            (row.processed,) = _capture(logits, [row])
                         # Conditions see the row as vLLM made it, before any of our writes.
                         if _holds(op.condition, ctx):
                             _apply_write(op.action, logits[row.index], self.fault_injection)
@@ -302,9 +342,8 @@ class SamplerHooks:
                 row.error = f"{type(e).__name__}: {e}"
         wanted = [r for r in rows if r.ops and r.processed is None and P.needs_processed_logits(r.ops)]
         if wanted:
-            captured = logits[[r.index for r in wanted]].detach().clone()
-            for j, row in enumerate(wanted):
-                row.processed = captured[j]
+            for row, captured in zip(wanted, _capture(logits, wanted), strict=True):
+                row.processed = captured
 
     def _after_sample(self, rows: list[_Row], sampled: torch.Tensor) -> None:
         tokens = sampled.view(sampled.shape[0], -1)[:, 0].tolist()
