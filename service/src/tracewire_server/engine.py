@@ -85,11 +85,10 @@ class Engine:
     tokenizer: Any
     description: ModelDescription
     limits: ModelLimits
+    receiver: Receiver  # the worker hooks' records arrive here
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
-
-    receiver: Receiver | None = None
 
     @classmethod
     async def start(cls, engine_args: Any, *, fault_injection: bool = False) -> Engine:
@@ -110,9 +109,13 @@ class Engine:
         # it off the event loop so health checks are answered meanwhile. vLLM
         # starts its output handler lazily on the first request when built
         # outside a running loop.
-        llm = await asyncio.to_thread(
-            vllm_compat.AsyncLLM.from_engine_args, engine_args, stat_loggers=[counters_logger]
-        )
+        try:
+            llm = await asyncio.to_thread(
+                vllm_compat.AsyncLLM.from_engine_args, engine_args, stat_loggers=[counters_logger]
+            )
+        except BaseException:
+            receiver.close()
+            raise
         tokenizer = await vllm_compat.get_tokenizer(llm)
         description = _describe(llm, tokenizer, engine_args)
         limits = ModelLimits(
@@ -184,8 +187,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
-        if self.receiver is not None:
-            self.receiver.close()
+        self.receiver.close()
 
 
 def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:

@@ -204,7 +204,6 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
     ) -> AsyncIterator[service_pb2.TraceResponse]:
         engine = self._ready()
         self._check_model(engine, request.model)
-        assert engine.receiver is not None
         compiled = compile_trace(
             request,
             engine.limits,
