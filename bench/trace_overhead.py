@@ -95,9 +95,13 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
 
 def start_server(model: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    args = [sys.executable, "-m", "tracewire_server", "--model", model, "--port", str(port),
-            "--dtype", ENGINE["dtype"], "--max-model-len", str(ENGINE["max_model_len"]),
-            "--max-num-seqs", str(ENGINE["max_num_seqs"])]
+    args = [sys.executable, "-m", "tracewire_server", "--model", model, "--port", str(port)]
+    for key, value in ENGINE.items():  # the same engine settings as the raw engine
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not False:
+            args += [flag, str(value)]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
 
 
@@ -155,15 +159,34 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
         server.wait(120)
 
 
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - a description only
+        return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=str(ROOT / "models" / "tracewire-tiny"))
     parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency slot")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per cell (median)")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                        help="engine setting for both engines, e.g. --engine dtype=bfloat16 "
+                        "--engine load_format=dummy --engine max_num_seqs=256 (values parsed as JSON)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    for item in args.engine:
+        key, _, raw_value = item.partition("=")
+        try:
+            ENGINE[key] = json.loads(raw_value)
+        except json.JSONDecodeError:
+            ENGINE[key] = raw_value
     levels = [int(c) for c in args.concurrency.split(",")]
 
     rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens))
@@ -176,14 +199,15 @@ def main() -> int:
         "benchmark": "trace-overhead",
         "date": now.isoformat(timespec="seconds"),
         "machine": {"host": platform.node(), "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+                    "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                    "gpu": _gpu_name()},
         "vllm_version": vllm.__version__,
         "model": args.model, "engine": ENGINE, "new_tokens": args.new_tokens,
         "rounds": args.rounds, "repeats": args.repeats, "method": "rows interleaved, median of repeats",
         "tokens_per_second": rows,
         "ratio_to_raw": {k: {c: v[c] / raw[c] for c in levels} for k, v in rows.items()},
     }
-    out_dir = ROOT / "bench" / "results"
+    out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"trace-overhead-{now:%Y%m%d-%H%M}-{platform.node()}.json"
     path.write_text(json.dumps(result, indent=2))
@@ -194,7 +218,7 @@ def main() -> int:
     for name, by_c in rows.items():
         cells = " | ".join(f"{by_c[c]:.0f} ({by_c[c] / raw[c]:.2f}x)" for c in levels)
         print(f"| {name} | {cells} |")
-    print(f"written to {path.relative_to(ROOT)}")
+    print(f"written to {path}")
     return 0
 
 
