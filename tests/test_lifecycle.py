@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 
+import grpc
 import pytest
 import tracewire
 from conftest import start_server, wait_for_unfinished
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
@@ -15,8 +19,8 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
     result: dict[str, object] = {}
 
     def long_call():
-        try:
-            result["out"] = client.generate("The capital of France is", max_tokens=64,
+        try:  # ~400 tokens: a few seconds on 2 CPU cores
+            result["out"] = client.generate("The capital of France is", max_tokens=400,
                                             ignore_eos=True, temperature=0.0)
         except tracewire.TracewireError as e:  # asserted below
             result["error"] = e
@@ -24,12 +28,35 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
     worker = threading.Thread(target=long_call)
     worker.start()
     assert wait_for_unfinished(server.target, lambda n: n > 0)
-    code = server.stop(timeout=180)
+    # Connections opened before the signal (a load balancer's, say) watch the drain;
+    # new connections are refused once the listener closes.
+    watcher = grpc.insecure_channel(server.target)
+    health = health_pb2_grpc.HealthStub(watcher)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    other = tracewire.Client(server.target, timeout=5)
+    other.tokenizer.encode("warm the connection")
+    server.process.send_signal(signal.SIGTERM)
+    seen, refused = set(), None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and worker.is_alive() and (refused is None or len(seen) == 0):
+        try:
+            seen.add(health.Check(health_pb2.HealthCheckRequest(), timeout=1).status)
+        except grpc.RpcError:
+            pass
+        try:
+            other.generate("a", max_tokens=1)
+        except tracewire.Unavailable as e:
+            refused = e
+        time.sleep(0.05)
+    assert seen == {health_pb2.HealthCheckResponse.NOT_SERVING}, seen
+    assert refused is not None and "shutting down" in refused.message, refused
+    assert worker.is_alive()  # all of this happened while the in-flight call was draining
+    code = server.process.wait(timeout=180)
     worker.join(timeout=60)
     assert code == 0, server.log()
     assert "error" not in result, result.get("error")
     out = result["out"]
-    assert len(out[0].outputs[0].token_ids) == 64  # the in-flight call was let finish
+    assert len(out[0].outputs[0].token_ids) == 400  # the in-flight call was let finish
     assert "draining" in server.log()
     with pytest.raises((tracewire.Unavailable, tracewire.DeadlineExceeded)):
         tracewire.Client(server.target, timeout=5).generate("a", max_tokens=1)

@@ -93,9 +93,15 @@ async def serve(config: ServerConfig) -> int:
         await stop_task
 
     log.info("draining: refusing new calls, %.0f s grace for in-flight ones", config.grace_seconds)
+    # Keep the server up while in-flight calls finish, so that health checks on open
+    # connections read NOT_SERVING and new calls get UNAVAILABLE saying why; then stop,
+    # cancelling what is left (which aborts its engine requests).
     servicer.draining = True
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(config.grace_seconds)
+    deadline = time.monotonic() + config.grace_seconds
+    while servicer.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(0)
     engine.shutdown()
     log.info("tracewire stopped")
     return 0

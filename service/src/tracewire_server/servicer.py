@@ -49,6 +49,7 @@ def unary(
 
     @functools.wraps(fn)
     async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        self.in_flight += 1
         try:
             return await fn(self, request, context)
         except TracewireError as e:
@@ -57,6 +58,8 @@ def unary(
             raise
         except Exception as e:  # noqa: BLE001 - a bug must not look like success
             await _abort(context, _unexpected(fn.__name__, e))
+        finally:
+            self.in_flight -= 1
         raise AssertionError("unreachable: abort raises")
 
     return handler
@@ -71,6 +74,7 @@ def streaming(
     async def handler(
         self: Any, request: Req, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Resp]:
+        self.in_flight += 1
         try:
             async for item in fn(self, request, context):
                 yield item
@@ -80,6 +84,8 @@ def streaming(
             raise
         except Exception as e:  # noqa: BLE001
             await _abort(context, _unexpected(fn.__name__, e))
+        finally:
+            self.in_flight -= 1
 
     return handler
 
@@ -106,6 +112,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
     def __init__(self, options: TraceOptions | None = None) -> None:
         self.engine: Engine | None = None
         self.draining = False
+        self.in_flight = 0  # tracewire calls being served (health and reflection not counted)
         self.options = options or TraceOptions()
         self._traces = itertools.count()
 

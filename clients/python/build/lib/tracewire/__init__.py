@@ -1,0 +1,68 @@
+"""tracewire: observe and steer vLLM generation over gRPC.
+
+    import tracewire
+    client = tracewire.Client("localhost:50051")
+    out = client.generate("The capital of France is", temperature=0.0, max_tokens=8)
+    print(out[0].outputs[0].text)
+"""
+
+from .aio import AsyncClient, AsyncTracer
+from .client import Client, ModelInfo, ModuleInfo, StreamUpdate
+from .conditions import Condition, argmax_in, entropy, prob, sampled_in, text_contains, text_matches
+from .errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    TracewireError,
+    Unavailable,
+    Unimplemented,
+)
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampling import SAMPLING_KEYWORDS
+from .tokenizer import RemoteTokenizer
+from .tracing import Invoke, Logprobs, Saved, Step, StepView, TopK, Tracer, TraceWarning
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SAMPLING_KEYWORDS",
+    "AsyncClient",
+    "AsyncTracer",
+    "Condition",
+    "Invoke",
+    "Logprobs",
+    "Saved",
+    "Step",
+    "StepView",
+    "TopK",
+    "TraceWarning",
+    "Tracer",
+    "argmax_in",
+    "entropy",
+    "prob",
+    "sampled_in",
+    "text_contains",
+    "text_matches",
+    "Cancelled",
+    "Client",
+    "CompletionOutput",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "Internal",
+    "InvalidArgument",
+    "Logprob",
+    "ModelInfo",
+    "ModuleInfo",
+    "NotFound",
+    "RemoteTokenizer",
+    "RequestOutput",
+    "ResourceExhausted",
+    "StreamUpdate",
+    "TracewireError",
+    "Unavailable",
+    "Unimplemented",
+]

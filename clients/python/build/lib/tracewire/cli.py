@@ -1,0 +1,150 @@
+"""`tracewire`: generate and trace from the shell.
+
+    tracewire generate "The capital of France is" --max-tokens 8
+    tracewire trace "The capital of France is" --top-k 5 --max-tokens 16
+    tracewire trace "..." --json            # one JSON object per step, then the result
+    tracewire tokenize " Berlin"
+
+The server address comes from --target or $TRACEWIRE_TARGET (default 127.0.0.1:50051).
+Any vLLM sampling parameter: -s name=value (value parsed as JSON when it can be).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .client import Client
+from .errors import TracewireError
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "seed"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    for item in args.param or []:
+        name, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"tracewire: -s expects name=value, got {item!r}")
+        try:
+            kw[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            kw[name] = raw
+    return kw
+
+
+def _generate(client: Client, args: argparse.Namespace) -> None:
+    outputs = client.generate(args.prompts, **_sampling(args))
+    if args.json:
+        for out in outputs:
+            print(json.dumps({
+                "prompt": out.prompt,
+                "outputs": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                            for c in out.outputs],
+            }))
+        return
+    for out in outputs:
+        for c in out.outputs:
+            print(f"{out.prompt!r} -> {c.text!r} ({c.finish_reason})")
+
+
+def _trace(client: Client, args: argparse.Namespace) -> None:
+    tracer = client.trace(args.prompt, **_sampling(args))
+    tracer.all().logprobs(top_k=args.top_k).save("lp")
+    decode = _TokenText(client)
+    if not args.json:
+        print(f"{'step':>4}  {'token':<16} {'p':>6}  top {args.top_k}")
+    for step in client.stream_trace(tracer):
+        lp = step.values["lp"]
+        alternatives = [(decode(t), math.exp(v)) for t, v in lp.top.items()]
+        if args.json:
+            print(json.dumps({
+                "sequence": step.sequence_index, "step": step.step, "token_id": step.token_id,
+                "token": decode(step.token_id), "p": math.exp(lp.logprob),
+                "top": [{"token_id": t, "token": decode(t), "p": math.exp(v)} for t, v in lp.top.items()],
+            }), flush=True)
+        else:
+            alts = "  ".join(f"{tok!r} {p:.3f}" for tok, p in alternatives)
+            print(f"{step.step:>4}  {decode(step.token_id)!r:<16} {math.exp(lp.logprob):>6.3f}  {alts}", flush=True)
+    result = tracer.result
+    assert result is not None
+    if args.json:
+        print(json.dumps({"text": result.outputs[0].text, "finish_reason": result.outputs[0].finish_reason}))
+    else:
+        print(f"\n{args.prompt}{result.outputs[0].text}")
+        print(f"({len(result.outputs[0].token_ids)} tokens, {result.outputs[0].finish_reason})")
+    for w in tracer.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+
+
+def _tokenize(client: Client, args: argparse.Namespace) -> None:
+    ids = client.tokenizer.encode(args.text)
+    if args.json:
+        print(json.dumps({"token_ids": ids, "tokens": [client.tokenizer.decode(i) for i in ids]}))
+    else:
+        for i in ids:
+            print(f"{i:>8}  {client.tokenizer.decode(i)!r}")
+
+
+class _TokenText:
+    """Token id -> its text, fetched once per id."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        if token_id not in self._cache:
+            self._cache[token_id] = self._client.tokenizer.decode(token_id, skip_special_tokens=False)
+        return self._cache[token_id]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tracewire", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--target", default=os.environ.get("TRACEWIRE_TARGET", "127.0.0.1:50051"))
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per call")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def sampling_flags(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--max-tokens", type=int, dest="max_tokens")
+        sp.add_argument("--temperature", type=float)
+        sp.add_argument("--seed", type=int)
+        sp.add_argument("-s", "--param", action="append", metavar="NAME=VALUE",
+                        help="any vLLM sampling parameter, e.g. -s top_p=0.9 -s 'stop=[\".\"]'")
+        sp.add_argument("--json", action="store_true", help="machine-readable output, one JSON object per line")
+
+    g = sub.add_parser("generate", help="plain generation")
+    g.add_argument("prompts", nargs="+")
+    sampling_flags(g)
+    t = sub.add_parser("trace", help="stream each step: token, probability, top alternatives")
+    t.add_argument("prompt")
+    t.add_argument("--top-k", type=int, default=5, dest="top_k", help="alternatives shown per step")
+    sampling_flags(t)
+    k = sub.add_parser("tokenize", help="token ids of a text")
+    k.add_argument("text")
+    k.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            {"generate": _generate, "trace": _trace, "tokenize": _tokenize}[args.command](client, args)
+    except TracewireError as e:
+        where = f" (field {e.field})" if e.field else ""
+        print(f"tracewire: {e.code.name}{where}: {e.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

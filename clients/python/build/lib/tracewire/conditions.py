@@ -1,0 +1,106 @@
+"""Declarative conditions: data the server evaluates, never code.
+
+    import tracewire as tw
+    tw.sampled_in(period_id)                 # the drawn token is one of these
+    tw.argmax_in(paris_id)                   # the most likely token is one of these
+    tw.text_contains(".")                    # the text so far contains
+    tw.text_matches(r"[.!?]$")               # ... or matches a regex (Python re, searched)
+    tw.prob() < 0.1                          # the drawn token's probability
+    tw.prob(paris_id) > 0.5                  # a given token's probability
+    tw.entropy() > 2.5                       # entropy (nats) of the distribution
+    (a & b), (a | b), ~a                     # combinators
+
+Writes act before the draw, so their conditions cannot look at the drawn token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .v1 import intervention_pb2 as ipb
+
+
+class Condition:
+    """A condition, combinable with &, | and ~."""
+
+    def __init__(self, message: ipb.Condition) -> None:
+        self.message = message
+
+    def __and__(self, other: Condition) -> Condition:
+        return Condition(ipb.Condition(all_of=ipb.Conditions(conditions=[self.message, other.message])))
+
+    def __or__(self, other: Condition) -> Condition:
+        return Condition(ipb.Condition(any_of=ipb.Conditions(conditions=[self.message, other.message])))
+
+    def __invert__(self) -> Condition:
+        negated = ipb.Condition()
+        getattr(negated, "not").CopyFrom(self.message)
+        return Condition(negated)
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            "a tracewire condition is evaluated on the server, not in Python: pass it as "
+            "when=... instead of using it in `if`"
+        )
+
+    def __repr__(self) -> str:
+        return f"Condition({self.message})".replace("\n", " ")
+
+
+def _ids(token_ids: int | Iterable[int]) -> list[int]:
+    return [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+
+
+def sampled_in(token_ids: int | Iterable[int]) -> Condition:
+    return Condition(ipb.Condition(sampled_in=ipb.TokenSet(token_ids=_ids(token_ids))))
+
+
+def argmax_in(token_ids: int | Iterable[int]) -> Condition:
+    return Condition(ipb.Condition(argmax_in=ipb.TokenSet(token_ids=_ids(token_ids))))
+
+
+def text_contains(text: str) -> Condition:
+    return Condition(ipb.Condition(text_contains=text))
+
+
+def text_matches(pattern: str) -> Condition:
+    return Condition(ipb.Condition(text_matches=pattern))
+
+
+class _Measure:
+    """A quantity compared to a threshold: `prob() < 0.1`, `entropy() >= 2`."""
+
+    def __init__(self, token_id: int | None, entropy: bool) -> None:
+        self._token_id = token_id
+        self._entropy = entropy
+
+    def _compare(self, comparison: ipb.Comparison, value: float) -> Condition:
+        threshold = ipb.Threshold(comparison=comparison, value=float(value))
+        if self._entropy:
+            return Condition(ipb.Condition(entropy=threshold))
+        tp = ipb.TokenProbability(threshold=threshold)
+        if self._token_id is not None:
+            tp.token_id = self._token_id
+        return Condition(ipb.Condition(token_probability=tp))
+
+    def __gt__(self, value: float) -> Condition:
+        return self._compare(ipb.COMPARISON_GREATER, value)
+
+    def __ge__(self, value: float) -> Condition:
+        return self._compare(ipb.COMPARISON_GREATER_EQUAL, value)
+
+    def __lt__(self, value: float) -> Condition:
+        return self._compare(ipb.COMPARISON_LESS, value)
+
+    def __le__(self, value: float) -> Condition:
+        return self._compare(ipb.COMPARISON_LESS_EQUAL, value)
+
+
+def prob(token_id: int | None = None) -> _Measure:
+    """The probability of `token_id` (default: the drawn token) under the sampler's logits."""
+    return _Measure(token_id, entropy=False)
+
+
+def entropy() -> _Measure:
+    """The entropy, in nats, of the sampler's distribution."""
+    return _Measure(None, entropy=True)

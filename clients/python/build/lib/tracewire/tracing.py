@@ -1,0 +1,488 @@
+"""Traces: an nnsight-like block that builds a declarative plan, sent when it exits.
+
+    with client.trace("The capital of France is", temperature=0.0, max_tokens=8) as tracer:
+        logits = tracer.all().logits.save()          # one [vocab] array per step
+        drawn = tracer.all().samples.save()          # one token id per step
+        tracer.iter[0].samples = berlin_id           # force the draw at step 0
+        tracer.iter[:8].stop(when=tw.sampled_in(period_id))
+    print(tracer.result.outputs[0].text, len(logits))
+
+Nothing inside the block runs per step in Python: each line adds an intervention
+to the request, and the saved handles fill up when the block exits (or as a
+`client.stream_trace(tracer)` stream goes by).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .conditions import Condition
+from .errors import InvalidArgument
+from .outputs import RequestOutput, request_output
+from .prompts import PromptLike, to_prompt
+from .sampling import check_keywords, sampling_params
+from .tensors import from_numpy, to_numpy
+from .v1 import intervention_pb2 as ipb
+from .v1 import service_pb2, trace_pb2
+
+Runner = Callable[[service_pb2.TraceRequest], Iterator[service_pb2.TraceResponse]]
+DEFAULT_MAX_TOKENS = 16  # vLLM's
+
+
+class TraceWarning(UserWarning):
+    """The server's warnings about a trace, e.g. a selected step the generation never reached."""
+
+
+class TopK(NamedTuple):
+    """The k largest logits at one step, largest first."""
+
+    values: np.ndarray[Any, Any]
+    ids: np.ndarray[Any, Any]
+
+
+class Logprobs(NamedTuple):
+    """The drawn token's logprob and the top-k logprobs at one step."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+class Saved(list[Any]):
+    """A saved read: one value per step reached, in step order (`.steps` says which).
+
+    With n > 1 sequences it holds one such list per sequence instead. `.value` is the
+    only value of a one-step read.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.steps: list[int] = []
+
+    @property
+    def value(self) -> Any:
+        if len(self) != 1:
+            raise ValueError(f"{self.name!r} holds {len(self)} values, not one")
+        return self[0]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One streamed step of one sequence."""
+
+    invoke_index: int
+    sequence_index: int
+    step: int
+    token_id: int
+    text: str
+    values: dict[str, Any]
+    stopped: bool
+
+
+def _selector(steps: int | slice | Sequence[int] | None) -> tuple[ipb.StepSelector, int | None, int]:
+    """The proto selector, the last selected step (None: open) and the first."""
+    if steps is None:
+        return ipb.StepSelector(all=ipb.AllSteps()), None, 0
+    if isinstance(steps, int):
+        steps = [steps]
+    if isinstance(steps, slice):
+        if steps.step not in (None, 1):
+            raise InvalidArgument("step slices cannot have a stride; list the steps instead")
+        start = 0 if steps.start is None else steps.start
+        if start < 0 or (steps.stop is not None and steps.stop < 0):
+            raise InvalidArgument(f"steps must be >= 0, got {steps}")
+        if steps.stop is not None and steps.stop < start:
+            raise InvalidArgument(f"step slice stop < start: {steps}")
+        rng = ipb.StepRange(start=start)
+        if steps.stop is not None:
+            rng.stop = steps.stop
+        last = None if steps.stop is None else steps.stop - 1
+        return ipb.StepSelector(range=rng), last, start
+    listed = [int(s) for s in steps]
+    if not listed or min(listed) < 0:
+        raise InvalidArgument(f"steps must be a non-empty list of steps >= 0, got {listed}")
+    return ipb.StepSelector(list=ipb.StepList(steps=listed)), max(listed), min(listed)
+
+
+class _Decode:
+    """How a read's values come back to Python."""
+
+    @staticmethod
+    def logits(value: trace_pb2.ReadValue) -> Any:
+        return to_numpy(value.values)
+
+    @staticmethod
+    def top_k(value: trace_pb2.ReadValue) -> Any:
+        return TopK(to_numpy(value.values), to_numpy(value.token_ids))
+
+    @staticmethod
+    def sample(value: trace_pb2.ReadValue) -> Any:
+        return int(to_numpy(value.values))
+
+    @staticmethod
+    def logprobs(value: trace_pb2.ReadValue) -> Any:
+        vals, ids = to_numpy(value.values), to_numpy(value.token_ids)
+        top = {int(i): float(v) for i, v in zip(ids[1:], vals[1:], strict=True)}
+        return Logprobs(int(ids[0]), float(vals[0]), top)
+
+
+class _Read:
+    """Something that can be saved: `.save()` adds the read to the trace."""
+
+    def __init__(self, view: StepView, build: Callable[[ipb.Intervention], None],
+                 decode: Callable[[trace_pb2.ReadValue], Any]) -> None:
+        self._view, self._build, self._decode = view, build, decode
+
+    def save(self, name: str | None = None) -> Saved:
+        return self._view._invoke._add_read(self._view, self._build, self._decode, name)
+
+
+class LogitsRef(_Read):
+    """`view.logits`: the row the sampler draws from (`.raw`: lm_head's output)."""
+
+    def __init__(self, view: StepView, stage: ipb.LogitsStage) -> None:
+        self._stage = stage
+
+        def full(iv: ipb.Intervention) -> None:
+            iv.read_logits.CopyFrom(ipb.ReadLogits(stage=stage, full=ipb.FullRow()))
+
+        super().__init__(view, full, _Decode.logits)
+
+    @property
+    def raw(self) -> LogitsRef:
+        return LogitsRef(self._view, ipb.LOGITS_STAGE_RAW)
+
+    def top_k(self, k: int) -> _Read:
+        def build(iv: ipb.Intervention) -> None:
+            iv.read_logits.CopyFrom(ipb.ReadLogits(stage=self._stage, top_k=ipb.TopK(k=k)))
+
+        return _Read(self._view, build, _Decode.top_k)
+
+    def select(self, token_ids: Iterable[int]) -> _Read:
+        ids = [int(t) for t in token_ids]
+
+        def build(iv: ipb.Intervention) -> None:
+            iv.read_logits.CopyFrom(ipb.ReadLogits(stage=self._stage, token_ids=ipb.TokenSet(token_ids=ids)))
+
+        return _Read(self._view, build, _Decode.logits)
+
+    # writes (the sampler then draws from the result)
+    def replace(self, values: Any) -> None:
+        self._view._write(write_logits=ipb.WriteLogits(replace=from_numpy(values)))
+
+    def add(self, values: Any) -> None:
+        self._view._write(write_logits=ipb.WriteLogits(add=from_numpy(values)))
+
+    def bias(self, biases: Mapping[int, float]) -> None:
+        self._view._write(
+            write_logits=ipb.WriteLogits(bias=ipb.TokenBias(bias={int(k): float(v) for k, v in biases.items()}))
+        )
+
+    def mask(self, token_ids: int | Iterable[int]) -> None:
+        ids = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+        self._view._write(write_logits=ipb.WriteLogits(mask=ipb.TokenSet(token_ids=ids)))
+
+    def __iadd__(self, values: Any) -> _Added:
+        return _Added(values)
+
+
+@dataclass(frozen=True)
+class _Added:
+    """`view.logits += vector`: Python calls __iadd__ then assigns the result back."""
+
+    values: Any
+
+
+class SamplesRef(_Read):
+    """`view.samples`: the token drawn at each selected step."""
+
+    def __init__(self, view: StepView) -> None:
+        super().__init__(view, lambda iv: iv.read_sample.CopyFrom(ipb.ReadSample()), _Decode.sample)
+
+    def force(self, token_id: int) -> None:
+        self._view._write(force_sample=ipb.ForceSample(token_id=int(token_id)))
+
+
+class StepView:
+    """The selected steps of one invoke, optionally under a condition."""
+
+    def __init__(self, invoke: Invoke, steps: int | slice | Sequence[int] | None,
+                 condition: Condition | None = None) -> None:
+        self._invoke = invoke
+        self._steps = steps
+        self._selector, self.last, self.first = _selector(steps)
+        self._condition = condition
+
+    def when(self, condition: Condition) -> StepView:
+        """Only act at these steps when `condition` holds (evaluated on the server)."""
+        both = condition if self._condition is None else self._condition & condition
+        return StepView(self._invoke, self._steps, both)
+
+    def _intervention(self, name: str = "") -> ipb.Intervention:
+        iv = ipb.Intervention(name=name, steps=self._selector)
+        if self._condition is not None:
+            iv.condition.CopyFrom(self._condition.message)
+        return iv
+
+    def _write(self, **action: Any) -> None:
+        iv = self._intervention()
+        for key, value in action.items():
+            getattr(iv, key).CopyFrom(value)
+        self._invoke._add(iv, self)
+
+    @property
+    def logits(self) -> LogitsRef:
+        return LogitsRef(self, ipb.LOGITS_STAGE_PROCESSED)
+
+    @logits.setter
+    def logits(self, values: Any) -> None:
+        if isinstance(values, _Added):
+            self.logits.add(values.values)
+        elif not isinstance(values, LogitsRef):
+            self.logits.replace(values)
+
+    @property
+    def samples(self) -> SamplesRef:
+        return SamplesRef(self)
+
+    @samples.setter
+    def samples(self, token_id: Any) -> None:
+        if not isinstance(token_id, SamplesRef):
+            self.samples.force(int(token_id))
+
+    def logprobs(self, top_k: int = 0) -> _Read:
+        """The drawn token's logprob and the `top_k` largest logprobs."""
+
+        def build(iv: ipb.Intervention) -> None:
+            iv.read_logprobs.CopyFrom(ipb.ReadLogprobs(top_k=top_k))
+
+        return _Read(self, build, _Decode.logprobs)
+
+    def stop(self) -> None:
+        """End the sequence at the first of these steps (where the condition holds)."""
+        self._write(stop=ipb.Stop())
+
+
+class _Iter:
+    def __init__(self, invoke: Invoke) -> None:
+        self._invoke = invoke
+
+    def __getitem__(self, steps: int | slice | Sequence[int]) -> StepView:
+        return StepView(self._invoke, steps)
+
+
+@dataclass
+class _SavedRead:
+    saved: Saved
+    decode: Callable[[trace_pb2.ReadValue], Any]
+
+
+class Invoke:
+    """One prompt (one engine request) and its interventions."""
+
+    def __init__(self, tracer: Tracer, index: int, prompt: PromptLike, sampling: dict[str, Any]) -> None:
+        check_keywords(sampling)
+        self._tracer = tracer
+        self.index = index
+        self._prompt = to_prompt(prompt)
+        self._sampling = sampling
+        self._interventions: list[ipb.Intervention] = []
+        self._reads: dict[str, _SavedRead] = {}
+        self.result: RequestOutput | None = None
+
+    # -- building --------------------------------------------------------------
+
+    def all(self) -> StepView:
+        return StepView(self, None)
+
+    @property
+    def iter(self) -> _Iter:
+        return _Iter(self)
+
+    def stop(self, *, when: Condition | None = None, step: int | None = None) -> None:
+        """Stop at `step`, or at the first step where `when` holds."""
+        if step is None and when is None:
+            raise InvalidArgument("stop() needs a step or a condition (when=...)")
+        view = StepView(self, None if step is None else [step], when)
+        view.stop()
+
+    def max_tokens(self) -> int:
+        value = self._sampling.get("max_tokens", self._tracer._trace_sampling.get("max_tokens"))
+        return DEFAULT_MAX_TOKENS if value is None else int(value)
+
+    def _add(self, iv: ipb.Intervention, view: StepView) -> None:
+        self._tracer._check_open()
+        if view.first >= self.max_tokens():
+            raise InvalidArgument(
+                f"steps from {view.first} are never reached: max_tokens is {self.max_tokens()} "
+                "(steps are 0 .. max_tokens - 1)"
+            )
+        self._interventions.append(iv)
+
+    def _add_read(self, view: StepView, build: Callable[[ipb.Intervention], None],
+                  decode: Callable[[trace_pb2.ReadValue], Any], name: str | None) -> Saved:
+        name = name or f"read{len(self._reads)}"
+        if name in self._reads:
+            raise InvalidArgument(f"duplicate read name {name!r}")
+        iv = view._intervention(name)
+        build(iv)
+        self._add(iv, view)
+        saved = Saved(name)
+        self._reads[name] = _SavedRead(saved, decode)
+        return saved
+
+    def _message(self) -> trace_pb2.Invoke:
+        return trace_pb2.Invoke(
+            prompt=self._prompt,
+            sampling_params=sampling_params(**self._sampling),
+            interventions=self._interventions,
+        )
+
+    # -- results ---------------------------------------------------------------
+
+    def _n(self) -> int:
+        n = self._sampling.get("n", self._tracer._trace_sampling.get("n"))
+        return 1 if n is None else int(n)
+
+    def _prepare(self) -> None:
+        n = self._n()
+        for read in self._reads.values():
+            read.saved.clear()
+            read.saved.steps.clear()
+            if n > 1:
+                read.saved.extend(Saved(read.saved.name) for _ in range(n))
+
+    def _record(self, step: trace_pb2.StepResult) -> dict[str, Any]:
+        values = {}
+        for name, value in step.values.items():
+            read = self._reads.get(name)
+            if read is None:
+                continue
+            decoded = read.decode(value)
+            values[name] = decoded
+            target = read.saved if self._n() == 1 else read.saved[step.sequence_index]
+            target.append(decoded)
+            target.steps.append(step.step)
+        return values
+
+    def __enter__(self) -> Invoke:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        return None
+
+
+class Tracer(Invoke):
+    """A whole trace. Given a prompt, it is also that prompt's invoke."""
+
+    def __init__(self, runner: Runner, prompt: PromptLike | None = None, **sampling: Any) -> None:
+        check_keywords(sampling)
+        self._runner = runner
+        self._trace_sampling = sampling  # the invokes' defaults; self._sampling: own overrides
+        self._invokes: list[Invoke] = []
+        self._sent = False
+        self.warnings: list[str] = []
+        self.usage: trace_pb2.Usage | None = None
+        self._has_prompt = prompt is not None
+        if prompt is not None:
+            super().__init__(self, 0, prompt, {})
+            self._invokes.append(self)
+        else:
+            self.index = 0
+            self._sampling = {}
+            self._interventions = []
+            self._reads = {}
+            self.result = None
+
+    @property
+    def invokes(self) -> list[Invoke]:
+        """The trace's invokes, in request order (their `.result` once it has run)."""
+        return list(self._invokes)
+
+    def _check_open(self) -> None:
+        if self._sent:
+            raise InvalidArgument("this trace has already run; start a new one")
+
+    def invoke(self, prompt: PromptLike, **overrides: Any) -> Invoke:
+        """Add a prompt; its keywords override the trace's sampling parameters."""
+        self._check_open()
+        if self._has_prompt:
+            raise InvalidArgument("this trace was given a prompt; use client.trace() without one for invokes")
+        inv = Invoke(self, len(self._invokes), prompt, overrides)
+        self._invokes.append(inv)
+        return inv
+
+    def _own(self) -> None:
+        if not self._has_prompt:
+            raise InvalidArgument(
+                "this trace has no prompt of its own: add reads and writes to an invoke "
+                "(with tracer.invoke(prompt) as inv: inv.all()...)"
+            )
+
+    def all(self) -> StepView:
+        self._own()
+        return super().all()
+
+    @property
+    def iter(self) -> _Iter:
+        self._own()
+        return super().iter
+
+    def stop(self, *, when: Condition | None = None, step: int | None = None) -> None:
+        self._own()
+        super().stop(when=when, step=step)
+
+    def request(self) -> service_pb2.TraceRequest:
+        if not self._invokes:
+            raise InvalidArgument("a trace needs a prompt: client.trace(prompt) or tracer.invoke(prompt)")
+        return service_pb2.TraceRequest(
+            sampling_params=sampling_params(**self._trace_sampling),
+            invokes=[inv._message() for inv in self._invokes],
+        )
+
+    # -- running ---------------------------------------------------------------
+
+    def events(self) -> Iterator[Step]:
+        """Send the trace and yield each step as it arrives; results fill in meanwhile."""
+        self._check_open()
+        request = self.request()
+        self._sent = True
+        for inv in self._invokes:
+            inv._prepare()
+        for event in self._runner(request):
+            yield from self.handle(event)
+
+    def handle(self, event: service_pb2.TraceResponse) -> Iterator[Step]:
+        kind = event.WhichOneof("event")
+        if kind == "step":
+            s = event.step
+            values = self._invokes[s.invoke_index]._record(s)
+            yield Step(s.invoke_index, s.sequence_index, s.step, s.token_id, s.text_delta, values, s.stopped)
+        elif kind == "invoke_result":
+            self._invokes[event.invoke_result.invoke_index].result = request_output(event.invoke_result.output)
+        elif kind == "end":
+            self.usage = event.end.usage
+            for w in event.end.warnings:
+                self.warnings.append(w.message)
+                warnings.warn(w.message, TraceWarning, stacklevel=4)
+
+    def run(self) -> Tracer:
+        for _ in self.events():
+            pass
+        return self
+
+    def __enter__(self) -> Tracer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.run()
+
+
+__all__ = ["Invoke", "Logprobs", "Saved", "Step", "StepView", "TopK", "TraceWarning", "Tracer"]
