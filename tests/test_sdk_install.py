@@ -3,6 +3,7 @@ no vLLM and no torch, then an example script against the running server."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -15,8 +16,10 @@ def test_fresh_venv_install_runs_examples_without_vllm_or_torch(server, tmp_path
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
+    source = tmp_path / "sdk"  # a copy: building in place would leave build/ in the checkout
+    shutil.copytree(ROOT / "clients" / "python", source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(ROOT / "clients" / "python")],
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(source)],
         capture_output=True, text=True, timeout=600,
     )
     assert install.returncode == 0, install.stderr[-2000:]

@@ -91,6 +91,7 @@ class _Compiler:
         self.encoder = encoder
         self.server_max_read_bytes = server_max_read_bytes
         self.fault_injection = fault_injection
+        self.prompt_len = 0  # of the invoke being compiled
 
     # -- whole request -------------------------------------------------------
 
@@ -107,7 +108,12 @@ class _Compiler:
             kwargs = to_vllm_kwargs(params, self.limits, f"{field}.sampling_params")
             n = kwargs.pop("n", 1)
             max_tokens = kwargs.get("max_tokens", DEFAULT_MAX_TOKENS)
+            self.prompt_len = len(prompt.token_ids)
             ops = self.ops(invoke.interventions, f"{field}.interventions", max_tokens)
+            if any(isinstance(op.action, P.ReadModule) and op.action.positions.kind != "new_token" for op in ops):
+                # Prompt positions served from the prefix cache never run through the
+                # model: compute them again for this request.
+                kwargs["skip_reading_prefix_cache"] = True
             all_ops.append(ops)
             bound += n * sum(self.read_bytes(op, max_tokens) for op in ops)
             key = f"{trace_key}/{i}"
@@ -143,7 +149,15 @@ class _Compiler:
     def read_bytes(self, op: P.Op, max_tokens: int) -> int:
         """Upper bound on the bytes one sequence's op returns over the generation."""
         action = op.action
-        if isinstance(action, P.ReadSample):
+        if isinstance(action, P.ReadModule):
+            width = 4 * self.limits.hidden_size
+            if action.positions.kind == "new_token" or action.mean:
+                per_step = width
+            else:  # prompt positions: once, at step 0 (then the new token for "all")
+                prompt = len(action.positions.prompt_positions(self.prompt_len)) * width
+                later = width if action.positions.kind == "all" else 0
+                return prompt + later * max(0, max_tokens - 1)
+        elif isinstance(action, P.ReadSample):
             per_step = 4
         elif isinstance(action, P.ReadLogprobs):
             per_step = 8 * (1 + action.top_k)
@@ -262,12 +276,56 @@ class _Compiler:
             return self.write_logits(iv.write_logits, f)
         if kind == "stop":
             return P.Stop()
-        if kind in ("read_module", "read_logit_lens", "write_module"):
+        if kind == "read_module":
+            return self.read_module(iv.read_module, f)
+        if kind in ("read_logit_lens", "write_module"):
             raise FailedPrecondition(
-                f"{f}: module reads, the logit lens and module writes are not served by this "
-                "server version yet (only logits-level interventions)"
+                f"{f}: the logit lens and module writes are not served by this server version yet"
             )
         raise InvalidArgument(f"{field}.action", f"unknown action {kind!r}")
+
+    def read_module(self, r: ipb.ReadModule, field: str) -> P.Action:
+        if not self.limits.module_interventions:
+            raise FailedPrecondition(
+                f"{field}: module hooks do not run inside compiled / CUDA-graph steps; this server "
+                "runs its engine compiled. Start it with --enforce-eager to serve module reads"
+            )
+        if r.module not in self.limits.modules:
+            known = ", ".join(sorted(self.limits.modules, key=_module_order)[:8])
+            raise InvalidArgument(
+                f"{field}.module", f"unknown module {r.module!r}; GetModelInfo lists them ({known}, ...)"
+            )
+        positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
+        return P.ReadModule(r.module, positions, mean=r.reduction == ipb.REDUCTION_MEAN)
+
+    def positions(self, p: ipb.Positions, field: str) -> P.Positions:
+        kind = p.WhichOneof("kind")
+        n = self.prompt_len
+        if kind == "prompt_range":
+            stop = p.prompt_range.stop if p.prompt_range.HasField("stop") else None
+            for name, value in (("start", p.prompt_range.start), ("stop", stop)):
+                if value is not None and not -n <= value <= n:
+                    raise InvalidArgument(
+                        f"{field}.prompt_range.{name}", f"{value} is outside the prompt's {n} positions"
+                    )
+            selected = P.Positions("prompt_range", start=p.prompt_range.start, stop=stop)
+            if not selected.prompt_positions(n):
+                raise InvalidArgument(f"{field}.prompt_range", "selects no prompt position")
+            return selected
+        if kind == "prompt_list":
+            if not p.prompt_list.positions:
+                raise InvalidArgument(f"{field}.prompt_list.positions", "must not be empty")
+            for k, value in enumerate(p.prompt_list.positions):
+                if not -n <= value < n:
+                    raise InvalidArgument(
+                        f"{field}.prompt_list.positions[{k}]", f"{value} is outside the prompt's {n} positions"
+                    )
+            return P.Positions("prompt_list", items=tuple(p.prompt_list.positions))
+        if kind == "all_prompt":
+            return P.Positions("all_prompt")
+        if kind == "all":
+            return P.Positions("all")
+        return P.Positions()
 
     def write_logits(self, w: ipb.WriteLogits, field: str) -> P.Action:
         op = w.WhichOneof("op")
@@ -331,6 +389,11 @@ class _Compiler:
         if not math.isfinite(t.value):
             raise InvalidArgument(f"{field}.value", "must be finite")
         return _COMPARISONS[t.comparison], t.value  # type: ignore[return-value]
+
+
+def _module_order(path: str) -> tuple[int, str]:
+    parts = path.split(".")
+    return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1, path)
 
 
 def compile_trace(

@@ -122,6 +122,9 @@ class Engine:
             vocab_size=description.vocab_size,
             max_model_len=description.max_model_len,
             max_logprobs=llm.model_config.max_logprobs,
+            hidden_size=description.hidden_size,
+            modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
+            module_interventions=bool(llm.model_config.enforce_eager),
         )
         # Wrap every worker's sampler; only rank 0 sends records to `receiver`.
         await llm.collective_rpc("tracewire_install", args=(receiver.address, fault_injection))

@@ -105,6 +105,35 @@ class ReadLogprobs(msgspec.Struct, frozen=True, tag="read_logprobs"):
     top_k: int
 
 
+PositionsKind = Literal["new_token", "all_prompt", "prompt_range", "prompt_list", "all"]
+
+
+class Positions(msgspec.Struct, frozen=True):
+    """Token positions of a module's output: the new token at each step, or prompt
+    positions (at step 0; negative values count from the prompt's end)."""
+
+    kind: PositionsKind = "new_token"
+    start: int = 0
+    stop: int | None = None
+    items: tuple[int, ...] = ()
+
+    def prompt_positions(self, prompt_len: int) -> list[int]:
+        """The selected prompt positions (ascending) for a prompt of `prompt_len` tokens."""
+        if self.kind in ("all_prompt", "all"):
+            return list(range(prompt_len))
+        if self.kind == "prompt_range":
+            return list(range(prompt_len))[slice(self.start, self.stop)]
+        if self.kind == "prompt_list":
+            return sorted({p % prompt_len for p in self.items})
+        return []
+
+
+class ReadModule(msgspec.Struct, frozen=True, tag="read_module"):
+    module: str
+    positions: Positions
+    mean: bool = False
+
+
 class ForceSample(msgspec.Struct, frozen=True, tag="force_sample"):
     token_id: int
 
@@ -137,12 +166,13 @@ class InjectFault(msgspec.Struct, frozen=True, tag="inject_fault"):
     message: str
 
 
-Read = Union[ReadLogits, ReadSample, ReadLogprobs]
+Read = Union[ReadLogits, ReadSample, ReadLogprobs, ReadModule]
 Write = Union[ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault]
 Action = Union[
     ReadLogits,
     ReadSample,
     ReadLogprobs,
+    ReadModule,
     ForceSample,
     ReplaceLogits,
     AddLogits,
@@ -151,7 +181,7 @@ Action = Union[
     InjectFault,
     Stop,
 ]
-READS = (ReadLogits, ReadSample, ReadLogprobs)
+READS = (ReadLogits, ReadSample, ReadLogprobs, ReadModule)
 WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault)
 
 
@@ -160,6 +190,13 @@ class Op(msgspec.Struct, frozen=True):
     steps: StepSet
     condition: Condition | None
     action: Action
+
+    def selects(self, step: int) -> bool:
+        """Active at `step`: selected, and reads of prompt positions only at step 0 (the
+        prefill is the only time the prompt runs through the model)."""
+        if step > 0 and isinstance(self.action, ReadModule) and self.action.positions.kind not in ("new_token", "all"):
+            return False
+        return self.steps.contains(step)
 
 
 class SequencePlan(msgspec.Struct, frozen=True):
@@ -171,7 +208,7 @@ class SequencePlan(msgspec.Struct, frozen=True):
     def active_at(self, step: int) -> tuple[Op, ...]:
         """The ops selected at `step`. The worker sends a record for a step exactly
         when this is non-empty, and the server waits for one exactly then."""
-        return tuple(op for op in self.ops if op.steps.contains(step))
+        return tuple(op for op in self.ops if op.selects(step))
 
     def needs_text(self) -> bool:
         return any(_uses_text(op.condition) for op in self.ops)

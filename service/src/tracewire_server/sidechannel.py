@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 class ReadResult(msgspec.Struct, array_like=True, frozen=True):
     values: RawTensor
     token_ids: RawTensor | None = None
+    positions: RawTensor | None = None  # prompt positions of the rows
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True):

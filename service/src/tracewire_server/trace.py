@@ -229,6 +229,8 @@ class TraceRun:
             value.values.fill(target.values)
             if value.token_ids is not None:
                 value.token_ids.fill(target.token_ids)
+            if value.positions is not None:
+                value.positions.fill(target.positions)
             self._read_bytes += len(value.values.data)
         self._emit_step(response)
 

@@ -58,9 +58,18 @@ __all__ = [
 ]
 
 
+_SAMPLING_FIELDS = frozenset(getattr(SamplingParams, "__struct_fields__", ()))
+
+
 def make_sampling_params(kwargs: dict[str, Any], *, stream: bool) -> SamplingParams:
-    """vllm.SamplingParams; streamed requests get deltas, unary ones the final output."""
+    """vllm.SamplingParams; streamed requests get deltas, unary ones the final output.
+
+    `skip_reading_prefix_cache` is dropped where vLLM lacks it; the worker hooks then
+    report prompt positions the prefix cache kept from them instead of missing them.
+    """
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    if "skip_reading_prefix_cache" in kwargs and "skip_reading_prefix_cache" not in _SAMPLING_FIELDS:
+        kwargs = {k: v for k, v in kwargs.items() if k != "skip_reading_prefix_cache"}
     return SamplingParams(**kwargs, output_kind=kind)
 
 

@@ -43,10 +43,14 @@ class _Sequence:
 
     plan: P.SequencePlan
     needs_text: bool
+    prompt_ids: list[int] = field(default_factory=list)
     step: int = 0
     tokens: list[int] = field(default_factory=list)  # kept only for text conditions
     error: str | None = None
     patterns: dict[str, re.Pattern[str]] = field(default_factory=dict)
+    # Module reads of the current step, gathered over its forward passes (a chunked
+    # prefill runs several): read name -> [(positions, [rows, hidden] float32)].
+    pending: dict[str, list[tuple[list[int], torch.Tensor]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -197,12 +201,39 @@ def _capture(logits: torch.Tensor, rows: list[_Row]) -> list[_Captured]:
     return [_Captured(batch, j) for j in range(len(rows))]
 
 
+def _module_value(row: _Row, name: str, read: P.ReadModule) -> ReadResult:
+    """The rows a module read gathered over this step's forward passes, checked complete."""
+    chunks = row.seq.pending.pop(name, [])
+    positions = [p for chunk_positions, _ in chunks for p in chunk_positions]
+    if read.positions.kind == "new_token" or (read.positions.kind == "all" and row.seq.step > 0):
+        expected = 1
+    else:
+        expected = len(read.positions.prompt_positions(len(row.seq.prompt_ids)))
+    if len(positions) != expected:
+        raise RuntimeError(
+            f"read {name!r} of {read.module!r} saw {len(positions)} of {expected} positions "
+            "(positions served from the prefix cache never run through the model)"
+        )
+    values = torch.cat([t for _, t in chunks])
+    if read.mean:
+        return ReadResult(RawTensor.from_numpy(values.mean(0).numpy()))
+    if read.positions.kind == "new_token" or (read.positions.kind == "all" and row.seq.step > 0):
+        return ReadResult(RawTensor.from_numpy(values[0].numpy()))  # [hidden]
+    return ReadResult(  # [positions, hidden], with the prompt positions
+        RawTensor.from_numpy(values.numpy()),
+        positions=RawTensor.from_numpy(np.asarray(positions, dtype=np.int32)),
+    )
+
+
 def _batched_reads(fired: list[tuple[_Row, P.Op]]) -> None:
     """Compute every fired read of this step, batched across rows by read kind: one
     topk / gather / log_softmax per kind instead of one per row."""
     groups: dict[tuple[Any, ...], list[tuple[_Row, P.Op]]] = {}
     for row, op in fired:
         a = op.action
+        if isinstance(a, P.ReadModule):
+            row.values[op.name] = _module_value(row, op.name, a)
+            continue
         if isinstance(a, P.ReadSample):
             row.values[op.name] = ReadResult(RawTensor.from_numpy(np.asarray(row.token, dtype=np.int32)))
             continue
@@ -240,6 +271,40 @@ def _batched_reads(fired: list[tuple[_Row, P.Op]]) -> None:
         for j, (row, op) in enumerate(members):
             ids_result = RawTensor.from_numpy(id_rows[j]) if id_rows is not None else None
             row.values[op.name] = ReadResult(RawTensor.from_numpy(values[j]), ids_result)
+
+
+def _module_output(path: str, output: Any) -> torch.Tensor:
+    """The value a module read sees: for decoder layers the residual stream after the
+    layer (vLLM's layers return (hidden, residual) with the add deferred to the next
+    norm: the stream is their sum); for the final norm its normed output."""
+    if isinstance(output, tuple):
+        hidden, residual = output[0], output[1] if len(output) > 1 else None
+        if path.startswith("layers.") and path.count(".") == 1 and residual is not None:
+            return hidden + residual
+        return hidden
+    return output
+
+
+def _modules(model: Any) -> dict[str, torch.nn.Module]:
+    """GetModelInfo's module paths -> the modules of a vLLM decoder-only model."""
+    inner = model.model
+    found: dict[str, torch.nn.Module] = {"embed_tokens": inner.embed_tokens, "norm": inner.norm}
+    for i, layer in enumerate(inner.layers):
+        found[f"layers.{i}"] = layer
+        found[f"layers.{i}.self_attn"] = layer.self_attn
+        found[f"layers.{i}.mlp"] = layer.mlp
+    return found
+
+
+@dataclass(frozen=True)
+class _Want:
+    """One module read to serve from this forward pass: these rows of the flat
+    [num_tokens, hidden] activations, at these token positions."""
+
+    seq: _Sequence
+    name: str
+    rows: slice | list[int]
+    positions: list[int]
 
 
 class SamplerHooks:
@@ -281,6 +346,56 @@ class SamplerHooks:
         sampler.forward = forward
         sampler.apply_logits_processors = apply_logits_processors
 
+    def install_module_hooks(self, model: Any) -> None:
+        """Forward hooks on every addressable module; idle unless this forward pass has
+        module reads (they only fire in eager steps, outside compiled graphs)."""
+        self._wants: dict[str, list[_Want]] = {}
+        model.register_forward_pre_hook(lambda module, args: self._plan_forward())
+        for path, module in _modules(model).items():
+            module.register_forward_hook(
+                lambda module, args, output, path=path: self._module_hook(path, output)
+            )
+
+    def _plan_forward(self) -> None:
+        """Map this forward pass's flat token rows to the module reads they serve."""
+        self._wants = {}
+        batch = self.runner.input_batch
+        req_ids = batch.req_ids
+        starts = self.runner.query_start_loc.np
+        computed = batch.num_computed_tokens_cpu
+        for i, req_id in enumerate(req_ids):
+            seq = self._sequence(req_id)
+            if seq is None or seq.error is not None:
+                continue
+            reads = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.ReadModule)]
+            if not reads:
+                continue
+            state = self.runner.requests[req_id]
+            first, last = int(starts[i]), int(starts[i + 1])  # rows of this request
+            pos0 = int(computed[i])  # position of its first row
+            prompt_len = len(state.prompt_token_ids or ())
+            samples_now = pos0 + (last - first) >= prompt_len + len(state.output_token_ids)
+            for op in reads:
+                read = op.action
+                assert isinstance(read, P.ReadModule)
+                wanted: list[int] = []
+                if seq.step == 0 and read.positions.kind != "new_token":
+                    wanted = [p for p in read.positions.prompt_positions(prompt_len) if pos0 <= p < pos0 + last - first]
+                elif samples_now and (read.positions.kind in ("new_token", "all")):
+                    wanted = [pos0 + last - first - 1]
+                if wanted:
+                    rows = [first + p - pos0 for p in wanted]
+                    self._wants.setdefault(read.module, []).append(_Want(seq, op.name, rows, wanted))
+
+    def _module_hook(self, path: str, output: Any) -> None:
+        wants = self._wants.get(path)
+        if not wants:
+            return
+        value = _module_output(path, output)
+        for want in wants:
+            rows = value[want.rows].detach().float().cpu()
+            want.seq.pending.setdefault(want.name, []).append((want.positions, rows))
+
     # -- per step --------------------------------------------------------------
 
     def _sequence(self, req_id: str) -> _Sequence | None:
@@ -293,7 +408,7 @@ class SamplerHooks:
         seq = None
         if blob is not None:
             plan = P.decode_plan(blob)
-            seq = _Sequence(plan, needs_text=plan.needs_text())
+            seq = _Sequence(plan, needs_text=plan.needs_text(), prompt_ids=list(state.prompt_token_ids or ()))
         if len(self.sequences) > 2 * len(self.runner.requests) + 64:
             live = self.runner.requests.keys()
             self.sequences = {k: v for k, v in self.sequences.items() if k in live}
@@ -421,5 +536,7 @@ class TracewireWorkerExtension:
         sender = Sender(address) if rank == 0 else None
         hooks = SamplerHooks(runner, sender, fault_injection)
         hooks.install(runner.sampler)
+        if runner.model_config.enforce_eager:  # hooks cannot fire inside compiled graphs
+            hooks.install_module_hooks(runner.model)
         self.tracewire_hooks = hooks
         return int(rank)

@@ -110,6 +110,26 @@ def _selector(steps: int | slice | Sequence[int] | None) -> tuple[ipb.StepSelect
     return ipb.StepSelector(list=ipb.StepList(steps=listed)), max(listed), min(listed)
 
 
+def _positions(positions: str | slice | Sequence[int]) -> ipb.Positions:
+    if isinstance(positions, str):
+        kinds = {
+            "new": ipb.Positions(new_token=ipb.NewToken()),
+            "prompt": ipb.Positions(all_prompt=ipb.AllPrompt()),
+            "all": ipb.Positions(all=ipb.AllPositions()),
+        }
+        if positions not in kinds:
+            raise InvalidArgument(f"positions must be 'new', 'prompt', 'all', a slice or a list; got {positions!r}")
+        return kinds[positions]
+    if isinstance(positions, slice):
+        if positions.step not in (None, 1):
+            raise InvalidArgument("position slices cannot have a stride; list the positions instead")
+        rng = ipb.PositionRange(start=positions.start or 0)
+        if positions.stop is not None:
+            rng.stop = positions.stop
+        return ipb.Positions(prompt_range=rng)
+    return ipb.Positions(prompt_list=ipb.PositionList(positions=[int(p) for p in positions]))
+
+
 class _Decode:
     """How a read's values come back to Python."""
 
@@ -263,6 +283,30 @@ class StepView:
             iv.read_logprobs.CopyFrom(ipb.ReadLogprobs(top_k=top_k))
 
         return _Read(self, build, _Decode.logprobs)
+
+    def module(
+        self, path: str, *, positions: str | slice | Sequence[int] = "new", mean: bool = False
+    ) -> _Read:
+        """A module's output (for decoder layers "layers.i": the residual stream after it).
+
+        positions: "new" (the token processed at each step: [hidden] per step), "prompt"
+        (every prompt position, at step 0: [positions, hidden]), "all" (the prompt at step
+        0, then the new token), a slice or a list of prompt positions (negative counts
+        from the end). mean=True averages over the positions server-side.
+        Needs a server started with --enforce-eager.
+        """
+        selected = _positions(positions)
+
+        def build(iv: ipb.Intervention) -> None:
+            iv.read_module.CopyFrom(
+                ipb.ReadModule(
+                    module=path,
+                    positions=selected,
+                    reduction=ipb.REDUCTION_MEAN if mean else ipb.REDUCTION_UNSPECIFIED,
+                )
+            )
+
+        return _Read(self, build, _Decode.logits)
 
     def stop(self) -> None:
         """End the sequence at the first of these steps (where the condition holds)."""
