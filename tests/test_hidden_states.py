@@ -1,0 +1,169 @@
+"""Module reads against transformers' forward hooks on the same weights.
+
+Module hooks only fire in eager engine steps, so these tests start a second server
+with --enforce-eager (and a small --max-num-batched-tokens, forcing long prompts
+through chunked prefill). Tolerance: 1e-4 absolute (float32 on both sides).
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import tracewire as tw
+from conftest import start_server
+from trace_requests import invoke, iv, run, trace
+from tracewire.v1 import intervention_pb2 as I
+from tracewire.v1 import service_pb2_grpc
+
+PROMPT = "The capital of France is"
+ATOL = 1e-4
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("eager"), "--enforce-eager", "--max-num-batched-tokens", "64")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def estub(eager):
+    with grpc.insecure_channel(eager.target) as channel:
+        yield service_pb2_grpc.TraceServiceStub(channel)
+
+
+def hf_module_outputs(hf, ids):
+    """{path: [positions, hidden]} from forward hooks on the transformers model."""
+    model = hf.model.model
+    found, handles = {}, []
+
+    def keep(path):
+        def hook(module, args, output):
+            found[path] = (output[0] if isinstance(output, tuple) else output)[0].detach().clone()
+        return hook
+
+    modules = {"embed_tokens": model.embed_tokens, "norm": model.norm}
+    for i, layer in enumerate(model.layers):
+        modules.update({f"layers.{i}": layer, f"layers.{i}.mlp": layer.mlp, f"layers.{i}.self_attn": layer.self_attn})
+    for path, module in modules.items():
+        handles.append(module.register_forward_hook(keep(path)))
+    try:
+        with torch.no_grad():
+            hf.model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: v.numpy() for k, v in found.items()}
+
+
+def prompt_read(module, **positions):
+    sel = I.Positions(**positions) if positions else I.Positions(all_prompt=I.AllPrompt())
+    return I.ReadModule(module=module, positions=sel)
+
+
+def test_every_module_at_every_prompt_position(estub, hf):
+    paths = ["embed_tokens", "layers.0", "layers.0.self_attn", "layers.2.mlp", "layers.3", "norm"]
+    result = run(estub, trace(invoke(PROMPT, *[iv(p, read_module=prompt_read(p)) for p in paths]),
+                              max_tokens=2, **GREEDY))
+    ref = hf_module_outputs(hf, hf.encode(PROMPT))
+    for path in paths:
+        (value,) = result.values(path)
+        assert value.shape == ref[path].shape, path
+        np.testing.assert_allclose(value, ref[path], atol=ATOL, err_msg=path)
+        positions = result.seq()[0].values[path].positions
+        assert list(np.frombuffer(positions.data, "<i4")) == list(range(len(hf.encode(PROMPT))))
+
+
+def test_layer_reads_at_each_generated_step(estub, hf):
+    result = run(estub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="layers.2")),
+                                     iv("last", read_module=I.ReadModule(module="layers.3"))),
+                              max_tokens=4, **GREEDY))
+    ids = hf.encode(PROMPT)
+    tokens = result.tokens()
+    assert tokens == hf.greedy(ids, 4)
+    for step in range(4):
+        ref = hf_module_outputs(hf, ids + tokens[:step])
+        np.testing.assert_allclose(result.values("h")[step], ref["layers.2"][-1], atol=ATOL)
+        np.testing.assert_allclose(result.values("last")[step], ref["layers.3"][-1], atol=ATOL)
+
+
+def test_position_selections_and_mean(estub, hf):
+    ids = hf.encode(PROMPT)
+    ref = hf_module_outputs(hf, ids)["layers.1"]
+    result = run(estub, trace(invoke(
+        PROMPT,
+        iv("range", read_module=prompt_read("layers.1", prompt_range=I.PositionRange(start=1, stop=-1))),
+        iv("list", read_module=prompt_read("layers.1", prompt_list=I.PositionList(positions=[-1, 0]))),
+        iv("mean", read_module=I.ReadModule(module="layers.1", positions=I.Positions(all_prompt=I.AllPrompt()),
+                                            reduction=I.REDUCTION_MEAN)),
+        iv("all", read_module=I.ReadModule(module="layers.1", positions=I.Positions(all=I.AllPositions()))),
+    ), max_tokens=2, **GREEDY))
+    np.testing.assert_allclose(result.values("range")[0], ref[1:-1], atol=ATOL)
+    np.testing.assert_allclose(result.values("list")[0], ref[[0, len(ids) - 1]], atol=ATOL)
+    np.testing.assert_allclose(result.values("mean")[0], ref.mean(0), atol=ATOL)
+    assert len(result.values("mean")) == 1  # prompt reads happen once, at step 0
+    prompt_rows, new_token = result.values("all")
+    np.testing.assert_allclose(prompt_rows, ref, atol=ATOL)
+    step1 = hf_module_outputs(hf, ids + result.tokens()[:1])["layers.1"][-1]
+    np.testing.assert_allclose(new_token, step1, atol=ATOL)
+
+
+def test_chunked_prefill_and_prefix_cache_give_the_same_reads(estub, hf):
+    """A 300-token prompt runs in 64-token chunks; the second run would hit the prefix
+    cache, which prompt reads must not skip."""
+    text = " ".join(["The capital of France is Paris."] * 50)
+    ids = hf.encode(text)
+    assert 64 * 3 < len(ids) < 500
+    ref = hf_module_outputs(hf, ids)["layers.2"]
+    for _ in range(2):
+        result = run(estub, trace(invoke(ids, iv("h", read_module=prompt_read("layers.2"))), max_tokens=1, **GREEDY))
+        (value,) = result.values("h")
+        np.testing.assert_allclose(value, ref, atol=5e-4)
+
+
+def test_concurrent_module_reads_stay_in_their_rows(estub, hf):
+    import concurrent.futures
+
+    prompts = [PROMPT, "The capital of Japan is", "Once upon a time", "Monday, Tuesday,"]
+
+    def one(p):
+        read = iv("h", read_module=I.ReadModule(module="layers.1"))
+        return run(estub, trace(invoke(p, read), max_tokens=3, **GREEDY))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, prompts))
+    for p, res in zip(prompts, results, strict=True):
+        ids = hf.encode(p)
+        for step, value in enumerate(res.values("h")):
+            ref = hf_module_outputs(hf, ids + res.tokens()[:step])["layers.1"][-1]
+            np.testing.assert_allclose(value, ref, atol=ATOL, err_msg=f"{p} step {step}")
+
+
+def test_sdk_module_reads(eager, hf):
+    client = tw.Client(eager.target, timeout=120)
+    with client.trace(PROMPT, max_tokens=3, **GREEDY) as tracer:
+        prompt_rows = tracer.iter[0].module("layers.3", positions="prompt").save()
+        new = tracer.all().module("layers.3").save()
+    ids = hf.encode(PROMPT)
+    np.testing.assert_allclose(prompt_rows.value, hf_module_outputs(hf, ids)["layers.3"], atol=ATOL)
+    assert len(new) == 3 and new[0].shape == (hf.model.config.hidden_size,)
+
+
+def test_bad_module_reads(estub, stub):
+    with pytest.raises(grpc.RpcError) as info:
+        run(estub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="layers.99")))))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "invokes[0].interventions[0].read_module.module" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        run(estub, trace(invoke(PROMPT, iv("h", read_module=prompt_read(
+            "layers.0", prompt_list=I.PositionList(positions=[2, 50]))))))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "read_module.positions.prompt_list.positions[1]" in info.value.details()
+    # The session server runs compiled: module reads are refused, never silently empty.
+    with pytest.raises(grpc.RpcError) as info:
+        run(stub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="layers.0")))))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--enforce-eager" in info.value.details()
