@@ -167,3 +167,40 @@ def test_bad_module_reads(estub, stub):
         run(stub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="layers.0")))))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enforce-eager" in info.value.details()
+
+
+def hf_lens(hf, stream):
+    with torch.no_grad():
+        logits = hf.model.lm_head(hf.model.model.norm(torch.from_numpy(stream)))
+    return torch.log_softmax(logits.float(), -1)
+
+
+def test_logit_lens_equals_norm_and_lm_head_on_transformers_states(estub, hf):
+    ids = hf.encode(PROMPT)
+    lens = I.ReadLogitLens(layers=[0, 2, -1], positions=I.Positions(all_prompt=I.AllPrompt()), top_k=5)
+    step_lens = I.ReadLogitLens(layers=[1], top_k=0)
+    result = run(estub, trace(invoke(PROMPT, iv("lens", read_logit_lens=lens), iv("step", read_logit_lens=step_lens)),
+                              max_tokens=3, **GREEDY))
+    ref = hf_module_outputs(hf, ids)
+    (values,), (token_ids,) = result.values("lens"), result.ids("lens")
+    assert values.shape == token_ids.shape == (3, len(ids), 5)
+    for k, layer in enumerate([0, 2, 3]):
+        expected = hf_lens(hf, ref[f"layers.{layer}"])
+        top = torch.topk(expected, 5, dim=-1)
+        np.testing.assert_array_equal(token_ids[k], top.indices.numpy())
+        np.testing.assert_allclose(values[k], top.values.numpy(), atol=1e-3)
+    # the last layer's lens at the last position is the model's own next-token logprobs
+    final = torch.log_softmax(hf.next_logits(ids), -1)
+    np.testing.assert_allclose(values[2, -1], torch.topk(final, 5).values.numpy(), atol=1e-3)
+    # full rows at the new token of each step
+    for step, row in enumerate(result.values("step")):
+        assert row.shape == (1, 1, hf.model.config.vocab_size)
+        stream = hf_module_outputs(hf, ids + result.tokens()[:step])["layers.1"][-1:]
+        np.testing.assert_allclose(row[0], hf_lens(hf, stream).numpy(), atol=1e-3)
+
+
+def test_logit_lens_bad_layers(estub):
+    with pytest.raises(grpc.RpcError) as info:
+        run(estub, trace(invoke(PROMPT, iv("l", read_logit_lens=I.ReadLogitLens(layers=[4])))))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "read_logit_lens.layers[0]" in info.value.details()

@@ -110,7 +110,7 @@ class _Compiler:
             max_tokens = kwargs.get("max_tokens", DEFAULT_MAX_TOKENS)
             self.prompt_len = len(prompt.token_ids)
             ops = self.ops(invoke.interventions, f"{field}.interventions", max_tokens)
-            if any(isinstance(op.action, P.ReadModule) and op.action.positions.kind != "new_token" for op in ops):
+            if any(isinstance(op.action, P.HIDDEN_READS) and op.action.positions.kind != "new_token" for op in ops):
                 # Prompt positions served from the prefix cache never run through the
                 # model: compute them again for this request.
                 kwargs["skip_reading_prefix_cache"] = True
@@ -154,6 +154,14 @@ class _Compiler:
             if action.positions.kind == "new_token" or action.mean:
                 per_step = width
             else:  # prompt positions: once, at step 0 (then the new token for "all")
+                prompt = len(action.positions.prompt_positions(self.prompt_len)) * width
+                later = width if action.positions.kind == "all" else 0
+                return prompt + later * max(0, max_tokens - 1)
+        elif isinstance(action, P.ReadLogitLens):
+            width = 8 * len(action.layers) * (action.top_k or self.limits.vocab_size)
+            if action.positions.kind == "new_token":
+                per_step = width
+            else:
                 prompt = len(action.positions.prompt_positions(self.prompt_len)) * width
                 later = width if action.positions.kind == "all" else 0
                 return prompt + later * max(0, max_tokens - 1)
@@ -278,18 +286,35 @@ class _Compiler:
             return P.Stop()
         if kind == "read_module":
             return self.read_module(iv.read_module, f)
-        if kind in ("read_logit_lens", "write_module"):
-            raise FailedPrecondition(
-                f"{f}: the logit lens and module writes are not served by this server version yet"
-            )
+        if kind == "read_logit_lens":
+            return self.read_logit_lens(iv.read_logit_lens, f)
+        if kind == "write_module":
+            raise FailedPrecondition(f"{f}: module writes are not served by this server version yet")
         raise InvalidArgument(f"{field}.action", f"unknown action {kind!r}")
 
-    def read_module(self, r: ipb.ReadModule, field: str) -> P.Action:
+    def require_eager(self, field: str) -> None:
         if not self.limits.module_interventions:
             raise FailedPrecondition(
                 f"{field}: module hooks do not run inside compiled / CUDA-graph steps; this server "
-                "runs its engine compiled. Start it with --enforce-eager to serve module reads"
+                "runs its engine compiled. Start it with --enforce-eager to serve module interventions"
             )
+
+    def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:
+        self.require_eager(field)
+        num_layers = sum(1 for m in self.limits.modules if m.startswith("layers.") and m.count(".") == 1)
+        if not r.layers:
+            raise InvalidArgument(f"{field}.layers", "name at least one layer")
+        layers = []
+        for k, layer in enumerate(r.layers):
+            if not -num_layers <= layer < num_layers:
+                raise InvalidArgument(f"{field}.layers[{k}]", f"layer {layer} is outside [0, {num_layers})")
+            layers.append(layer % num_layers)
+        positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
+        top_k = self.top_k(r.top_k, f"{field}.top_k", allow_zero=True)
+        return P.ReadLogitLens(tuple(layers), positions, top_k)
+
+    def read_module(self, r: ipb.ReadModule, field: str) -> P.Action:
+        self.require_eager(field)
         if r.module not in self.limits.modules:
             known = ", ".join(sorted(self.limits.modules, key=_module_order)[:8])
             raise InvalidArgument(

@@ -134,6 +134,18 @@ class ReadModule(msgspec.Struct, frozen=True, tag="read_module"):
     mean: bool = False
 
 
+class ReadLogitLens(msgspec.Struct, frozen=True, tag="read_logit_lens"):
+    """Final norm + lm_head on decoder layers' residual streams, as logprobs."""
+
+    layers: tuple[int, ...]  # non-negative layer indices
+    positions: Positions
+    top_k: int  # 0: full rows
+
+    def module_reads(self, name: str) -> list[tuple[str, str]]:
+        """(key, module path) of each layer whose stream this read gathers."""
+        return [(f"{name}@{layer}", f"layers.{layer}") for layer in self.layers]
+
+
 class ForceSample(msgspec.Struct, frozen=True, tag="force_sample"):
     token_id: int
 
@@ -166,13 +178,14 @@ class InjectFault(msgspec.Struct, frozen=True, tag="inject_fault"):
     message: str
 
 
-Read = Union[ReadLogits, ReadSample, ReadLogprobs, ReadModule]
+Read = Union[ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens]
 Write = Union[ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault]
 Action = Union[
     ReadLogits,
     ReadSample,
     ReadLogprobs,
     ReadModule,
+    ReadLogitLens,
     ForceSample,
     ReplaceLogits,
     AddLogits,
@@ -181,7 +194,8 @@ Action = Union[
     InjectFault,
     Stop,
 ]
-READS = (ReadLogits, ReadSample, ReadLogprobs, ReadModule)
+READS = (ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens)
+HIDDEN_READS = (ReadModule, ReadLogitLens)
 WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault)
 
 
@@ -194,7 +208,11 @@ class Op(msgspec.Struct, frozen=True):
     def selects(self, step: int) -> bool:
         """Active at `step`: selected, and reads of prompt positions only at step 0 (the
         prefill is the only time the prompt runs through the model)."""
-        if step > 0 and isinstance(self.action, ReadModule) and self.action.positions.kind not in ("new_token", "all"):
+        if (
+            step > 0
+            and isinstance(self.action, HIDDEN_READS)
+            and self.action.positions.kind not in ("new_token", "all")
+        ):
             return False
         return self.steps.contains(step)
 

@@ -201,20 +201,43 @@ def _capture(logits: torch.Tensor, rows: list[_Row]) -> list[_Captured]:
     return [_Captured(batch, j) for j in range(len(rows))]
 
 
-def _module_value(row: _Row, name: str, read: P.ReadModule) -> ReadResult:
-    """The rows a module read gathered over this step's forward passes, checked complete."""
-    chunks = row.seq.pending.pop(name, [])
+def _gathered(row: _Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:
+    """The rows one hidden read gathered over this step's forward passes (a chunked
+    prefill runs several), checked complete: [positions, hidden] and the positions."""
+    chunks = row.seq.pending.pop(key, [])
     positions = [p for chunk_positions, _ in chunks for p in chunk_positions]
-    if read.positions.kind == "new_token" or (read.positions.kind == "all" and row.seq.step > 0):
+    if positions_of.kind == "new_token" or (positions_of.kind == "all" and row.seq.step > 0):
         expected = 1
     else:
-        expected = len(read.positions.prompt_positions(len(row.seq.prompt_ids)))
+        expected = len(positions_of.prompt_positions(len(row.seq.prompt_ids)))
     if len(positions) != expected:
         raise RuntimeError(
-            f"read {name!r} of {read.module!r} saw {len(positions)} of {expected} positions "
+            f"read {key!r} of {module!r} saw {len(positions)} of {expected} positions "
             "(positions served from the prefix cache never run through the model)"
         )
-    values = torch.cat([t for _, t in chunks])
+    return torch.cat([t for _, t in chunks]), positions
+
+
+def _logit_lens_value(row: _Row, name: str, read: P.ReadLogitLens, lens: _Lens) -> ReadResult:
+    """log_softmax(lm_head(norm(stream))) per layer and position: [layers, positions, k]."""
+    streams, positions = [], []
+    for key, path in read.module_reads(name):
+        values, positions = _gathered(row, key, path, read.positions)
+        streams.append(values)
+    logprobs = lens(torch.stack(streams))  # [layers, positions, vocab]
+    if read.top_k:
+        top = torch.topk(logprobs, read.top_k, dim=-1)
+        values_np, ids = top.values.numpy(), top.indices.numpy().astype(np.int32)
+        ids_result: RawTensor | None = RawTensor.from_numpy(ids)
+    else:
+        values_np, ids_result = logprobs.numpy(), None
+    return ReadResult(
+        RawTensor.from_numpy(values_np), ids_result, positions=RawTensor.from_numpy(np.asarray(positions, np.int32))
+    )
+
+
+def _module_value(row: _Row, name: str, read: P.ReadModule) -> ReadResult:
+    values, positions = _gathered(row, name, read.module, read.positions)
     if read.mean:
         return ReadResult(RawTensor.from_numpy(values.mean(0).numpy()))
     if read.positions.kind == "new_token" or (read.positions.kind == "all" and row.seq.step > 0):
@@ -225,7 +248,7 @@ def _module_value(row: _Row, name: str, read: P.ReadModule) -> ReadResult:
     )
 
 
-def _batched_reads(fired: list[tuple[_Row, P.Op]]) -> None:
+def _batched_reads(fired: list[tuple[_Row, P.Op]], lens: _Lens | None) -> None:
     """Compute every fired read of this step, batched across rows by read kind: one
     topk / gather / log_softmax per kind instead of one per row."""
     groups: dict[tuple[Any, ...], list[tuple[_Row, P.Op]]] = {}
@@ -233,6 +256,10 @@ def _batched_reads(fired: list[tuple[_Row, P.Op]]) -> None:
         a = op.action
         if isinstance(a, P.ReadModule):
             row.values[op.name] = _module_value(row, op.name, a)
+            continue
+        if isinstance(a, P.ReadLogitLens):
+            assert lens is not None
+            row.values[op.name] = _logit_lens_value(row, op.name, a, lens)
             continue
         if isinstance(a, P.ReadSample):
             row.values[op.name] = ReadResult(RawTensor.from_numpy(np.asarray(row.token, dtype=np.int32)))
@@ -285,6 +312,24 @@ def _module_output(path: str, output: Any) -> torch.Tensor:
     return output
 
 
+class _Lens:
+    """The model's own final norm and lm_head, applied to residual streams (float32)."""
+
+    def __init__(self, model: Any, vocab_size: int) -> None:
+        self.norm = model.model.norm
+        self.weight = model.lm_head.weight
+        self.vocab_size = vocab_size
+
+    @torch.no_grad()
+    def __call__(self, streams: torch.Tensor) -> torch.Tensor:
+        device, dtype = self.weight.device, self.weight.dtype
+        flat = streams.reshape(-1, streams.shape[-1]).to(device=device, dtype=dtype)
+        normed = self.norm.forward(flat)  # .forward: not through our own hook on "norm"
+        normed = normed[0] if isinstance(normed, tuple) else normed
+        logits = (normed @ self.weight.t())[:, : self.vocab_size].float()
+        return torch.log_softmax(logits, dim=-1).reshape(*streams.shape[:-1], -1).cpu()
+
+
 def _modules(model: Any) -> dict[str, torch.nn.Module]:
     """GetModelInfo's module paths -> the modules of a vLLM decoder-only model."""
     inner = model.model
@@ -317,6 +362,7 @@ class SamplerHooks:
         self.sequences: dict[str, _Sequence | None] = {}
         self._rows: list[_Row] | None = None
         self._tokenizer: Any = None
+        self.lens: _Lens | None = None
 
     # -- installation ----------------------------------------------------------
 
@@ -350,6 +396,7 @@ class SamplerHooks:
         """Forward hooks on every addressable module; idle unless this forward pass has
         module reads (they only fire in eager steps, outside compiled graphs)."""
         self._wants: dict[str, list[_Want]] = {}
+        self.lens = _Lens(model, self.runner.model_config.get_vocab_size())
         model.register_forward_pre_hook(lambda module, args: self._plan_forward())
         for path, module in _modules(model).items():
             module.register_forward_hook(
@@ -367,7 +414,7 @@ class SamplerHooks:
             seq = self._sequence(req_id)
             if seq is None or seq.error is not None:
                 continue
-            reads = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.ReadModule)]
+            reads = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.HIDDEN_READS)]
             if not reads:
                 continue
             state = self.runner.requests[req_id]
@@ -377,7 +424,7 @@ class SamplerHooks:
             samples_now = pos0 + (last - first) >= prompt_len + len(state.output_token_ids)
             for op in reads:
                 read = op.action
-                assert isinstance(read, P.ReadModule)
+                assert isinstance(read, P.HIDDEN_READS)
                 wanted: list[int] = []
                 if seq.step == 0 and read.positions.kind != "new_token":
                     wanted = [p for p in read.positions.prompt_positions(prompt_len) if pos0 <= p < pos0 + last - first]
@@ -385,7 +432,11 @@ class SamplerHooks:
                     wanted = [pos0 + last - first - 1]
                 if wanted:
                     rows = [first + p - pos0 for p in wanted]
-                    self._wants.setdefault(read.module, []).append(_Want(seq, op.name, rows, wanted))
+                    sources = (
+                        [(op.name, read.module)] if isinstance(read, P.ReadModule) else read.module_reads(op.name)
+                    )
+                    for key, path in sources:
+                        self._wants.setdefault(path, []).append(_Want(seq, key, rows, wanted))
 
     def _module_hook(self, path: str, output: Any) -> None:
         wants = self._wants.get(path)
@@ -472,7 +523,7 @@ class SamplerHooks:
                 except Exception as e:  # noqa: BLE001 - fails this request's trace only
                     row.error = f"{type(e).__name__}: {e}"
         try:
-            _batched_reads(fired)
+            _batched_reads(fired, self.lens)
         except Exception as e:  # noqa: BLE001 - a batch failure fails the traces in it
             for row, _ in fired:
                 row.error = f"{type(e).__name__}: {e}"
