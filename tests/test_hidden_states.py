@@ -204,3 +204,95 @@ def test_logit_lens_bad_layers(estub):
         run(estub, trace(invoke(PROMPT, iv("l", read_logit_lens=I.ReadLogitLens(layers=[4])))))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "read_logit_lens.layers[0]" in info.value.details()
+
+
+def hf_steered(hf, ids, layer, edit, start):
+    """Full-forward logits at the last position with `edit(rows)` applied to layer `layer`'s
+    output at positions >= start (the positions vLLM processed as new tokens)."""
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = hidden.clone()
+        hidden[0, start:] = edit(hidden[0, start:])
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    handle = hf.model.model.layers[layer].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return hf.model(torch.tensor([ids])).logits[0, -1].float()
+    finally:
+        handle.remove()
+
+
+def steer(vector, scale=1.0, module="layers.1", **positions):
+    from trace_requests import f32
+
+    sel = I.Positions(**positions) if positions else I.Positions(new_token=I.NewToken())
+    return I.WriteModule(module=module, positions=sel, add=f32(vector), scale=scale)
+
+
+def test_steering_vector_matches_the_same_hook_in_transformers(estub, hf):
+    rng = np.random.default_rng(0)
+    vector = rng.normal(size=hf.model.config.hidden_size).astype(np.float32)
+    ids = hf.encode(PROMPT)
+    result = run(estub, trace(invoke(PROMPT, iv(write_module=steer(vector, scale=4.0)),
+                                     iv("raw", read_logits=I.ReadLogits(stage=I.LOGITS_STAGE_RAW, full=I.FullRow()))),
+                              max_tokens=6, **GREEDY))
+    tokens = result.tokens()
+    plain = hf.greedy(ids, 6)
+    assert tokens != plain  # the vector changes the continuation
+    seq = list(ids)
+    for step in range(6):
+        ref = hf_steered(hf, seq, 1, lambda rows: rows + 4.0 * torch.from_numpy(vector), len(ids) - 1)
+        np.testing.assert_allclose(result.values("raw")[step], ref.numpy(), atol=2e-3, rtol=1e-4)
+        assert tokens[step] == int(ref.argmax())  # greedy under steering matches
+        seq.append(tokens[step])
+
+
+def test_concurrent_traces_with_different_vectors_equal_their_solo_runs(estub):
+    import concurrent.futures
+
+    rng = np.random.default_rng(1)
+    vectors = [rng.normal(size=256).astype(np.float32) * s for s in (3.0, -3.0, 6.0)]
+    requests = [trace(invoke(PROMPT, iv(write_module=steer(v))), max_tokens=8, **GREEDY) for v in vectors]
+    solo = [run(estub, r).tokens() for r in requests]
+    assert len({tuple(t) for t in solo}) > 1
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(lambda r: run(estub, r).tokens(), requests * 2))
+    assert together == solo * 2
+
+
+def test_ablation_at_prompt_positions(estub, hf):
+    ids = hf.encode(PROMPT)
+    zero = I.WriteModule(module="layers.0", positions=I.Positions(prompt_list=I.PositionList(positions=[1, 2])),
+                         zero=I.ZeroAblation())
+    result = run(estub, trace(invoke(PROMPT, iv(write_module=zero),
+                                     iv("raw", read_logits=I.ReadLogits(stage=I.LOGITS_STAGE_RAW, full=I.FullRow()))),
+                              max_tokens=1, **GREEDY))
+
+    def hook(module, args, output):
+        hidden = (output[0] if isinstance(output, tuple) else output).clone()
+        hidden[0, 1:3] = 0
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    handle = hf.model.model.layers[0].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            ref = hf.model(torch.tensor([ids])).logits[0, -1].float()
+    finally:
+        handle.remove()
+    np.testing.assert_allclose(result.values("raw")[0], ref.numpy(), atol=2e-3, rtol=1e-4)
+    assert not np.allclose(result.values("raw")[0], hf.next_logits(ids).numpy(), atol=1e-2)
+
+
+def test_bad_module_writes(estub):
+    with pytest.raises(grpc.RpcError) as info:
+        run(estub, trace(invoke(PROMPT, iv(write_module=steer(np.zeros(255, np.float32))))))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "write_module.add.shape" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        run(estub, trace(invoke(PROMPT, iv(write_module=steer(np.full(256, np.nan, np.float32))))))
+    assert "write_module.add.data" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        run(estub, trace(invoke(PROMPT, iv(when=I.Condition(argmax_in=I.TokenSet(token_ids=[1])),
+                                           write_module=steer(np.zeros(256, np.float32))))))
+    assert "interventions[0].condition" in info.value.details()

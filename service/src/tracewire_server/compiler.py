@@ -207,6 +207,12 @@ class _Compiler:
                 names[name] = j
             condition = self.condition(iv.condition, f"{f}.condition") if iv.HasField(
                 "condition") else None
+            if isinstance(action, P.WriteModule) and condition is not None and not P.text_only(condition):
+                raise InvalidArgument(
+                    f"{f}.condition",
+                    "a module write acts inside the forward pass, before this step's logits exist: "
+                    "only text conditions (text_contains, text_matches) can gate it",
+                )
             if isinstance(action, P.WRITES) and P.uses_drawn_token(condition):
                 raise InvalidArgument(
                     f"{f}.condition",
@@ -289,7 +295,7 @@ class _Compiler:
         if kind == "read_logit_lens":
             return self.read_logit_lens(iv.read_logit_lens, f)
         if kind == "write_module":
-            raise FailedPrecondition(f"{f}: module writes are not served by this server version yet")
+            return self.write_module(iv.write_module, f)
         raise InvalidArgument(f"{field}.action", f"unknown action {kind!r}")
 
     def require_eager(self, field: str) -> None:
@@ -313,13 +319,29 @@ class _Compiler:
         top_k = self.top_k(r.top_k, f"{field}.top_k", allow_zero=True)
         return P.ReadLogitLens(tuple(layers), positions, top_k)
 
+    def write_module(self, w: ipb.WriteModule, field: str) -> P.Action:
+        self.require_eager(field)
+        self.module_path(w.module, f"{field}.module")
+        positions = self.positions(w.positions, f"{field}.positions") if w.HasField("positions") else P.Positions()
+        scale = w.scale if w.HasField("scale") else 1.0
+        if not math.isfinite(scale):
+            raise InvalidArgument(f"{field}.scale", "must be finite")
+        op = w.WhichOneof("op")
+        if op in ("add", "replace"):
+            vector = float_vector(getattr(w, op), self.limits.hidden_size, f"{field}.{op}")
+            return P.WriteModule(w.module, positions, op, vector.astype("<f4").tobytes(), scale)
+        if op in ("zero", "mean"):
+            return P.WriteModule(w.module, positions, op)
+        raise InvalidArgument(f"{field}.op", "set add, replace, zero or mean")
+
+    def module_path(self, path: str, field: str) -> None:
+        if path not in self.limits.modules:
+            known = ", ".join(sorted(self.limits.modules, key=_module_order)[:8])
+            raise InvalidArgument(field, f"unknown module {path!r}; GetModelInfo lists them ({known}, ...)")
+
     def read_module(self, r: ipb.ReadModule, field: str) -> P.Action:
         self.require_eager(field)
-        if r.module not in self.limits.modules:
-            known = ", ".join(sorted(self.limits.modules, key=_module_order)[:8])
-            raise InvalidArgument(
-                f"{field}.module", f"unknown module {r.module!r}; GetModelInfo lists them ({known}, ...)"
-            )
+        self.module_path(r.module, f"{field}.module")
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
         return P.ReadModule(r.module, positions, mean=r.reduction == ipb.REDUCTION_MEAN)
 

@@ -166,6 +166,19 @@ class MaskLogits(msgspec.Struct, frozen=True, tag="mask_logits"):
     token_ids: tuple[int, ...]
 
 
+ModuleEdit = Literal["add", "replace", "zero", "mean"]
+
+
+class WriteModule(msgspec.Struct, frozen=True, tag="write_module"):
+    """Change a module's output at positions (for decoder layers: the residual stream)."""
+
+    module: str
+    positions: Positions
+    edit: ModuleEdit
+    vector: bytes = b""  # float32 [hidden] for add / replace
+    scale: float = 1.0
+
+
 class Stop(msgspec.Struct, frozen=True, tag="stop"):
     pass
 
@@ -179,7 +192,7 @@ class InjectFault(msgspec.Struct, frozen=True, tag="inject_fault"):
 
 
 Read = Union[ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens]
-Write = Union[ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault]
+Write = Union[ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault, WriteModule]
 Action = Union[
     ReadLogits,
     ReadSample,
@@ -192,11 +205,14 @@ Action = Union[
     BiasLogits,
     MaskLogits,
     InjectFault,
+    WriteModule,
     Stop,
 ]
 READS = (ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens)
 HIDDEN_READS = (ReadModule, ReadLogitLens)
-WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault)
+HIDDEN_OPS = (ReadModule, ReadLogitLens, WriteModule)
+WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault, WriteModule)
+LOGITS_WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault)
 
 
 class Op(msgspec.Struct, frozen=True):
@@ -210,7 +226,7 @@ class Op(msgspec.Struct, frozen=True):
         prefill is the only time the prompt runs through the model)."""
         if (
             step > 0
-            and isinstance(self.action, HIDDEN_READS)
+            and isinstance(self.action, HIDDEN_OPS)
             and self.action.positions.kind not in ("new_token", "all")
         ):
             return False
@@ -268,6 +284,11 @@ def uses_drawn_token(condition: Condition | None) -> bool:
         condition,
         lambda c: isinstance(c, SampledIn) or (isinstance(c, TokenProbability) and c.token_id is None),
     )
+
+
+def text_only(condition: Condition) -> bool:
+    """Whether every leaf is a text condition (decidable before the forward pass)."""
+    return not _any_leaf(condition, lambda c: not isinstance(c, (TextContains, TextMatches)))
 
 
 def _uses_logits(condition: Condition | None) -> bool:

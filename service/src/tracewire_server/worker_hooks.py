@@ -47,6 +47,7 @@ class _Sequence:
     step: int = 0
     tokens: list[int] = field(default_factory=list)  # kept only for text conditions
     error: str | None = None
+    error_reported: bool = False
     patterns: dict[str, re.Pattern[str]] = field(default_factory=dict)
     # Module reads of the current step, gathered over its forward passes (a chunked
     # prefill runs several): read name -> [(positions, [rows, hidden] float32)].
@@ -312,6 +313,29 @@ def _module_output(path: str, output: Any) -> torch.Tensor:
     return output
 
 
+def _edit_module_output(path: str, output: Any, edits: list[tuple[list[int], P.WriteModule, _Sequence]]) -> None:
+    """Apply module writes in place. For decoder layers the edit is to the residual stream
+    (hidden + residual): only `hidden` changes, so the stream becomes what was asked."""
+    is_layer = isinstance(output, tuple) and path.startswith("layers.") and path.count(".") == 1
+    target = output[0] if isinstance(output, tuple) else output
+    residual = output[1] if is_layer and output[1] is not None else None
+    for rows, edit, _ in edits:
+        index = torch.tensor(rows, dtype=torch.long, device=target.device)
+        stream = target[index] + (residual[index] if residual is not None else 0)
+        if edit.edit == "add":
+            vector = torch.from_numpy(np.frombuffer(edit.vector, dtype="<f4").copy()).to(target)
+            new_stream = stream + edit.scale * vector
+        elif edit.edit == "replace":
+            vector = torch.from_numpy(np.frombuffer(edit.vector, dtype="<f4").copy()).to(target)
+            new_stream = vector.expand_as(stream)
+        elif edit.edit == "zero":
+            new_stream = torch.zeros_like(stream)
+        else:  # mean over the selected positions
+            new_stream = stream.mean(0, keepdim=True).expand_as(stream)
+        new_target = new_stream - (residual[index] if residual is not None else 0)
+        target.index_copy_(0, index, new_target.to(target.dtype))
+
+
 class _Lens:
     """The model's own final norm and lm_head, applied to residual streams (float32)."""
 
@@ -396,16 +420,25 @@ class SamplerHooks:
         """Forward hooks on every addressable module; idle unless this forward pass has
         module reads (they only fire in eager steps, outside compiled graphs)."""
         self._wants: dict[str, list[_Want]] = {}
+        self._edits = {}
         self.lens = _Lens(model, self.runner.model_config.get_vocab_size())
-        model.register_forward_pre_hook(lambda module, args: self._plan_forward())
+        model.register_forward_pre_hook(lambda module, args: self._plan_forward_safely())
         for path, module in _modules(model).items():
             module.register_forward_hook(
                 lambda module, args, output, path=path: self._module_hook(path, output)
             )
 
+    def _plan_forward_safely(self) -> None:
+        try:
+            self._plan_forward()
+        except Exception:  # noqa: BLE001 - never break vLLM's forward pass
+            log.exception("planning module hooks failed; no module interventions this step")
+            self._wants, self._edits = {}, {}
+
     def _plan_forward(self) -> None:
-        """Map this forward pass's flat token rows to the module reads they serve."""
+        """Map this forward pass's flat token rows to the module reads and writes they serve."""
         self._wants = {}
+        self._edits: dict[str, list[tuple[list[int], P.WriteModule, _Sequence]]] = {}
         batch = self.runner.input_batch
         req_ids = batch.req_ids
         starts = self.runner.query_start_loc.np
@@ -414,7 +447,7 @@ class SamplerHooks:
             seq = self._sequence(req_id)
             if seq is None or seq.error is not None:
                 continue
-            reads = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.HIDDEN_READS)]
+            reads = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.HIDDEN_OPS)]
             if not reads:
                 continue
             state = self.runner.requests[req_id]
@@ -424,13 +457,16 @@ class SamplerHooks:
             samples_now = pos0 + (last - first) >= prompt_len + len(state.output_token_ids)
             for op in reads:
                 read = op.action
-                assert isinstance(read, P.HIDDEN_READS)
+                assert isinstance(read, P.HIDDEN_OPS)
                 wanted: list[int] = []
                 if seq.step == 0 and read.positions.kind != "new_token":
                     wanted = [p for p in read.positions.prompt_positions(prompt_len) if pos0 <= p < pos0 + last - first]
                 elif samples_now and (read.positions.kind in ("new_token", "all")):
                     wanted = [pos0 + last - first - 1]
-                if wanted:
+                if wanted and isinstance(read, P.WriteModule):
+                    if op.condition is None or _holds(op.condition, _Context(self, _Row(-1, seq, ()), drawn=False)):
+                        self._edits.setdefault(read.module, []).append(([first + p - pos0 for p in wanted], read, seq))
+                elif wanted:
                     rows = [first + p - pos0 for p in wanted]
                     sources = (
                         [(op.name, read.module)] if isinstance(read, P.ReadModule) else read.module_reads(op.name)
@@ -439,13 +475,21 @@ class SamplerHooks:
                         self._wants.setdefault(path, []).append(_Want(seq, key, rows, wanted))
 
     def _module_hook(self, path: str, output: Any) -> None:
+        """Never raises into vLLM's forward pass: a failure fails the traces involved."""
+        edits = self._edits.get(path)
         wants = self._wants.get(path)
-        if not wants:
-            return
-        value = _module_output(path, output)
-        for want in wants:
-            rows = value[want.rows].detach().float().cpu()
-            want.seq.pending.setdefault(want.name, []).append((want.positions, rows))
+        try:
+            if edits:
+                _edit_module_output(path, output, edits)  # in place: reads below see the edit
+            if wants:
+                value = _module_output(path, output)
+                for want in wants:
+                    rows = value[want.rows].detach().float().cpu()
+                    want.seq.pending.setdefault(want.name, []).append((want.positions, rows))
+        except Exception as e:  # noqa: BLE001
+            log.exception("module hook on %s failed", path)
+            for seq in [w.seq for w in wants or ()] + [seq for _, _, seq in edits or ()]:
+                seq.error = seq.error or f"{type(e).__name__} in {path}: {e}"
 
     # -- per step --------------------------------------------------------------
 
@@ -474,11 +518,14 @@ class SamplerHooks:
         rows = []
         for i, req_id in enumerate(req_ids):
             seq = self._sequence(req_id)
-            if seq is None or seq.error is not None:
+            if seq is None or seq.error_reported:
                 continue
             if discard_np is not None and discard_np[i]:
                 continue  # mid-prefill: vLLM throws this sample away
-            rows.append(_Row(i, seq, seq.plan.active_at(seq.step)))
+            row = _Row(i, seq, seq.plan.active_at(seq.step))
+            if seq.error is not None:  # failed in a module hook: report it on this step
+                row.ops, row.error = (P.Op("error", P.StepSet(), None, P.Stop()),), seq.error
+            rows.append(row)
         return rows
 
     def _capture_raw(self, rows: list[_Row], logits: torch.Tensor) -> None:
@@ -495,7 +542,7 @@ class SamplerHooks:
                 wrote = False
                 ctx = _Context(self, row, drawn=False)
                 for op in row.ops:
-                    if isinstance(op.action, P.WRITES):
+                    if isinstance(op.action, P.LOGITS_WRITES):
                         if op.condition is not None and row.processed is None:
                             (row.processed,) = _capture(logits, [row])
                         # Conditions see the row as vLLM made it, before any of our writes.
@@ -531,7 +578,7 @@ class SamplerHooks:
             seq = row.seq
             if row.ops:
                 if row.error is not None:
-                    seq.error = row.error  # no more work for this request
+                    seq.error, seq.error_reported = row.error, True  # no more work for this request
                 records.append(
                     StepRecord(
                         key=seq.plan.key,
