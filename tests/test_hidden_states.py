@@ -296,3 +296,39 @@ def test_bad_module_writes(estub):
         run(estub, trace(invoke(PROMPT, iv(when=I.Condition(argmax_in=I.TokenSet(token_ids=[1])),
                                            write_module=steer(np.zeros(256, np.float32))))))
     assert "interventions[0].condition" in info.value.details()
+
+
+def test_sdk_steering_and_logit_lens(eager, hf):
+    client = tw.Client(eager.target, timeout=120)
+    vector = np.random.default_rng(2).normal(size=256).astype(np.float32)
+    with client.trace(PROMPT, max_tokens=4, **GREEDY) as steered:
+        steered.all().module("layers.1").add(vector, scale=4.0)
+    with client.trace(PROMPT, max_tokens=4, **GREEDY) as raw_trace:
+        raw_trace.all().module("layers.1").add(vector * 4.0)
+    assert steered.result.outputs[0].token_ids == raw_trace.result.outputs[0].token_ids
+    assert steered.result.outputs[0].token_ids != hf.greedy(hf.encode(PROMPT), 4)
+    with client.trace(PROMPT, max_tokens=1, **GREEDY) as tracer:
+        lens = tracer.iter[0].logit_lens([3], positions="prompt", top_k=2).save()
+        tracer.iter[0].module("layers.0", positions=[0]).zero()
+        tracer.iter[0].module("layers.0", positions=[0]).mean_ablate()  # no-op on one position
+    assert lens.value.ids.shape == (1, len(hf.encode(PROMPT)), 2)
+
+
+def test_cli_logit_lens_table(eager, hf):
+    import json
+    import subprocess
+    import sys
+
+    run_cli = subprocess.run([sys.executable, "-m", "tracewire.cli", "--target", eager.target, "lens", PROMPT,
+                              "--layers", "1,3", "--json"], capture_output=True, text=True, timeout=120)
+    assert run_cli.returncode == 0, run_cli.stderr
+    table = json.loads(run_cli.stdout)
+    ids = hf.encode(PROMPT)
+    assert [p for p in table["positions"]] == [hf.tokenizer.decode([t]) for t in ids]
+    final = table["layers"][1]["top"][-1]
+    expected = int(hf.next_logits(ids).argmax())
+    assert final["token"] == hf.tokenizer.decode([expected])  # the last layer's lens = the model
+    text = subprocess.run([sys.executable, "-m", "tracewire.cli", "--target", eager.target, "lens", PROMPT],
+                          capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0 and text.stdout.splitlines()[0].startswith("layer")
+    assert len(text.stdout.splitlines()) == 1 + hf.model.config.num_hidden_layers

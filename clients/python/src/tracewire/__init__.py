@@ -24,7 +24,7 @@ from .errors import (
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling import SAMPLING_KEYWORDS
 from .tokenizer import RemoteTokenizer
-from .tracing import Invoke, Logprobs, Saved, Step, StepView, TopK, Tracer, TraceWarning
+from .tracing import Invoke, Logprobs, ModuleRef, Saved, Step, StepView, TopK, Tracer, TraceWarning
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ __all__ = [
     "Condition",
     "Invoke",
     "Logprobs",
+    "ModuleRef",
     "Saved",
     "Step",
     "StepView",

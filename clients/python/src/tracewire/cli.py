@@ -3,6 +3,7 @@
     tracewire generate "The capital of France is" --max-tokens 8
     tracewire trace "The capital of France is" --top-k 5 --max-tokens 16
     tracewire trace "..." --json            # one JSON object per step, then the result
+    tracewire lens "The capital of France is"        # logit lens table (server: --enforce-eager)
     tracewire tokenize " Berlin"
 
 The server address comes from --target or $TRACEWIRE_TARGET (default 127.0.0.1:50051).
@@ -83,6 +84,33 @@ def _trace(client: Client, args: argparse.Namespace) -> None:
         print(f"warning: {w}", file=sys.stderr)
 
 
+def _lens(client: Client, args: argparse.Namespace) -> None:
+    """The logit lens at every prompt position: each layer's top guess for the next token."""
+    info = client.model_info()
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else list(range(info.num_layers))
+    with client.trace(args.prompt, max_tokens=1, temperature=0.0) as tracer:
+        lens = tracer.iter[0].logit_lens(layers, positions="prompt", top_k=1).save("lens")
+    top = lens.value
+    ids = client.tokenizer.encode(args.prompt)
+    decode = _TokenText(client)
+    if args.json:
+        print(json.dumps({
+            "positions": [decode(t) for t in ids],
+            "layers": [{"layer": layer, "top": [{"token": decode(int(top.ids[k, p, 0])),
+                                                 "p": math.exp(float(top.values[k, p, 0]))}
+                                                for p in range(len(ids))]}
+                       for k, layer in enumerate(layers)],
+        }))
+        return
+    width = 14
+    print("layer " + "".join(f"{decode(t)!r:<{width}.{width}}" for t in ids))
+    for k, layer in enumerate(layers):
+        cells = (
+            f"{decode(int(top.ids[k, p, 0]))!r} {math.exp(float(top.values[k, p, 0])):.2f}" for p in range(len(ids))
+        )
+        print(f"{layer:>5} " + "".join(f"{c:<{width}.{width}}" for c in cells))
+
+
 def _tokenize(client: Client, args: argparse.Namespace) -> None:
     ids = client.tokenizer.encode(args.text)
     if args.json:
@@ -128,6 +156,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("prompt")
     t.add_argument("--top-k", type=int, default=5, dest="top_k", help="alternatives shown per step")
     sampling_flags(t)
+    lens = sub.add_parser("lens", help="the logit lens at every prompt position (server needs --enforce-eager)")
+    lens.add_argument("prompt")
+    lens.add_argument("--layers", help="comma-separated layer indices (default: all)")
+    lens.add_argument("--json", action="store_true")
     k = sub.add_parser("tokenize", help="token ids of a text")
     k.add_argument("text")
     k.add_argument("--json", action="store_true")
@@ -138,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         with Client(args.target, timeout=args.timeout) as client:
-            {"generate": _generate, "trace": _trace, "tokenize": _tokenize}[args.command](client, args)
+            commands = {"generate": _generate, "trace": _trace, "lens": _lens, "tokenize": _tokenize}
+            commands[args.command](client, args)
     except TracewireError as e:
         where = f" (field {e.field})" if e.field else ""
         print(f"tracewire: {e.code.name}{where}: {e.message}", file=sys.stderr)

@@ -284,33 +284,65 @@ class StepView:
 
         return _Read(self, build, _Decode.logprobs)
 
-    def module(
-        self, path: str, *, positions: str | slice | Sequence[int] = "new", mean: bool = False
-    ) -> _Read:
-        """A module's output (for decoder layers "layers.i": the residual stream after it).
+    def module(self, path: str, *, positions: str | slice | Sequence[int] = "new", mean: bool = False) -> ModuleRef:
+        """A module's output (for decoder layers "layers.i": the residual stream after it),
+        to `.save()` or to write (`.add(vector, scale)`, `.replace(vector)`, `.zero()`,
+        `.mean_ablate()`).
 
         positions: "new" (the token processed at each step: [hidden] per step), "prompt"
         (every prompt position, at step 0: [positions, hidden]), "all" (the prompt at step
         0, then the new token), a slice or a list of prompt positions (negative counts
-        from the end). mean=True averages over the positions server-side.
+        from the end). mean=True averages a read over the positions server-side.
         Needs a server started with --enforce-eager.
         """
+        return ModuleRef(self, path, _positions(positions), mean)
+
+    def logit_lens(
+        self, layers: int | Sequence[int], *, positions: str | slice | Sequence[int] = "new", top_k: int = 5
+    ) -> _Read:
+        """Final norm + lm_head on these layers' residual streams: per step a `TopK` of
+        [layers, positions, k] logprobs and ids (top_k=0: full [layers, positions, vocab])."""
         selected = _positions(positions)
+        layer_list = [layers] if isinstance(layers, int) else [int(x) for x in layers]
 
         def build(iv: ipb.Intervention) -> None:
-            iv.read_module.CopyFrom(
-                ipb.ReadModule(
-                    module=path,
-                    positions=selected,
-                    reduction=ipb.REDUCTION_MEAN if mean else ipb.REDUCTION_UNSPECIFIED,
-                )
-            )
+            iv.read_logit_lens.CopyFrom(ipb.ReadLogitLens(layers=layer_list, positions=selected, top_k=top_k))
 
-        return _Read(self, build, _Decode.logits)
+        return _Read(self, build, _Decode.top_k if top_k else _Decode.logits)
 
     def stop(self) -> None:
         """End the sequence at the first of these steps (where the condition holds)."""
         self._write(stop=ipb.Stop())
+
+
+class ModuleRef(_Read):
+    """`view.module(path)`: read it (`.save()`) or change it for the selected steps."""
+
+    def __init__(self, view: StepView, path: str, positions: ipb.Positions, mean: bool) -> None:
+        self._path, self._selected = path, positions
+
+        def build(iv: ipb.Intervention) -> None:
+            reduction = ipb.REDUCTION_MEAN if mean else ipb.REDUCTION_UNSPECIFIED
+            iv.read_module.CopyFrom(ipb.ReadModule(module=path, positions=positions, reduction=reduction))
+
+        super().__init__(view, build, _Decode.logits)
+
+    def _edit(self, **op: Any) -> None:
+        self._view._write(write_module=ipb.WriteModule(module=self._path, positions=self._selected, **op))
+
+    def add(self, vector: Any, scale: float = 1.0) -> None:
+        """Add scale * vector ([hidden]) at the positions: a steering vector."""
+        self._edit(add=from_numpy(vector), scale=float(scale))
+
+    def replace(self, vector: Any) -> None:
+        self._edit(replace=from_numpy(vector))
+
+    def zero(self) -> None:
+        self._edit(zero=ipb.ZeroAblation())
+
+    def mean_ablate(self) -> None:
+        """Set each selected position to the mean over the selected positions."""
+        self._edit(mean=ipb.MeanAblation())
 
 
 class _Iter:
@@ -529,4 +561,4 @@ class Tracer(Invoke):
             self.run()
 
 
-__all__ = ["Invoke", "Logprobs", "Saved", "Step", "StepView", "TopK", "TraceWarning", "Tracer"]
+__all__ = ["Invoke", "Logprobs", "ModuleRef", "Saved", "Step", "StepView", "TopK", "TraceWarning", "Tracer"]
