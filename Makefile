@@ -76,6 +76,7 @@ lint: setup
 
 bench: setup
 	$(PY) bench/trace_overhead.py
+	$(PY) bench/trace_overhead.py --hidden
 
 clean:
 	rm -rf build

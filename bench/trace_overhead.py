@@ -52,6 +52,8 @@ async def timed(concurrency: int, rounds: int, one) -> float:
 
 ROWS = ("trace, no interventions", "top-20 logits every step", "full logits every step",
         "forced token at step 0")
+# --hidden: module hooks need eager engines (both engines run --enforce-eager then).
+HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step")
 
 
 async def raw_engine(model: str, new_tokens: int):
@@ -76,10 +78,18 @@ async def raw_engine(model: str, new_tokens: int):
 
 
 def trace_request(kind: str, prompt: str, new_tokens: int):
+    import numpy as np
     from tracewire.v1 import intervention_pb2 as I
-    from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, trace_pb2
+    from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, tensor_pb2, trace_pb2
 
+    vector = np.full(HIDDEN_SIZE[0], 0.01, dtype="<f4")
+    steer = I.WriteModule(
+        module="layers.1",
+        add=tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[vector.size], data=vector.tobytes()),
+    )
     ivs = {
+        "layer read every step": [I.Intervention(name="h", read_module=I.ReadModule(module="layers.1"))],
+        "steering write every step": [I.Intervention(write_module=steer)],
         "trace, no interventions": [],
         "top-20 logits every step": [I.Intervention(name="t", read_logits=I.ReadLogits(top_k=I.TopK(k=20)))],
         "full logits every step": [I.Intervention(name="f", read_logits=I.ReadLogits(full=I.FullRow()))],
@@ -105,7 +115,10 @@ def start_server(model: str) -> tuple[subprocess.Popen[bytes], int]:
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
 
 
-async def tracewire_clients(port: int, new_tokens: int):
+HIDDEN_SIZE = [0]  # set from GetModelInfo
+
+
+async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...]):
     """One request function per tracewire row, all through gRPC from this process."""
     import grpc
     from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, service_pb2_grpc
@@ -114,7 +127,8 @@ async def tracewire_clients(port: int, new_tokens: int):
     stub = service_pb2_grpc.TraceServiceStub(channel)
     for _ in range(600):
         try:
-            await stub.GetModelInfo(service_pb2.GetModelInfoRequest(), timeout=2)
+            info = await stub.GetModelInfo(service_pb2.GetModelInfoRequest(), timeout=2)
+            HIDDEN_SIZE[0] = info.hidden_size
             break
         except grpc.aio.AioRpcError:
             await asyncio.sleep(1)
@@ -133,15 +147,15 @@ async def tracewire_clients(port: int, new_tokens: int):
             return steps
         return one
 
-    return channel, {"Generate": generate, **{kind: traced(kind) for kind in ROWS}}
+    return channel, {"Generate": generate, **{kind: traced(kind) for kind in rows}}
 
 
-async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int):
+async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int, rows_kinds: tuple[str, ...]):
     """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
     the median of `repeats` per cell."""
     server, port = start_server(model)
     try:
-        channel, rows = await tracewire_clients(port, new_tokens)
+        channel, rows = await tracewire_clients(port, new_tokens, rows_kinds)
         llm, raw = await raw_engine(model, new_tokens)
         fns = {"raw vLLM AsyncLLM": raw, **rows}
         samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in fns}
@@ -173,6 +187,8 @@ def main() -> int:
     parser.add_argument("--model", default=str(ROOT / "models" / "tracewire-tiny"))
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--hidden", action="store_true",
+                        help="hidden-state rows (layer read, steering write) on eager engines")
     parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency slot")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per cell (median)")
@@ -189,14 +205,17 @@ def main() -> int:
             ENGINE[key] = raw_value
     levels = [int(c) for c in args.concurrency.split(",")]
 
-    rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens))
+    if args.hidden:
+        ENGINE["enforce_eager"] = True
+    kinds = HIDDEN_ROWS if args.hidden else ROWS
+    rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens, kinds))
     raw = rows["raw vLLM AsyncLLM"]
 
     import vllm
 
     now = dt.datetime.now(dt.UTC)
     result = {
-        "benchmark": "trace-overhead",
+        "benchmark": "hidden-overhead" if args.hidden else "trace-overhead",
         "date": now.isoformat(timespec="seconds"),
         "machine": {"host": platform.node(), "platform": platform.platform(),
                     "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
@@ -209,7 +228,8 @@ def main() -> int:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"trace-overhead-{now:%Y%m%d-%H%M}-{platform.node()}.json"
+    kind = "hidden" if args.hidden else "trace"
+    path = out_dir / f"{kind}-overhead-{now:%Y%m%d-%H%M}-{platform.node()}.json"
     path.write_text(json.dumps(result, indent=2))
 
     header = "| row | " + " | ".join(f"c={c} tok/s (x raw)" for c in levels) + " |"

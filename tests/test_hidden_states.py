@@ -332,3 +332,25 @@ def test_cli_logit_lens_table(eager, hf):
                           capture_output=True, text=True, timeout=120)
     assert text.returncode == 0 and text.stdout.splitlines()[0].startswith("layer")
     assert len(text.stdout.splitlines()) == 1 + hf.model.config.num_hidden_layers
+
+
+def test_nnsight_style_paths_and_n_sequences(eager, hf):
+    client = tw.Client(eager.target, timeout=120)
+    with client.trace(PROMPT, max_tokens=3, **GREEDY) as tracer:
+        a = tracer.model.layers[3].output.save()
+        b = tracer.all().module("layers.3").save()
+        mlp = tracer.iter[1].model.layers[0].mlp.output.save()
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    ids = hf.encode(PROMPT)
+    step1 = hf_module_outputs(hf, ids + tracer.result.outputs[0].token_ids[:1])["layers.0.mlp"][-1]
+    np.testing.assert_allclose(mlp.value, step1, atol=ATOL)
+    # n=2 sampled sequences: each reads its own rows
+    with client.trace("Once upon a time", max_tokens=3, temperature=2.0, seed=3, n=2, ignore_eos=True) as tracer:
+        per_seq = tracer.model.layers[2].output.save()
+    story = hf.encode("Once upon a time")
+    for seq, out in zip(per_seq, tracer.result.outputs, strict=True):
+        for step, value in enumerate(seq):
+            ref = hf_module_outputs(hf, story + out.token_ids[:step])["layers.2"][-1]
+            np.testing.assert_allclose(value, ref, atol=ATOL)
+    assert tracer.result.outputs[0].token_ids != tracer.result.outputs[1].token_ids

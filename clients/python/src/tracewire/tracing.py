@@ -297,6 +297,11 @@ class StepView:
         """
         return ModuleRef(self, path, _positions(positions), mean)
 
+    @property
+    def model(self) -> _ModuleProxy:
+        """`view.model.layers[i].output` reads / writes layer i's output at the new token."""
+        return _ModuleProxy(self)
+
     def logit_lens(
         self, layers: int | Sequence[int], *, positions: str | slice | Sequence[int] = "new", top_k: int = 5
     ) -> _Read:
@@ -345,6 +350,26 @@ class ModuleRef(_Read):
         self._edit(mean=ipb.MeanAblation())
 
 
+class _ModuleProxy:
+    """nnsight-style module paths: `view.model.layers[3].output` is `view.module("layers.3")`;
+    also `.mlp`, `.self_attn`, `model.embed_tokens`, `model.norm`."""
+
+    def __init__(self, view: StepView, path: str = "") -> None:
+        self._view, self._path = view, path
+
+    def __getattr__(self, name: str) -> _ModuleProxy:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _ModuleProxy(self._view, f"{self._path}.{name}" if self._path else name)
+
+    def __getitem__(self, index: int) -> _ModuleProxy:
+        return _ModuleProxy(self._view, f"{self._path}.{int(index)}")
+
+    @property
+    def output(self) -> ModuleRef:
+        return self._view.module(self._path)
+
+
 class _Iter:
     def __init__(self, invoke: Invoke) -> None:
         self._invoke = invoke
@@ -376,6 +401,11 @@ class Invoke:
 
     def all(self) -> StepView:
         return StepView(self, None)
+
+    @property
+    def model(self) -> _ModuleProxy:
+        """`tracer.model.layers[3].output.save()`: layer 3's output at every step's new token."""
+        return self.all().model
 
     @property
     def iter(self) -> _Iter:
