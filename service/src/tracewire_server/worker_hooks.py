@@ -1,8 +1,17 @@
-"""Worker hooks: run each request's plan inside vLLM's sampler.
+"""Worker hooks: run each request's plan inside vLLM's worker.
 
-Installed in every worker through `worker_extension_cls` + collective_rpc.
-The sampler's `forward` and `apply_logits_processors` are wrapped on the
-instance:
+Installed in every worker through `worker_extension_cls` + collective_rpc, as two
+kinds of hooks that share the per-request state (`PlanHooks`):
+
+Module hooks (eager engines only; they cannot fire inside compiled graphs): a
+forward pre-hook on the model maps this forward pass's flat [tokens, hidden]
+rows to requests (query_start_loc, computed tokens); forward hooks on each
+addressable module then apply that step's module writes in place and copy out
+the rows its module reads and logit-lens reads select. Values gathered over a
+chunked prefill's several passes are joined at the step's sample.
+
+Sampler hooks: the sampler's `forward` and `apply_logits_processors` are wrapped
+on the instance:
 
     forward(logits)                       <- raw logits captured here
       apply_logits_processors(logits)     <- vLLM's processing (bias, penalties, ...)
@@ -82,7 +91,7 @@ class _Row:
 class _Context:
     """What a condition can look at for one row at one step."""
 
-    def __init__(self, hooks: SamplerHooks, row: _Row, drawn: bool) -> None:
+    def __init__(self, hooks: PlanHooks, row: _Row, drawn: bool) -> None:
         self.hooks, self.row, self.drawn = hooks, row, drawn
         self._logprobs: torch.Tensor | None = None
 
@@ -376,7 +385,7 @@ class _Want:
     positions: list[int]
 
 
-class SamplerHooks:
+class PlanHooks:
     """Owns the per-request plans and wraps one model runner's sampler."""
 
     def __init__(self, runner: Any, sender: Sender | None, fault_injection: bool) -> None:
@@ -632,7 +641,7 @@ class TracewireWorkerExtension:
             )
         rank = getattr(self, "rank", 0)
         sender = Sender(address) if rank == 0 else None
-        hooks = SamplerHooks(runner, sender, fault_injection)
+        hooks = PlanHooks(runner, sender, fault_injection)
         hooks.install(runner.sampler)
         if runner.model_config.enforce_eager:  # hooks cannot fire inside compiled graphs
             hooks.install_module_hooks(runner.model)
