@@ -133,8 +133,8 @@ class TraceRun:
         if seq.plan is not None:
             records = asyncio.Queue()
             self.receiver.register(seq.plan.key, records.put_nowait)
-        text = TextTracker(lambda ids: self.engine.decode(ids, skip_special_tokens=skip_special))
         skip_special = seq.sampling.get("skip_special_tokens", True)
+        text = TextTracker(lambda ids: self.engine.decode(ids, skip_special_tokens=skip_special))
         completion = output_pb2.CompletionOutput(index=seq.sequence_index)
         vllm_text: list[str] = []
         first: Any = None

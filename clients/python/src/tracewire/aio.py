@@ -53,12 +53,7 @@ class AsyncTracer(Tracer):
         self._client = client
 
     async def astream(self) -> AsyncIterator[Step]:
-        self._check_open()
-        request = self.request()
-        self._sent = True
-        for inv in self._invokes:
-            inv._prepare()
-        call = self._client._stub.Trace(request, timeout=self._client.timeout)
+        call = self._client._stub.Trace(self.start(), timeout=self._client.timeout)
         try:
             async for event in call:
                 for step in self.handle(event):

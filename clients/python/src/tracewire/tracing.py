@@ -554,14 +554,19 @@ class Tracer(Invoke):
 
     # -- running ---------------------------------------------------------------
 
-    def events(self) -> Iterator[Step]:
-        """Send the trace and yield each step as it arrives; results fill in meanwhile."""
+    def start(self) -> service_pb2.TraceRequest:
+        """The request to send; from now on the trace is closed to changes and its saved
+        values are empty, ready to fill from `handle`."""
         self._check_open()
         request = self.request()
         self._sent = True
         for inv in self._invokes:
             inv._prepare()
-        for event in self._runner(request):
+        return request
+
+    def events(self) -> Iterator[Step]:
+        """Send the trace and yield each step as it arrives; results fill in meanwhile."""
+        for event in self._runner(self.start()):
             yield from self.handle(event)
 
     def handle(self, event: service_pb2.TraceResponse) -> Iterator[Step]:
