@@ -81,6 +81,7 @@ async def serve(config: ServerConfig) -> int:
     except BaseException:
         await server.stop(0)
         raise
+    engine_died = False
     if not stop.is_set():
         servicer.engine = engine
         await set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -90,7 +91,10 @@ async def serve(config: ServerConfig) -> int:
             address,
             time.monotonic() - started,
         )
+        watcher = asyncio.create_task(_watch_engine(engine, stop))
         await stop_task
+        engine_died = watcher.done() and watcher.result()
+        watcher.cancel()
 
     log.info("draining: refusing new calls, %.0f s grace for in-flight ones", config.grace_seconds)
     # Keep the server up while in-flight calls finish, so that health checks on open
@@ -104,4 +108,16 @@ async def serve(config: ServerConfig) -> int:
     await server.stop(0)
     engine.shutdown()
     log.info("tracewire stopped")
-    return 0
+    return 1 if engine_died else 0
+
+
+async def _watch_engine(engine: Engine, stop: asyncio.Event) -> bool:
+    """A dead engine cannot come back: report it and stop the server (exit 1), so that
+    health checks and orchestrators see it instead of a SERVING shell."""
+    while not stop.is_set():
+        if engine.errored:
+            log.error("the vLLM engine has died; stopping the server")
+            stop.set()
+            return True
+        await asyncio.sleep(1.0)
+    return False
