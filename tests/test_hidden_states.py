@@ -354,3 +354,24 @@ def test_nnsight_style_paths_and_n_sequences(eager, hf):
             ref = hf_module_outputs(hf, story + out.token_ids[:step])["layers.2"][-1]
             np.testing.assert_allclose(value, ref, atol=ATOL)
     assert tracer.result.outputs[0].token_ids != tracer.result.outputs[1].token_ids
+
+
+def test_module_reads_in_batches_mixed_with_untraced_requests(eager, estub, hf):
+    import concurrent.futures
+
+    client = tw.Client(eager.target, timeout=120)
+    story = "Once upon a time"
+
+    def traced():
+        read = iv("h", read_module=I.ReadModule(module="layers.2"))
+        return run(estub, trace(invoke(PROMPT, read), max_tokens=6, **GREEDY))
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        plain = [pool.submit(client.generate, story, max_tokens=12, **GREEDY) for _ in range(4)]
+        result = pool.submit(traced).result()
+        outs = [f.result()[0] for f in plain]
+    assert all(o.outputs[0].token_ids == hf.greedy(hf.encode(story), 12) for o in outs)
+    ids = hf.encode(PROMPT)
+    for step, value in enumerate(result.values("h")):
+        ref = hf_module_outputs(hf, ids + result.tokens()[:step])["layers.2"][-1]
+        np.testing.assert_allclose(value, ref, atol=ATOL)

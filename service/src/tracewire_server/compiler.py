@@ -158,7 +158,8 @@ class _Compiler:
                 later = width if action.positions.kind == "all" else 0
                 return prompt + later * max(0, max_tokens - 1)
         elif isinstance(action, P.ReadLogitLens):
-            width = 8 * len(action.layers) * (action.top_k or self.limits.vocab_size)
+            # top-k: values + ids (8 bytes an entry); full rows: values only
+            width = len(action.layers) * (8 * action.top_k if action.top_k else 4 * self.limits.vocab_size)
             if action.positions.kind == "new_token":
                 per_step = width
             else:
