@@ -308,7 +308,7 @@ class _Compiler:
 
     def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:
         self.require_eager(field)
-        num_layers = sum(1 for m in self.limits.modules if m.startswith("layers.") and m.count(".") == 1)
+        num_layers = self.limits.num_layers
         if not r.layers:
             raise InvalidArgument(f"{field}.layers", "name at least one layer")
         layers = []

@@ -123,6 +123,7 @@ class Engine:
             max_model_len=description.max_model_len,
             max_logprobs=llm.model_config.max_logprobs,
             hidden_size=description.hidden_size,
+            num_layers=description.num_layers,
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
         )

@@ -11,6 +11,7 @@ class ModelLimits:
     max_model_len: int
     max_logprobs: int  # vLLM's engine-wide cap on logprobs / prompt_logprobs (-1: vocab)
     hidden_size: int = 0
+    num_layers: int = 0
     modules: frozenset[str] = frozenset()  # module paths reads may address
     # Module hooks only fire outside compiled graphs: the engine must run eager.
     module_interventions: bool = False

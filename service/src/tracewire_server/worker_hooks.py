@@ -310,13 +310,17 @@ def _batched_reads(fired: list[tuple[_Row, P.Op]], lens: _Lens | None) -> None:
             row.values[op.name] = ReadResult(RawTensor.from_numpy(values[j]), ids_result)
 
 
+def _is_decoder_layer(path: str) -> bool:
+    return path.startswith("layers.") and path.count(".") == 1
+
+
 def _module_output(path: str, output: Any) -> torch.Tensor:
     """The value a module read sees: for decoder layers the residual stream after the
     layer (vLLM's layers return (hidden, residual) with the add deferred to the next
     norm: the stream is their sum); for the final norm its normed output."""
     if isinstance(output, tuple):
         hidden, residual = output[0], output[1] if len(output) > 1 else None
-        if path.startswith("layers.") and path.count(".") == 1 and residual is not None:
+        if _is_decoder_layer(path) and residual is not None:
             return hidden + residual
         return hidden
     return output
@@ -325,7 +329,7 @@ def _module_output(path: str, output: Any) -> torch.Tensor:
 def _edit_module_output(path: str, output: Any, edits: list[tuple[list[int], P.WriteModule, _Sequence]]) -> None:
     """Apply module writes in place. For decoder layers the edit is to the residual stream
     (hidden + residual): only `hidden` changes, so the stream becomes what was asked."""
-    is_layer = isinstance(output, tuple) and path.startswith("layers.") and path.count(".") == 1
+    is_layer = isinstance(output, tuple) and _is_decoder_layer(path)
     target = output[0] if isinstance(output, tuple) else output
     residual = output[1] if is_layer and output[1] is not None else None
     for rows, edit, _ in edits:
@@ -456,32 +460,35 @@ class PlanHooks:
             seq = self._sequence(req_id)
             if seq is None or seq.error is not None:
                 continue
-            reads = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.HIDDEN_OPS)]
-            if not reads:
+            ops = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.HIDDEN_OPS)]
+            if not ops:
                 continue
             state = self.runner.requests[req_id]
             first, last = int(starts[i]), int(starts[i + 1])  # rows of this request
             pos0 = int(computed[i])  # position of its first row
             prompt_len = len(state.prompt_token_ids or ())
             samples_now = pos0 + (last - first) >= prompt_len + len(state.output_token_ids)
-            for op in reads:
-                read = op.action
-                assert isinstance(read, P.HIDDEN_OPS)
+            for op in ops:
+                action = op.action
+                assert isinstance(action, P.HIDDEN_OPS)
                 wanted: list[int] = []
-                if seq.step == 0 and read.positions.kind != "new_token":
-                    wanted = [p for p in read.positions.prompt_positions(prompt_len) if pos0 <= p < pos0 + last - first]
-                elif samples_now and (read.positions.kind in ("new_token", "all")):
+                if seq.step == 0 and action.positions.kind != "new_token":
+                    here = range(pos0, pos0 + last - first)  # positions this pass computes
+                    wanted = [p for p in action.positions.prompt_positions(prompt_len) if p in here]
+                elif samples_now and (action.positions.kind in ("new_token", "all")):
                     wanted = [pos0 + last - first - 1]
-                if wanted and isinstance(read, P.WriteModule):
+                if not wanted:
+                    continue
+                rows = [first + p - pos0 for p in wanted]
+                if isinstance(action, P.WriteModule):
                     if op.condition is None or _holds(op.condition, _Context(self, _Row(-1, seq, ()), drawn=False)):
-                        self._edits.setdefault(read.module, []).append(([first + p - pos0 for p in wanted], read, seq))
-                elif wanted:
-                    rows = [first + p - pos0 for p in wanted]
-                    sources = (
-                        [(op.name, read.module)] if isinstance(read, P.ReadModule) else read.module_reads(op.name)
-                    )
-                    for key, path in sources:
-                        self._wants.setdefault(path, []).append(_Want(seq, key, rows, wanted))
+                        self._edits.setdefault(action.module, []).append((rows, action, seq))
+                    continue
+                sources = (
+                    [(op.name, action.module)] if isinstance(action, P.ReadModule) else action.module_reads(op.name)
+                )
+                for key, path in sources:
+                    self._wants.setdefault(path, []).append(_Want(seq, key, rows, wanted))
 
     def _module_hook(self, path: str, output: Any) -> None:
         """Never raises into vLLM's forward pass: a failure fails the traces involved."""
