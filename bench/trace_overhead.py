@@ -143,7 +143,7 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...]):
         async def one(i: int) -> int:
             steps = 0
             async for ev in stub.Trace(trace_request(kind, PROMPTS[i % len(PROMPTS)], new_tokens)):
-                steps += ev.WhichOneof("event") == "step"
+                steps += len(ev.steps.results)
             return steps
         return one
 

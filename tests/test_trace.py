@@ -48,7 +48,8 @@ def test_step_results_stream_text_and_order(stub, hf):
     assert out.text == hf.tokenizer.decode(hf.greedy(hf.encode(PROMPT), 8),
                                            skip_special_tokens=True)
     kinds = [ev.WhichOneof("event") for ev in result.events]
-    assert kinds[-2:] == ["invoke_result", "end"] and kinds.count("step") == 8
+    assert kinds[-2:] == ["invoke_result", "end"] and set(kinds[:-2]) == {"steps"}
+    assert sum(len(ev.steps.results) for ev in result.events if ev.HasField("steps")) == 8
     assert result.end.usage.generated_tokens == 8 and not result.end.warnings
 
 

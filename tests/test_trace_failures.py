@@ -131,7 +131,7 @@ def test_cancelling_the_stream_aborts_the_engine_request(stub, server):
     call = stub.Trace(trace(invoke(PROMPT, iv("r", read_logits=logits(k=2))), max_tokens=480,
                             **GREEDY), timeout=120)
     first = next(call)
-    assert first.step.step == 0
+    assert first.steps.results[0].step == 0
     assert engine_stats(server.target).num_unfinished_requests == 1
     call.cancel()
     assert wait_for_unfinished(server.target, lambda n: n == 0, timeout=10)

@@ -77,9 +77,9 @@ class TraceResult:
         self.end = None
         for ev in self.events:
             kind = ev.WhichOneof("event")
-            if kind == "step":
-                self.steps.setdefault((ev.step.invoke_index, ev.step.sequence_index), []).append(
-                    ev.step)
+            if kind == "steps":
+                for step in ev.steps.results:
+                    self.steps.setdefault((step.invoke_index, step.sequence_index), []).append(step)
             elif kind == "invoke_result":
                 self.invokes[ev.invoke_result.invoke_index] = ev.invoke_result.output
             else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,12 +39,64 @@ class _SequenceResult:
     prompt: Any = None  # the first vLLM output (prompt fields)
 
 
-@dataclass
-class _Budget:
-    """Bytes queued for the client and not yet sent; over the cap fails the trace."""
+# Steps ready together go out in one message up to this size (a step larger than
+# this goes alone): fewer gRPC messages when the stream is busy.
+BATCH_BYTES = 1 << 20
 
-    cap: int
-    queued: int = 0
+
+class _Outbox:
+    """Events waiting for the client, in order. Steps accumulate in one open
+    StepResults message that the consumer takes whole when it wakes, so a busy
+    stream coalesces steps and an idle one sends each step at once. Bytes queued
+    and not yet taken are capped: over the cap the trace fails (slow client)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.queued = 0
+        self._closed: deque[service_pb2.TraceResponse | trace_pb2.InvokeResult | None] = deque()
+        self._open: service_pb2.TraceResponse | None = None
+        self._open_bytes = 0
+        self._wake = asyncio.Event()
+
+    def new_step(self, size_hint: int) -> trace_pb2.StepResult:
+        """A StepResult to fill in place, already queued for the client."""
+        if self._open is not None and self._open_bytes + size_hint > BATCH_BYTES:
+            self._close_open()
+        if self._open is None:
+            self._open = service_pb2.TraceResponse()
+            self._open_bytes = 0
+        self._wake.set()
+        return self._open.steps.results.add()
+
+    def count(self, size: int) -> None:
+        self._open_bytes += size
+        self.queued += size
+        if self.queued > self.cap:
+            raise ResourceExhausted(
+                f"the client is reading too slowly: {self.queued} bytes of step results "
+                f"are waiting, over the per-trace buffer of {self.cap} bytes"
+            )
+
+    def put(self, item: trace_pb2.InvokeResult | None) -> None:
+        """An invoke result (after all steps before it), or None to wake the consumer."""
+        self._close_open()
+        self._closed.append(item)
+        self._wake.set()
+
+    def _close_open(self) -> None:
+        if self._open is not None:
+            self._closed.append(self._open)
+            self._open = None
+
+    async def get(self) -> service_pb2.TraceResponse | trace_pb2.InvokeResult | None:
+        while not self._closed and self._open is None:
+            self._wake.clear()
+            await self._wake.wait()
+        self._close_open()
+        item = self._closed.popleft()
+        if isinstance(item, service_pb2.TraceResponse):
+            self.queued = max(0, self.queued - item.ByteSize())
+        return item
 
 
 @dataclass
@@ -52,17 +105,14 @@ class TraceRun:
     receiver: Receiver
     trace: CompiledTrace
     buffer_cap_bytes: int
-    _events: asyncio.Queue[tuple[trace_pb2.StepResult | None, Any]] = field(
-        default_factory=asyncio.Queue
-    )
-    _budget: _Budget = field(init=False)
+    _outbox: _Outbox = field(init=False)
     _warnings: list[trace_pb2.TraceWarning] = field(default_factory=list)
     _generated: int = 0
     _read_bytes: int = 0
     _failure: TracewireError | None = None
 
     def __post_init__(self) -> None:
-        self._budget = _Budget(self.buffer_cap_bytes)
+        self._outbox = _Outbox(self.buffer_cap_bytes)
 
     async def events(self) -> AsyncIterator[service_pb2.TraceResponse]:
         started = time.monotonic()
@@ -70,18 +120,14 @@ class TraceRun:
         done_invokes = 0
         try:
             while done_invokes < len(tasks):
-                kind, payload = await self._events.get()
+                item = await self._outbox.get()
                 if self._failure is not None:  # do not make the client read a backlog first
                     raise self._failure
-                if kind == "step":
-                    response, size = payload
-                    self._budget.queued -= size
-                    yield response
-                elif kind == "invoke":
+                if isinstance(item, service_pb2.TraceResponse):
+                    yield item
+                elif isinstance(item, trace_pb2.InvokeResult):
                     done_invokes += 1
-                    yield service_pb2.TraceResponse(invoke_result=payload)
-                else:
-                    raise AssertionError(f"unknown event {kind}")
+                    yield service_pb2.TraceResponse(invoke_result=item)
         finally:
             for t in tasks:
                 t.cancel()
@@ -99,23 +145,13 @@ class TraceRun:
             )
         )
 
-    def _emit_step(self, response: service_pb2.TraceResponse) -> None:
-        size = response.ByteSize()
-        self._budget.queued += size
-        if self._budget.queued > self._budget.cap:
-            raise ResourceExhausted(
-                f"the client is reading too slowly: {self._budget.queued} bytes of step results "
-                f"are waiting, over the per-trace buffer of {self._budget.cap} bytes"
-            )
-        self._events.put_nowait(("step", (response, size)))
-
     async def _invoke(self, inv: CompiledInvoke) -> None:
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._sequence(inv, s)) for s in inv.sequences]
             results = [t.result() for t in tasks]
             self._warn_unreached(inv, results)
-            self._events.put_nowait(("invoke", self._invoke_result(inv, results)))
+            self._outbox.put(self._invoke_result(inv, results))
         except* TracewireError as group_error:
             self._fail(group_error.exceptions[0])
         except* Exception as group_error:  # noqa: BLE001 - reported to the client as INTERNAL
@@ -126,7 +162,7 @@ class TraceRun:
         if self._failure is None:
             assert isinstance(error, TracewireError)
             self._failure = error
-            self._events.put_nowait(("error", None))  # wake the consumer
+            self._outbox.put(None)  # wake the consumer
 
     async def _sequence(self, inv: CompiledInvoke, seq: EngineSequence) -> _SequenceResult:
         records: asyncio.Queue[StepRecord] | None = None
@@ -143,6 +179,7 @@ class TraceRun:
             stream = self.engine.generate(inv.prompt, seq.sampling, stream=True)
             async with contextlib.aclosing(stream):
                 async for out in stream:
+                    now_ns = time.time_ns()
                     first = first or out
                     c = out.outputs[0]
                     for k, token in enumerate(c.token_ids):
@@ -152,7 +189,7 @@ class TraceRun:
                         if c.logprobs is not None:
                             completion.logprobs.extend(outputs.positions([c.logprobs[k]]))
                         self._generated += 1
-                        self._step_result(seq, step, token, text.add(token), record)
+                        self._step_result(seq, step, token, text.add(token), record, now_ns)
                         if record.stopped:
                             stopped_at = step
                             break
@@ -211,19 +248,20 @@ class TraceRun:
         return record
 
     def _step_result(
-        self, seq: EngineSequence, step: int, token: int, text_delta: str, record: StepRecord
+        self, seq: EngineSequence, step: int, token: int, text_delta: str, record: StepRecord, now_ns: int
     ) -> None:
         if not (self.trace.stream_every_step or record.values or record.stopped):
             return
-        # Built in place inside the response: no intermediate messages to copy.
-        response = service_pb2.TraceResponse()
-        result = response.step
+        size_hint = sum(len(v.values.data) for v in record.values.values())
+        # Built in place inside the outgoing message: no intermediate copies.
+        result = self._outbox.new_step(size_hint)
         result.invoke_index = seq.invoke_index
         result.sequence_index = seq.sequence_index
         result.step = step
         result.token_id = token
         result.text_delta = text_delta
         result.stopped = record.stopped
+        result.engine_time.FromNanoseconds(now_ns)
         for name, value in record.values.items():
             target = result.values[name]
             value.values.fill(target.values)
@@ -231,8 +269,8 @@ class TraceRun:
                 value.token_ids.fill(target.token_ids)
             if value.positions is not None:
                 value.positions.fill(target.positions)
-            self._read_bytes += len(value.values.data)
-        self._emit_step(response)
+        self._read_bytes += size_hint
+        self._outbox.count(result.ByteSize())
 
     def _invoke_result(
         self, inv: CompiledInvoke, results: list[_SequenceResult]

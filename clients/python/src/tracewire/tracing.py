@@ -571,10 +571,10 @@ class Tracer(Invoke):
 
     def handle(self, event: service_pb2.TraceResponse) -> Iterator[Step]:
         kind = event.WhichOneof("event")
-        if kind == "step":
-            s = event.step
-            values = self._invokes[s.invoke_index]._record(s)
-            yield Step(s.invoke_index, s.sequence_index, s.step, s.token_id, s.text_delta, values, s.stopped)
+        if kind == "steps":
+            for s in event.steps.results:
+                values = self._invokes[s.invoke_index]._record(s)
+                yield Step(s.invoke_index, s.sequence_index, s.step, s.token_id, s.text_delta, values, s.stopped)
         elif kind == "invoke_result":
             self._invokes[event.invoke_result.invoke_index].result = request_output(event.invoke_result.output)
         elif kind == "end":

@@ -28,7 +28,7 @@ from tracewire.v1 import sampling_pb2 as tracewire_dot_v1_dot_sampling__pb2
 from tracewire.v1 import trace_pb2 as tracewire_dot_v1_dot_trace__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atracewire/v1/service.proto\x12\x0ctracewire.v1\x1a\x19tracewire/v1/output.proto\x1a\x19tracewire/v1/prompt.proto\x1a\x1btracewire/v1/sampling.proto\x1a\x18tracewire/v1/trace.proto\"~\n\x0fGenerateRequest\x12%\n\x07prompts\x18\x01 \x03(\x0b\x32\x14.tracewire.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\"@\n\x10GenerateResponse\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.tracewire.v1.RequestOutput\"\x84\x01\n\x15GenerateStreamRequest\x12%\n\x07prompts\x18\x01 \x03(\x0b\x32\x14.tracewire.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\"[\n\x16GenerateStreamResponse\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12+\n\x06output\x18\x02 \x01(\x0b\x32\x1b.tracewire.v1.RequestOutput\"\xa8\x01\n\x0cTraceRequest\x12\x35\n\x0fsampling_params\x18\x01 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12%\n\x07invokes\x18\x02 \x03(\x0b\x32\x14.tracewire.v1.Invoke\x12+\n\x07options\x18\x03 \x01(\x0b\x32\x1a.tracewire.v1.TraceOptions\x12\r\n\x05model\x18\x04 \x01(\t\"\x9e\x01\n\rTraceResponse\x12(\n\x04step\x18\x01 \x01(\x0b\x32\x18.tracewire.v1.StepResultH\x00\x12\x33\n\rinvoke_result\x18\x02 \x01(\x0b\x32\x1a.tracewire.v1.InvokeResultH\x00\x12%\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x16.tracewire.v1.TraceEndH\x00\x42\x07\n\x05\x65vent\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xd8\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x05\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12)\n\x07modules\x18\n \x03(\x0b\x32\x18.tracewire.v1.ModuleInfo\x12\x14\n\x0cvllm_version\x18\x0b \x01(\t\x12\x16\n\x0eserver_version\x18\x0c \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\x05\x42\x0f\n\r_bos_token_id\"=\n\nModuleInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0boutput_size\x18\x03 \x01(\x05\"\x17\n\x15GetEngineStatsRequest\"u\n\x16GetEngineStatsResponse\x12\x1f\n\x17num_unfinished_requests\x18\x01 \x01(\x05\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\x05\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\x05\x32\xcc\x04\n\x0cTraceService\x12I\n\x08Generate\x12\x1d.tracewire.v1.GenerateRequest\x1a\x1e.tracewire.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.tracewire.v1.GenerateStreamRequest\x1a$.tracewire.v1.GenerateStreamResponse0\x01\x12\x42\n\x05Trace\x12\x1a.tracewire.v1.TraceRequest\x1a\x1b.tracewire.v1.TraceResponse0\x01\x12I\n\x08Tokenize\x12\x1d.tracewire.v1.TokenizeRequest\x1a\x1e.tracewire.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.tracewire.v1.DetokenizeRequest\x1a .tracewire.v1.DetokenizeResponse\x12U\n\x0cGetModelInfo\x12!.tracewire.v1.GetModelInfoRequest\x1a\".tracewire.v1.GetModelInfoResponse\x12[\n\x0eGetEngineStats\x12#.tracewire.v1.GetEngineStatsRequest\x1a$.tracewire.v1.GetEngineStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atracewire/v1/service.proto\x12\x0ctracewire.v1\x1a\x19tracewire/v1/output.proto\x1a\x19tracewire/v1/prompt.proto\x1a\x1btracewire/v1/sampling.proto\x1a\x18tracewire/v1/trace.proto\"~\n\x0fGenerateRequest\x12%\n\x07prompts\x18\x01 \x03(\x0b\x32\x14.tracewire.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\"@\n\x10GenerateResponse\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.tracewire.v1.RequestOutput\"\x84\x01\n\x15GenerateStreamRequest\x12%\n\x07prompts\x18\x01 \x03(\x0b\x32\x14.tracewire.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\"[\n\x16GenerateStreamResponse\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12+\n\x06output\x18\x02 \x01(\x0b\x32\x1b.tracewire.v1.RequestOutput\"\xa8\x01\n\x0cTraceRequest\x12\x35\n\x0fsampling_params\x18\x01 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12%\n\x07invokes\x18\x02 \x03(\x0b\x32\x14.tracewire.v1.Invoke\x12+\n\x07options\x18\x03 \x01(\x0b\x32\x1a.tracewire.v1.TraceOptions\x12\r\n\x05model\x18\x04 \x01(\t\"\xa0\x01\n\rTraceResponse\x12*\n\x05steps\x18\x01 \x01(\x0b\x32\x19.tracewire.v1.StepResultsH\x00\x12\x33\n\rinvoke_result\x18\x02 \x01(\x0b\x32\x1a.tracewire.v1.InvokeResultH\x00\x12%\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x16.tracewire.v1.TraceEndH\x00\x42\x07\n\x05\x65vent\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xd8\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x05\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12)\n\x07modules\x18\n \x03(\x0b\x32\x18.tracewire.v1.ModuleInfo\x12\x14\n\x0cvllm_version\x18\x0b \x01(\t\x12\x16\n\x0eserver_version\x18\x0c \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\x05\x42\x0f\n\r_bos_token_id\"=\n\nModuleInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0boutput_size\x18\x03 \x01(\x05\"\x17\n\x15GetEngineStatsRequest\"u\n\x16GetEngineStatsResponse\x12\x1f\n\x17num_unfinished_requests\x18\x01 \x01(\x05\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\x05\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\x05\x32\xcc\x04\n\x0cTraceService\x12I\n\x08Generate\x12\x1d.tracewire.v1.GenerateRequest\x1a\x1e.tracewire.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.tracewire.v1.GenerateStreamRequest\x1a$.tracewire.v1.GenerateStreamResponse0\x01\x12\x42\n\x05Trace\x12\x1a.tracewire.v1.TraceRequest\x1a\x1b.tracewire.v1.TraceResponse0\x01\x12I\n\x08Tokenize\x12\x1d.tracewire.v1.TokenizeRequest\x1a\x1e.tracewire.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.tracewire.v1.DetokenizeRequest\x1a .tracewire.v1.DetokenizeResponse\x12U\n\x0cGetModelInfo\x12!.tracewire.v1.GetModelInfoRequest\x1a\".tracewire.v1.GetModelInfoResponse\x12[\n\x0eGetEngineStats\x12#.tracewire.v1.GetEngineStatsRequest\x1a$.tracewire.v1.GetEngineStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRACEREQUEST']._serialized_start=576
   _globals['_TRACEREQUEST']._serialized_end=744
   _globals['_TRACERESPONSE']._serialized_start=747
-  _globals['_TRACERESPONSE']._serialized_end=905
-  _globals['_TOKENIZEREQUEST']._serialized_start=907
-  _globals['_TOKENIZEREQUEST']._serialized_end=994
-  _globals['_TOKENIZERESPONSE']._serialized_start=996
-  _globals['_TOKENIZERESPONSE']._serialized_end=1049
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1051
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1147
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1149
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1183
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1185
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1206
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1209
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1553
-  _globals['_MODULEINFO']._serialized_start=1555
-  _globals['_MODULEINFO']._serialized_end=1616
-  _globals['_GETENGINESTATSREQUEST']._serialized_start=1618
-  _globals['_GETENGINESTATSREQUEST']._serialized_end=1641
-  _globals['_GETENGINESTATSRESPONSE']._serialized_start=1643
-  _globals['_GETENGINESTATSRESPONSE']._serialized_end=1760
-  _globals['_TRACESERVICE']._serialized_start=1763
-  _globals['_TRACESERVICE']._serialized_end=2351
+  _globals['_TRACERESPONSE']._serialized_end=907
+  _globals['_TOKENIZEREQUEST']._serialized_start=909
+  _globals['_TOKENIZEREQUEST']._serialized_end=996
+  _globals['_TOKENIZERESPONSE']._serialized_start=998
+  _globals['_TOKENIZERESPONSE']._serialized_end=1051
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1053
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1149
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1151
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1185
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1187
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1208
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1211
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1555
+  _globals['_MODULEINFO']._serialized_start=1557
+  _globals['_MODULEINFO']._serialized_end=1618
+  _globals['_GETENGINESTATSREQUEST']._serialized_start=1620
+  _globals['_GETENGINESTATSREQUEST']._serialized_end=1643
+  _globals['_GETENGINESTATSRESPONSE']._serialized_start=1645
+  _globals['_GETENGINESTATSRESPONSE']._serialized_end=1762
+  _globals['_TRACESERVICE']._serialized_start=1765
+  _globals['_TRACESERVICE']._serialized_end=2353
 # @@protoc_insertion_point(module_scope)

@@ -57,14 +57,14 @@ class TraceRequest(_message.Message):
     def __init__(self, sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., invokes: _Optional[_Iterable[_Union[_trace_pb2.Invoke, _Mapping]]] = ..., options: _Optional[_Union[_trace_pb2.TraceOptions, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TraceResponse(_message.Message):
-    __slots__ = ("step", "invoke_result", "end")
-    STEP_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("steps", "invoke_result", "end")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     INVOKE_RESULT_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
-    step: _trace_pb2.StepResult
+    steps: _trace_pb2.StepResults
     invoke_result: _trace_pb2.InvokeResult
     end: _trace_pb2.TraceEnd
-    def __init__(self, step: _Optional[_Union[_trace_pb2.StepResult, _Mapping]] = ..., invoke_result: _Optional[_Union[_trace_pb2.InvokeResult, _Mapping]] = ..., end: _Optional[_Union[_trace_pb2.TraceEnd, _Mapping]] = ...) -> None: ...
+    def __init__(self, steps: _Optional[_Union[_trace_pb2.StepResults, _Mapping]] = ..., invoke_result: _Optional[_Union[_trace_pb2.InvokeResult, _Mapping]] = ..., end: _Optional[_Union[_trace_pb2.TraceEnd, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens")

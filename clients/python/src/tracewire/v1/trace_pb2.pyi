@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from tracewire.v1 import intervention_pb2 as _intervention_pb2
 from tracewire.v1 import output_pb2 as _output_pb2
 from tracewire.v1 import prompt_pb2 as _prompt_pb2
@@ -40,7 +43,7 @@ class ReadValue(_message.Message):
     def __init__(self, values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., positions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("invoke_index", "sequence_index", "step", "token_id", "text_delta", "values", "stopped")
+    __slots__ = ("invoke_index", "sequence_index", "step", "token_id", "text_delta", "values", "stopped", "engine_time")
     class ValuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +58,7 @@ class StepResult(_message.Message):
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TIME_FIELD_NUMBER: _ClassVar[int]
     invoke_index: int
     sequence_index: int
     step: int
@@ -62,7 +66,14 @@ class StepResult(_message.Message):
     text_delta: str
     values: _containers.MessageMap[str, ReadValue]
     stopped: bool
-    def __init__(self, invoke_index: _Optional[int] = ..., sequence_index: _Optional[int] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., text_delta: _Optional[str] = ..., values: _Optional[_Mapping[str, ReadValue]] = ..., stopped: _Optional[bool] = ...) -> None: ...
+    engine_time: _timestamp_pb2.Timestamp
+    def __init__(self, invoke_index: _Optional[int] = ..., sequence_index: _Optional[int] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., text_delta: _Optional[str] = ..., values: _Optional[_Mapping[str, ReadValue]] = ..., stopped: _Optional[bool] = ..., engine_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class StepResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
 
 class InvokeResult(_message.Message):
     __slots__ = ("invoke_index", "output")
