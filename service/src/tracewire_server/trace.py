@@ -53,7 +53,8 @@ class _Outbox:
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.queued = 0
-        self._closed: deque[service_pb2.TraceResponse | trace_pb2.InvokeResult | None] = deque()
+        # (item, bytes it counted against the cap)
+        self._closed: deque[tuple[service_pb2.TraceResponse | trace_pb2.InvokeResult | None, int]] = deque()
         self._open: service_pb2.TraceResponse | None = None
         self._open_bytes = 0
         self._wake = asyncio.Event()
@@ -80,12 +81,12 @@ class _Outbox:
     def put(self, item: trace_pb2.InvokeResult | None) -> None:
         """An invoke result (after all steps before it), or None to wake the consumer."""
         self._close_open()
-        self._closed.append(item)
+        self._closed.append((item, 0))
         self._wake.set()
 
     def _close_open(self) -> None:
         if self._open is not None:
-            self._closed.append(self._open)
+            self._closed.append((self._open, self._open_bytes))
             self._open = None
 
     async def get(self) -> service_pb2.TraceResponse | trace_pb2.InvokeResult | None:
@@ -93,9 +94,8 @@ class _Outbox:
             self._wake.clear()
             await self._wake.wait()
         self._close_open()
-        item = self._closed.popleft()
-        if isinstance(item, service_pb2.TraceResponse):
-            self.queued = max(0, self.queued - item.ByteSize())
+        item, size = self._closed.popleft()
+        self.queued -= size
         return item
 
 
