@@ -25,6 +25,12 @@ in a (chunked) prefill are skipped (vLLM discards their samples). A request
 without a plan costs one dict lookup per step; a batch without plans goes
 straight to vLLM's own code.
 
+After the draw the hook only launches the step's reads as device work, with
+non-blocking copies to the host, and hands the step to the collector thread
+(collector.py), which waits for the copies, decides conditions and stops, and
+sends the records. Nothing on the engine's thread waits for the device unless a
+write's condition needs a value before the draw.
+
 Failures inside one request's ops are caught per request and reported on its
 record (its trace fails); vLLM's sampling always proceeds.
 """
@@ -40,6 +46,7 @@ import numpy as np
 import torch
 
 from . import plan as P
+from .collector import StepCollector
 from .sidechannel import ReadResult, Sender, StepRecord
 from .tensors import RawTensor
 
@@ -61,6 +68,8 @@ class _Sequence:
     # Module reads of the current step, gathered over its forward passes (a chunked
     # prefill runs several): read name -> [(positions, [rows, hidden] float32)].
     pending: dict[str, list[tuple[list[int], torch.Tensor]]] = field(default_factory=dict)
+    # Write operands already on the device, by id() of the plan's action.
+    operands: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,16 +85,77 @@ class _Captured:
 
 
 @dataclass
+class _HostRead:
+    """A read's value on its way to the host: host tensors that hold their values only
+    once the step's copies are done (_StepWork.wait); `index` picks this read's row
+    of a batched result."""
+
+    values: torch.Tensor | None  # None: the drawn token itself (known after the wait)
+    token_ids: torch.Tensor | None = None
+    positions: list[int] | None = None
+    index: int | None = None
+
+    def result(self, token: int) -> ReadResult:
+        if self.values is None:
+            return ReadResult(RawTensor.from_numpy(np.asarray(token, dtype=np.int32)))
+        values = self.values.numpy()
+        ids = self.token_ids.numpy() if self.token_ids is not None else None
+        if self.index is not None:
+            values = values[self.index]
+            ids = ids[self.index] if ids is not None else None
+        return ReadResult(
+            RawTensor.from_numpy(values),
+            RawTensor.from_numpy(ids) if ids is not None else None,
+            RawTensor.from_numpy(np.asarray(self.positions, np.int32)) if self.positions is not None else None,
+        )
+
+
+@dataclass
 class _Row:
     index: int  # row in the logits
     seq: _Sequence
     ops: tuple[P.Op, ...]  # the ops selected at this step (empty: only count the step)
+    step: int = -1
     raw: _Captured | None = None
     processed: _Captured | None = None
     token: int = -1
+    reads: dict[str, _HostRead] = field(default_factory=dict)  # launched, conditions not yet decided
     values: dict[str, ReadResult] = field(default_factory=dict)
     stopped: bool = False
     error: str | None = None
+
+
+@dataclass
+class _StepWork:
+    """One engine step's traced rows, handed to the collector to finish."""
+
+    rows: list[_Row]
+    tokens: torch.Tensor  # host copy of the drawn ids, one per logits row
+    done: torch.cuda.Event | None  # recorded after the step's copies (None: CPU, already done)
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a tensor this step computed, valid after _StepWork.wait(). On a GPU
+    a non-blocking copy into pinned memory: the engine never waits for values it does
+    not need itself. On the CPU the tensor itself (callers pass tensors they own)."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _on_device(values: np.ndarray | list[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small operand on `device` without waiting for the device: a blocking copy from
+    pageable memory would synchronize it, a non-blocking one from pinned memory does not."""
+    cpu = torch.as_tensor(values).to(dtype)
+    if device.type == "cpu":
+        return cpu
+    return cpu.pin_memory().to(device, non_blocking=True)
 
 
 class _Context:
@@ -153,23 +223,40 @@ def _holds(cond: P.Condition | None, ctx: _Context) -> bool:
     raise TypeError(f"unknown condition {type(cond).__name__}")
 
 
-def _apply_write(action: P.Write, row: torch.Tensor, fault_injection: bool) -> None:
+def _operands(seq: _Sequence, action: P.Write, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The action's vectors and ids on the device, built once per request."""
+    key = id(action)
+    if key not in seq.operands:
+        if isinstance(action, (P.ReplaceLogits, P.AddLogits)):
+            found: tuple[torch.Tensor, ...] = (_on_device(np.frombuffer(action.values, "<f4"), device, torch.float32),)
+        elif isinstance(action, P.BiasLogits):
+            found = (
+                _on_device(list(action.bias.keys()), device, torch.long),
+                _on_device(np.asarray(list(action.bias.values()), np.float32), device, torch.float32),
+            )
+        elif isinstance(action, P.MaskLogits):
+            found = (_on_device(list(action.token_ids), device, torch.long),)
+        else:
+            found = ()
+        seq.operands[key] = found
+    return seq.operands[key]
+
+
+def _apply_write(action: P.Write, row: torch.Tensor, seq: _Sequence, fault_injection: bool) -> None:
     if isinstance(action, P.ForceSample):
         # Only the forced token stays finite: greedy and random sampling (any
         # temperature, top-k, top-p) must then draw it.
         row.fill_(float("-inf"))
         row[action.token_id] = 0.0
     elif isinstance(action, P.ReplaceLogits):
-        row.copy_(torch.from_numpy(np.frombuffer(action.values, dtype="<f4").copy()))
+        row.copy_(_operands(seq, action, row.device)[0])
     elif isinstance(action, P.AddLogits):
-        row.add_(torch.from_numpy(np.frombuffer(action.values, dtype="<f4").copy()))
+        row.add_(_operands(seq, action, row.device)[0])
     elif isinstance(action, P.BiasLogits):
-        ids = torch.tensor(list(action.bias.keys()), dtype=torch.long, device=row.device)
-        vals = torch.tensor(list(action.bias.values()), dtype=row.dtype, device=row.device)
-        row.index_add_(0, ids, vals)
+        ids, vals = _operands(seq, action, row.device)
+        row.index_add_(0, ids, vals.to(row.dtype))
     elif isinstance(action, P.MaskLogits):
-        ids = torch.tensor(action.token_ids, dtype=torch.long, device=row.device)
-        row.index_fill_(0, ids, float("-inf"))
+        row.index_fill_(0, _operands(seq, action, row.device)[0], float("-inf"))
     elif isinstance(action, P.InjectFault):
         if fault_injection:
             raise RuntimeError(action.message)
@@ -191,22 +278,23 @@ def _rows_of(group: list[_Row], stage: str) -> torch.Tensor:
     return torch.stack([c.batch[c.position] for c in captures])  # type: ignore[union-attr]
 
 
-def _top_k(src: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Values and int32 ids of the k largest per row, largest first. On the CPU numpy's
-    partition beats torch.topk by ~1.5x at vocabulary widths."""
+def _top_k(src: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values and int32 ids of the k largest per row, largest first, on src's device.
+    On the CPU numpy's partition beats torch.topk by ~1.5x at vocabulary widths."""
     if src.device.type != "cpu":
         top = torch.topk(src, k)
-        return top.values.cpu().numpy(), top.indices.cpu().numpy().astype(np.int32)
+        return top.values, top.indices.to(torch.int32)
     values = src.numpy()
     idx = np.argpartition(values, -k, axis=1)[:, -k:]
     part = np.take_along_axis(values, idx, 1)
     order = np.argsort(-part, axis=1, kind="stable")
-    return np.take_along_axis(part, order, 1), np.take_along_axis(idx, order, 1).astype(np.int32)
+    top_values = np.take_along_axis(part, order, 1)
+    return torch.from_numpy(top_values), torch.from_numpy(np.take_along_axis(idx, order, 1).astype(np.int32))
 
 
 def _capture(logits: torch.Tensor, rows: list[_Row]) -> list[_Captured]:
     """One copy of these rows' logits, float32; each row gets a handle into it."""
-    index = torch.tensor([r.index for r in rows], dtype=torch.long, device=logits.device)
+    index = _on_device([r.index for r in rows], logits.device, torch.long)
     batch = logits.detach().index_select(0, index).float()
     return [_Captured(batch, j) for j in range(len(rows))]
 
@@ -228,7 +316,7 @@ def _gathered(row: _Row, key: str, module: str, positions_of: P.Positions) -> tu
     return torch.cat([t for _, t in chunks]), positions
 
 
-def _logit_lens_value(row: _Row, name: str, read: P.ReadLogitLens, lens: _Lens) -> ReadResult:
+def _logit_lens_value(row: _Row, name: str, read: P.ReadLogitLens, lens: _Lens) -> _HostRead:
     """log_softmax(lm_head(norm(stream))) per layer and position: [layers, positions, k]."""
     streams, positions = [], []
     for key, path in read.module_reads(name):
@@ -237,77 +325,70 @@ def _logit_lens_value(row: _Row, name: str, read: P.ReadLogitLens, lens: _Lens) 
     logprobs = lens(torch.stack(streams))  # [layers, positions, vocab]
     if read.top_k:
         top = torch.topk(logprobs, read.top_k, dim=-1)
-        values_np, ids = top.values.numpy(), top.indices.numpy().astype(np.int32)
-        ids_result: RawTensor | None = RawTensor.from_numpy(ids)
-    else:
-        values_np, ids_result = logprobs.numpy(), None
-    return ReadResult(
-        RawTensor.from_numpy(values_np), ids_result, positions=RawTensor.from_numpy(np.asarray(positions, np.int32))
-    )
+        return _HostRead(_to_host(top.values), _to_host(top.indices.to(torch.int32)), positions)
+    return _HostRead(_to_host(logprobs), None, positions)
 
 
-def _module_value(row: _Row, name: str, read: P.ReadModule) -> ReadResult:
+def _module_value(row: _Row, name: str, read: P.ReadModule) -> _HostRead:
     values, positions = _gathered(row, name, read.module, read.positions)
     if read.mean:
-        return ReadResult(RawTensor.from_numpy(values.mean(0).numpy()))
+        return _HostRead(_to_host(values.mean(0)))
     if read.positions.kind == "new_token" or (read.positions.kind == "all" and row.seq.step > 0):
-        return ReadResult(RawTensor.from_numpy(values[0].numpy()))  # [hidden]
-    return ReadResult(  # [positions, hidden], with the prompt positions
-        RawTensor.from_numpy(values.numpy()),
-        positions=RawTensor.from_numpy(np.asarray(positions, dtype=np.int32)),
-    )
+        return _HostRead(_to_host(values[0]))  # [hidden]
+    return _HostRead(_to_host(values), positions=positions)  # [positions, hidden], with the prompt positions
 
 
-def _batched_reads(fired: list[tuple[_Row, P.Op]], lens: _Lens | None) -> None:
-    """Compute every fired read of this step, batched across rows by read kind: one
-    topk / gather / log_softmax per kind instead of one per row."""
+def _launch_reads(fired: list[tuple[_Row, P.Op]], lens: _Lens | None, drawn: torch.Tensor) -> None:
+    """Launch every read of this step as device work, batched across rows by read kind
+    (one topk / gather / log_softmax per kind instead of one per row), each result on its
+    way to the host. `drawn`: the step's sampled ids on the device, one per logits row."""
     groups: dict[tuple[Any, ...], list[tuple[_Row, P.Op]]] = {}
     for row, op in fired:
         a = op.action
         if isinstance(a, P.ReadModule):
-            row.values[op.name] = _module_value(row, op.name, a)
-            continue
-        if isinstance(a, P.ReadLogitLens):
+            row.reads[op.name] = _module_value(row, op.name, a)
+        elif isinstance(a, P.ReadLogitLens):
             assert lens is not None
-            row.values[op.name] = _logit_lens_value(row, op.name, a, lens)
-            continue
-        if isinstance(a, P.ReadSample):
-            row.values[op.name] = ReadResult(RawTensor.from_numpy(np.asarray(row.token, dtype=np.int32)))
-            continue
-        if isinstance(a, P.ReadLogprobs):
-            key: tuple[Any, ...] = ("logprobs", a.top_k)
+            row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
+        elif isinstance(a, P.ReadSample):
+            row.reads[op.name] = _HostRead(None)
+        elif isinstance(a, P.ReadLogprobs):
+            groups.setdefault(("logprobs", a.top_k), []).append((row, op))
         else:
             assert isinstance(a, P.ReadLogits)
-            key = ("logits", a.stage, a.top_k, a.token_ids)
-        groups.setdefault(key, []).append((row, op))
+            groups.setdefault(("logits", a.stage, a.top_k, a.token_ids), []).append((row, op))
     for key, members in groups.items():
         rows = [row for row, _ in members]
         if key[0] == "logprobs":
-            top_k = key[1]
-            lp = torch.log_softmax(_rows_of(rows, "processed"), dim=-1)
-            drawn = torch.tensor([r.token for r in rows], dtype=torch.long, device=lp.device)
-            ids = drawn.unsqueeze(1)
-            if top_k:
-                ids = torch.cat([ids, torch.topk(lp, top_k).indices], dim=1)
-            values = lp.gather(1, ids).cpu().numpy()
-            id_array = ids.cpu().numpy().astype(np.int32)
-            for j, (row, op) in enumerate(members):
-                row.values[op.name] = ReadResult(RawTensor.from_numpy(values[j]), RawTensor.from_numpy(id_array[j]))
-            continue
-        _, stage, top_k, token_ids = key
-        src = _rows_of(rows, stage)
-        id_rows: np.ndarray | None = None
-        if top_k is not None:
-            values, id_rows = _top_k(src, top_k)
-        elif token_ids is not None:
-            index = torch.tensor(token_ids, dtype=torch.long, device=src.device)
-            values = src.index_select(1, index).cpu().numpy()
-            id_rows = np.broadcast_to(np.asarray(token_ids, dtype=np.int32), values.shape)
+            values, ids = _logprobs(rows, key[1], drawn)
         else:
-            values = src.cpu().numpy()
+            values, ids = _logits(rows, *key[1:])
+        host_values, host_ids = _to_host(values), _to_host(ids) if ids is not None else None
         for j, (row, op) in enumerate(members):
-            ids_result = RawTensor.from_numpy(id_rows[j]) if id_rows is not None else None
-            row.values[op.name] = ReadResult(RawTensor.from_numpy(values[j]), ids_result)
+            row.reads[op.name] = _HostRead(host_values, host_ids, index=j)
+
+
+def _logprobs(rows: list[_Row], top_k: int | None, drawn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, 1 + k] logprobs of the drawn token then the top k, and their ids."""
+    lp = torch.log_softmax(_rows_of(rows, "processed"), dim=-1)
+    index = _on_device([r.index for r in rows], drawn.device, torch.long)
+    ids = drawn.index_select(0, index).to(device=lp.device, dtype=torch.long).unsqueeze(1)
+    if top_k:
+        ids = torch.cat([ids, torch.topk(lp, top_k).indices], dim=1)
+    return lp.gather(1, ids), ids.to(torch.int32)
+
+
+def _logits(
+    rows: list[_Row], stage: str, top_k: int | None, token_ids: tuple[int, ...] | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows' logits at `stage`: top k, chosen ids, or whole rows; and their ids."""
+    src = _rows_of(rows, stage)
+    if top_k is not None:
+        return _top_k(src, top_k)
+    if token_ids is not None:
+        values = src.index_select(1, _on_device(list(token_ids), src.device, torch.long))
+        return values, torch.tensor(token_ids, dtype=torch.int32).expand(values.shape[0], -1).contiguous()
+    return src, None
 
 
 def _is_decoder_layer(path: str) -> bool:
@@ -332,21 +413,27 @@ def _edit_module_output(path: str, output: Any, edits: list[tuple[list[int], P.W
     is_layer = isinstance(output, tuple) and _is_decoder_layer(path)
     target = output[0] if isinstance(output, tuple) else output
     residual = output[1] if is_layer and output[1] is not None else None
-    for rows, edit, _ in edits:
-        index = torch.tensor(rows, dtype=torch.long, device=target.device)
+    for rows, edit, seq in edits:
+        index = _on_device(rows, target.device, torch.long)
         stream = target[index] + (residual[index] if residual is not None else 0)
         if edit.edit == "add":
-            vector = torch.from_numpy(np.frombuffer(edit.vector, dtype="<f4").copy()).to(target)
-            new_stream = stream + edit.scale * vector
+            new_stream = stream + edit.scale * _vector(seq, edit, target)
         elif edit.edit == "replace":
-            vector = torch.from_numpy(np.frombuffer(edit.vector, dtype="<f4").copy()).to(target)
-            new_stream = vector.expand_as(stream)
+            new_stream = _vector(seq, edit, target).expand_as(stream)
         elif edit.edit == "zero":
             new_stream = torch.zeros_like(stream)
         else:  # mean over the selected positions
             new_stream = stream.mean(0, keepdim=True).expand_as(stream)
         new_target = new_stream - (residual[index] if residual is not None else 0)
         target.index_copy_(0, index, new_target.to(target.dtype))
+
+
+def _vector(seq: _Sequence, edit: P.WriteModule, like: torch.Tensor) -> torch.Tensor:
+    """The write's vector on the activations' device and dtype, built once per request."""
+    key = id(edit)
+    if key not in seq.operands:
+        seq.operands[key] = (_on_device(np.frombuffer(edit.vector, "<f4"), like.device, torch.float32).to(like.dtype),)
+    return seq.operands[key][0]
 
 
 class _Lens:
@@ -364,7 +451,7 @@ class _Lens:
         normed = self.norm.forward(flat)  # .forward: not through our own hook on "norm"
         normed = normed[0] if isinstance(normed, tuple) else normed
         logits = (normed @ self.weight.t())[:, : self.vocab_size].float()
-        return torch.log_softmax(logits, dim=-1).reshape(*streams.shape[:-1], -1).cpu()
+        return torch.log_softmax(logits, dim=-1).reshape(*streams.shape[:-1], -1)
 
 
 def _modules(model: Any) -> dict[str, torch.nn.Module]:
@@ -400,6 +487,7 @@ class PlanHooks:
         self._rows: list[_Row] | None = None
         self._tokenizer: Any = None
         self.lens: _Lens | None = None
+        self.collector: StepCollector[_StepWork] = StepCollector(self._finish)
 
     # -- installation ----------------------------------------------------------
 
@@ -481,6 +569,8 @@ class PlanHooks:
                     continue
                 rows = [first + p - pos0 for p in wanted]
                 if isinstance(action, P.WriteModule):
+                    if op.condition is not None:
+                        self.collector.drain()  # the text so far includes every finished step
                     if op.condition is None or _holds(op.condition, _Context(self, _Row(-1, seq, ()), drawn=False)):
                         self._edits.setdefault(action.module, []).append((rows, action, seq))
                     continue
@@ -500,7 +590,8 @@ class PlanHooks:
             if wants:
                 value = _module_output(path, output)
                 for want in wants:
-                    rows = value[want.rows].detach().float().cpu()
+                    # A copy: the activation buffer is reused by the next forward pass.
+                    rows = value[want.rows].detach().to(torch.float32, copy=True)
                     want.seq.pending.setdefault(want.name, []).append((want.positions, rows))
         except Exception as e:  # noqa: BLE001
             log.exception("module hook on %s failed", path)
@@ -560,10 +651,11 @@ class PlanHooks:
                 for op in row.ops:
                     if isinstance(op.action, P.LOGITS_WRITES):
                         if op.condition is not None and row.processed is None:
+                            self.collector.drain()  # the text so far includes every finished step
                             (row.processed,) = _capture(logits, [row])
                         # Conditions see the row as vLLM made it, before any of our writes.
                         if _holds(op.condition, ctx):
-                            _apply_write(op.action, logits[row.index], self.fault_injection)
+                            _apply_write(op.action, logits[row.index], row.seq, self.fault_injection)
                             wrote = True
                 if wrote:
                     row.processed = None  # captured again below, after the writes
@@ -575,54 +667,70 @@ class PlanHooks:
                 row.processed = captured
 
     def _after_sample(self, rows: list[_Row], sampled: torch.Tensor) -> None:
-        tokens = sampled.view(sampled.shape[0], -1)[:, 0].tolist()
-        records = []
-        fired: list[tuple[_Row, P.Op]] = []
-        for row in rows:
-            row.token = int(tokens[row.index])
-            if row.ops and row.error is None:
-                try:
-                    fired += self._conditions_after_draw(row)
-                except Exception as e:  # noqa: BLE001 - fails this request's trace only
-                    row.error = f"{type(e).__name__}: {e}"
+        """Launch the step's reads (every read selected now, its condition decided later)
+        and hand the step to the collector. No waiting for the device here."""
+        drawn = sampled.view(sampled.shape[0], -1)[:, 0]
+        fired = [
+            (row, op) for row in rows if row.error is None for op in row.ops if isinstance(op.action, P.READS)
+        ]
         try:
-            _batched_reads(fired, self.lens)
+            _launch_reads(fired, self.lens, drawn)
         except Exception as e:  # noqa: BLE001 - a batch failure fails the traces in it
             for row, _ in fired:
                 row.error = f"{type(e).__name__}: {e}"
+        # On the CPU vLLM may reuse the sampled-ids buffer: keep a copy of our own.
+        tokens = _to_host(drawn) if drawn.device.type != "cpu" else drawn.clone()
+        done = None
+        if drawn.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
         for row in rows:
+            row.step = row.seq.step
+            row.seq.step += 1
+        self.collector.submit(_StepWork(rows, tokens, done))
+
+    def _finish(self, work: _StepWork) -> None:
+        """On the collector thread: the step's values are on the host now; decide its
+        conditions and stops, send its records, extend each sequence's text."""
+        work.wait()
+        tokens = work.tokens.tolist()
+        records = []
+        for row in work.rows:
             seq = row.seq
+            row.token = int(tokens[row.index])
             if row.ops:
+                if row.error is None:
+                    try:
+                        self._decide(row)
+                    except Exception as e:  # noqa: BLE001 - fails this request's trace only
+                        row.error = f"{type(e).__name__}: {e}"
                 if row.error is not None:
                     seq.error, seq.error_reported = row.error, True  # no more work for this request
                 records.append(
                     StepRecord(
                         key=seq.plan.key,
-                        step=seq.step,
+                        step=row.step,
                         token_id=row.token,
-                        values=row.values,
+                        values=row.values if row.error is None else {},
                         stopped=row.stopped,
                         error=row.error,
                     )
                 )
             if seq.needs_text:
                 seq.tokens.append(row.token)
-            seq.step += 1
         if self.sender is not None and records:
             self.sender.send(records)
 
-    def _conditions_after_draw(self, row: _Row) -> list[tuple[_Row, P.Op]]:
-        """Decide this row's stops and which of its reads fire (computed batched later)."""
+    def _decide(self, row: _Row) -> None:
+        """This row's stops, and which of its launched reads it keeps."""
         ctx = _Context(self, row, drawn=True)
-        fired = []
         for op in row.ops:
             if isinstance(op.action, P.READS):
                 if _holds(op.condition, ctx):
-                    fired.append((row, op))
+                    row.values[op.name] = row.reads[op.name].result(row.token)
             elif isinstance(op.action, P.Stop):
                 if _holds(op.condition, ctx):
                     row.stopped = True
-        return fired
 
     def decode(self, tokens: list[int]) -> str:
         if self._tokenizer is None:
