@@ -3,7 +3,7 @@
 #   make test    run the whole test suite (proto drift check included)
 #   make proto   regenerate the committed code from proto/
 #   make lint    buf lint + ruff + mypy
-#   make bench   benchmarks (results under bench/results/)
+#   make bench   benchmarks (results under bench/results/); make bench-gpu on the GPU machine
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -26,7 +26,7 @@ PYTEST_ARGS ?=
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup serve test proto proto-check lint bench clean
+.PHONY: setup serve test proto proto-check lint bench bench-gpu clean
 
 setup: $(STAMP) $(BUF)
 
@@ -77,6 +77,11 @@ lint: setup
 bench: setup
 	$(PY) bench/trace_overhead.py
 	$(PY) bench/trace_overhead.py --hidden
+
+# On the device machine (no venv there), after the vLLM carry: see bench/gpu.sh.
+SHAPE ?= qwen3-8b
+bench-gpu:
+	bash bench/gpu.sh --shape $(SHAPE) $(BENCH_ARGS)
 
 clean:
 	rm -rf build

@@ -6,8 +6,13 @@ driven through gRPC from this process. Rows are measured interleaved (raw,
 Generate, each trace kind, raw again, ...) and each cell is the median of the
 repeats, so machine drift hits every row alike. Same prompts, greedy, fixed
 new-token count, at concurrency 1, 16 and 64. Reports generated tokens/s and
-the ratio to raw.
+the ratio to raw, and for streamed rows the p50/p99 time from the server
+receiving a step's token from the engine to the client receiving its StepResult.
 Results: bench/results/trace-overhead-<date>-<host>.json.
+
+GPU mode (`--shape qwen3-8b`, see bench/gpu.sh): a realistic shape with dummy
+weights, bf16, CUDA graphs and torch.compile, 128 new tokens, concurrency up to
+256, plus a row for vLLM's own logprobs=20 through tracewire.
 """
 
 from __future__ import annotations
@@ -26,11 +31,19 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from shapes import SHAPES, write_model_dir  # noqa: E402
+
 PROMPTS = [
     "The capital of France is", "The capital of Japan is", "Once upon a time",
     "One, two, three,", "Mars is the", "Monday, Tuesday,", "The cow says", "Red, green,",
 ]
-ENGINE = dict(dtype="float32", max_model_len=512, max_num_seqs=64)
+ENGINE: dict[str, object] = dict(dtype="float32", max_model_len=512, max_num_seqs=64)
+# Two engines share one GPU: each gets part of its memory.
+GPU_ENGINE: dict[str, object] = dict(dtype="bfloat16", load_format="dummy", max_model_len=1024,
+                                     max_num_seqs=256, gpu_memory_utilization=0.42)
+REQUEST_TIMEOUT_S = 300
+LATENCY_NS: dict[str, dict[int, list[int]]] = {}  # row -> concurrency -> samples
 
 
 def free_port() -> int:
@@ -42,9 +55,9 @@ def free_port() -> int:
 async def timed(concurrency: int, rounds: int, one) -> float:
     """Tokens/s with `concurrency` requests in flight, `rounds` requests per slot."""
     async def slot(i: int) -> int:
-        return sum([await one(i * rounds + r) for r in range(rounds)])
+        return sum([await one(i * rounds + r, concurrency) for r in range(rounds)])
 
-    await asyncio.gather(*(one(i) for i in range(min(concurrency, 4))))  # warm-up
+    await asyncio.gather(*(one(i, 0) for i in range(min(concurrency, 4))))  # warm-up (not sampled)
     start = time.perf_counter()
     tokens = sum(await asyncio.gather(*(slot(i) for i in range(concurrency))))
     return tokens / (time.perf_counter() - start)
@@ -52,6 +65,8 @@ async def timed(concurrency: int, rounds: int, one) -> float:
 
 ROWS = ("trace, no interventions", "top-20 logits every step", "full logits every step",
         "forced token at step 0")
+LOGPROBS_ROW = "vLLM logprobs=20 (Generate)"
+GPU_ROWS = ("trace, no interventions", "top-20 logits every step", "forced token at step 0")
 # --hidden: module hooks need eager engines (both engines run --enforce-eager then).
 HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step")
 
@@ -67,7 +82,7 @@ async def raw_engine(model: str, new_tokens: int):
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
 
-    async def one(i: int) -> int:
+    async def one(i: int, concurrency: int) -> int:
         final = None
         request_id = f"r{i}-{time.monotonic_ns()}"
         async for out in llm.generate({"prompt_token_ids": ids[i % len(ids)]}, params, request_id):
@@ -133,30 +148,46 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...]):
         except grpc.aio.AioRpcError:
             await asyncio.sleep(1)
     sampling = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    with_logprobs = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                                                logprobs=20)
 
-    async def generate(i: int) -> int:
-        r = await stub.Generate(service_pb2.GenerateRequest(
-            prompts=[prompt_pb2.Prompt(text=PROMPTS[i % len(PROMPTS)])], sampling_params=sampling))
-        return len(r.outputs[0].outputs[0].token_ids)
+    def generate(params):
+        async def one(i: int, concurrency: int) -> int:
+            r = await stub.Generate(service_pb2.GenerateRequest(
+                prompts=[prompt_pb2.Prompt(text=PROMPTS[i % len(PROMPTS)])], sampling_params=params),
+                timeout=REQUEST_TIMEOUT_S)
+            return len(r.outputs[0].outputs[0].token_ids)
+        return one
 
     def traced(kind: str):
-        async def one(i: int) -> int:
+        async def one(i: int, concurrency: int) -> int:
             steps = 0
-            async for ev in stub.Trace(trace_request(kind, PROMPTS[i % len(PROMPTS)], new_tokens)):
+            latencies = LATENCY_NS.setdefault(kind, {}).setdefault(concurrency, []) if concurrency else []
+            call = stub.Trace(trace_request(kind, PROMPTS[i % len(PROMPTS)], new_tokens), timeout=REQUEST_TIMEOUT_S)
+            async for ev in call:
+                now = time.time_ns()
+                for step in ev.steps.results:
+                    latencies.append(now - step.engine_time.ToNanoseconds())
                 steps += len(ev.steps.results)
             return steps
         return one
 
-    return channel, {"Generate": generate, **{kind: traced(kind) for kind in rows}}
+    fns = {"Generate": generate(sampling), **{kind: traced(kind) for kind in rows if kind != LOGPROBS_ROW}}
+    if LOGPROBS_ROW in rows:
+        fns[LOGPROBS_ROW] = generate(with_logprobs)
+    return channel, fns
 
 
 async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int, rows_kinds: tuple[str, ...]):
     """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
     the median of `repeats` per cell."""
+    began = time.perf_counter()
     server, port = start_server(model)
     try:
         channel, rows = await tracewire_clients(port, new_tokens, rows_kinds)
+        log(f"tracewire server up after {time.perf_counter() - began:.0f} s")
         llm, raw = await raw_engine(model, new_tokens)
+        log(f"raw engine up after {time.perf_counter() - began:.0f} s")
         fns = {"raw vLLM AsyncLLM": raw, **rows}
         samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in fns}
         try:
@@ -164,6 +195,7 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
                 for _ in range(repeats):
                     for name, fn in fns.items():
                         samples[name][c].append(await timed(c, rounds, fn))
+                        log(f"c={c} {name}: {samples[name][c][-1]:.0f} tok/s")
         finally:
             llm.shutdown()
             await channel.close()
@@ -171,6 +203,16 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
     finally:
         server.terminate()
         server.wait(120)
+
+
+def log(message: str) -> None:
+    """Progress on stderr as cells finish: a run cut off still leaves its numbers."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def percentile(samples: list[int], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e6 if ordered else float("nan")
 
 
 def _gpu_name() -> str | None:
@@ -185,18 +227,29 @@ def _gpu_name() -> str | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=str(ROOT / "models" / "tracewire-tiny"))
-    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="GPU mode: this model shape with dummy weights, bf16, compiled, "
+                        "concurrency 1,16,64,256, 128 new tokens")
+    parser.add_argument("--concurrency", default=None, help="default 1,16,64 (GPU mode: 1,16,64,256)")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--hidden", action="store_true",
                         help="hidden-state rows (layer read, steering write) on eager engines")
     parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency slot")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 64 (GPU mode: 128)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per cell (median)")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="engine setting for both engines, e.g. --engine dtype=bfloat16 "
                         "--engine load_format=dummy --engine max_num_seqs=256 (values parsed as JSON)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.shape:
+        import tempfile
+
+        ENGINE.clear()
+        ENGINE.update(GPU_ENGINE)
+        args.model = str(write_model_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape))
+    args.concurrency = args.concurrency or ("1,16,64,256" if args.shape else "1,16,64")
+    args.new_tokens = args.new_tokens or (128 if args.shape else 64)
     for item in args.engine:
         key, _, raw_value = item.partition("=")
         try:
@@ -207,7 +260,7 @@ def main() -> int:
 
     if args.hidden:
         ENGINE["enforce_eager"] = True
-    kinds = HIDDEN_ROWS if args.hidden else ROWS
+    kinds = HIDDEN_ROWS if args.hidden else (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else ROWS)
     rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens, kinds))
     raw = rows["raw vLLM AsyncLLM"]
 
@@ -221,14 +274,19 @@ def main() -> int:
                     "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                     "gpu": _gpu_name()},
         "vllm_version": vllm.__version__,
-        "model": args.model, "engine": ENGINE, "new_tokens": args.new_tokens,
+        "model": args.shape or args.model, "engine": ENGINE, "new_tokens": args.new_tokens,
         "rounds": args.rounds, "repeats": args.repeats, "method": "rows interleaved, median of repeats",
         "tokens_per_second": rows,
         "ratio_to_raw": {k: {c: v[c] / raw[c] for c in levels} for k, v in rows.items()},
+        "streaming_latency_ms": {
+            k: {c: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "samples": len(v)}
+                for c, v in by_c.items()}
+            for k, by_c in LATENCY_NS.items()
+        },
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kind = "hidden" if args.hidden else "trace"
+    kind = ("hidden" if args.hidden else "trace") + (f"-{args.shape}" if args.shape else "")
     path = out_dir / f"{kind}-overhead-{now:%Y%m%d-%H%M}-{platform.node()}.json"
     path.write_text(json.dumps(result, indent=2))
 
@@ -237,6 +295,13 @@ def main() -> int:
     print("|" + "---|" * (len(levels) + 1))
     for name, by_c in rows.items():
         cells = " | ".join(f"{by_c[c]:.0f} ({by_c[c] / raw[c]:.2f}x)" for c in levels)
+        print(f"| {name} | {cells} |")
+    print()
+    print("| streaming latency, engine output to client (ms) | "
+          + " | ".join(f"c={c} p50 / p99" for c in levels) + " |")
+    print("|" + "---|" * (len(levels) + 1))
+    for name, stats in result["streaming_latency_ms"].items():
+        cells = " | ".join(f"{stats[c]['p50']:.2f} / {stats[c]['p99']:.2f}" if c in stats else "-" for c in levels)
         print(f"| {name} | {cells} |")
     print(f"written to {path}")
     return 0

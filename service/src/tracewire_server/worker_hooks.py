@@ -623,8 +623,10 @@ class PlanHooks:
         discard = getattr(self.runner, "discard_request_mask", None)
         discard_np = discard.np[: len(req_ids)] if discard is not None else None
         rows = []
+        known = self.sequences
         for i, req_id in enumerate(req_ids):
-            seq = self._sequence(req_id)
+            # The common case (a request seen before, untraced) is one dict lookup.
+            seq = known[req_id] if req_id in known else self._sequence(req_id)
             if seq is None or seq.error_reported:
                 continue
             if discard_np is not None and discard_np[i]:
