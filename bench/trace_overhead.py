@@ -66,7 +66,8 @@ async def timed(concurrency: int, rounds: int, one) -> float:
 ROWS = ("trace, no interventions", "top-20 logits every step", "full logits every step",
         "forced token at step 0")
 LOGPROBS_ROW = "vLLM logprobs=20 (Generate)"
-GPU_ROWS = ("trace, no interventions", "top-20 logits every step", "forced token at step 0")
+INTERVAL_ROW = "top-20 logits every step, 50 ms stream interval"
+GPU_ROWS = ("trace, no interventions", "top-20 logits every step", INTERVAL_ROW, "forced token at step 0")
 # --hidden: module hooks need eager engines (both engines run --enforce-eager then).
 HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step")
 
@@ -107,6 +108,7 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
         "steering write every step": [I.Intervention(write_module=steer)],
         "trace, no interventions": [],
         "top-20 logits every step": [I.Intervention(name="t", read_logits=I.ReadLogits(top_k=I.TopK(k=20)))],
+        INTERVAL_ROW: [I.Intervention(name="t", read_logits=I.ReadLogits(top_k=I.TopK(k=20)))],
         "full logits every step": [I.Intervention(name="f", read_logits=I.ReadLogits(full=I.FullRow()))],
         "forced token at step 0": [
             I.Intervention(steps=I.StepSelector(list=I.StepList(steps=[0])), force_sample=I.ForceSample(token_id=5))
@@ -115,6 +117,7 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
     return service_pb2.TraceRequest(
         sampling_params=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True),
         invokes=[trace_pb2.Invoke(prompt=prompt_pb2.Prompt(text=prompt), interventions=ivs)],
+        options=trace_pb2.TraceOptions(stream_interval_ms=50 if kind == INTERVAL_ROW else 0),
     )
 
 

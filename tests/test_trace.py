@@ -301,3 +301,20 @@ def test_token_id_prompts_equal_text_prompts(stub, hf):
     assert result.tokens(0) == result.tokens(1)
     assert result.invokes[0].prompt == PROMPT and not result.invokes[1].HasField("prompt")
     assert list(result.invokes[1].prompt_token_ids) == ids
+
+
+def test_stream_interval_coalesces_steps_and_loses_none(client, stub, hf):
+    """With a 300 ms stream interval the first step goes out at once and the rest of a
+    short generation arrives together: fewer messages, every step, in order."""
+    tracer = client.trace(PROMPT, max_tokens=24, **GREEDY).options(stream_interval_ms=300)
+    messages = []
+    request = tracer.start()
+    for event in stub.Trace(request, timeout=60):
+        messages.append(event)
+        list(tracer.handle(event))
+    steps = [s for ev in messages if ev.HasField("steps") for s in ev.steps.results]
+    assert [s.step for s in steps] == list(range(24))
+    assert [s.token_id for s in steps] == hf.greedy(hf.encode(PROMPT), 24)
+    step_messages = sum(ev.HasField("steps") for ev in messages)
+    assert step_messages <= 6, step_messages
+    assert len(messages[0].steps.results) == 1  # nothing to wait for before the first step

@@ -52,7 +52,10 @@ class CompiledTrace:
     ops_by_invoke: tuple[tuple[P.Op, ...], ...]
     read_bytes_bound: int
     stream_every_step: bool
+    stream_interval_s: float = 0.0
 
+
+MAX_STREAM_INTERVAL_MS = 1000
 
 _COMPARISONS = {
     ipb.COMPARISON_GREATER: ">",
@@ -144,7 +147,12 @@ class _Compiler:
             )
         every = request.options.stream_every_step if request.options.HasField(
             "stream_every_step") else True
-        return CompiledTrace(tuple(invokes), tuple(all_ops), bound, every)
+        interval_ms = request.options.stream_interval_ms
+        if interval_ms > MAX_STREAM_INTERVAL_MS:
+            raise InvalidArgument(
+                "options.stream_interval_ms", f"must be <= {MAX_STREAM_INTERVAL_MS}, got {interval_ms}"
+            )
+        return CompiledTrace(tuple(invokes), tuple(all_ops), bound, every, interval_ms / 1000)
 
     def read_bytes(self, op: P.Op, max_tokens: int) -> int:
         """Upper bound on the bytes one sequence's op returns over the generation."""

@@ -50,8 +50,10 @@ class _Outbox:
     stream coalesces steps and an idle one sends each step at once. Bytes queued
     and not yet taken are capped: over the cap the trace fails (slow client)."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, interval_s: float = 0.0) -> None:
         self.cap = cap
+        self.interval_s = interval_s
+        self._last_steps = -float("inf")  # loop time the last steps message was taken
         self.queued = 0
         # (item, bytes it counted against the cap)
         self._closed: deque[tuple[service_pb2.TraceResponse | trace_pb2.InvokeResult | None, int]] = deque()
@@ -93,9 +95,15 @@ class _Outbox:
         while not self._closed and self._open is None:
             self._wake.clear()
             await self._wake.wait()
+        if self.interval_s and not self._closed:  # only open steps: let more join them
+            delay = self._last_steps + self.interval_s - asyncio.get_running_loop().time()
+            if delay > 0:
+                await asyncio.sleep(delay)
         self._close_open()
         item, size = self._closed.popleft()
         self.queued -= size
+        if isinstance(item, service_pb2.TraceResponse):
+            self._last_steps = asyncio.get_running_loop().time()
         return item
 
 
@@ -112,7 +120,7 @@ class TraceRun:
     _failure: TracewireError | None = None
 
     def __post_init__(self) -> None:
-        self._outbox = _Outbox(self.buffer_cap_bytes)
+        self._outbox = _Outbox(self.buffer_cap_bytes, self.trace.stream_interval_s)
 
     async def events(self) -> AsyncIterator[service_pb2.TraceResponse]:
         started = time.monotonic()

@@ -495,6 +495,7 @@ class Tracer(Invoke):
         self._sent = False
         self.warnings: list[str] = []
         self.usage: trace_pb2.Usage | None = None
+        self._options = trace_pb2.TraceOptions()
         self._has_prompt = prompt is not None
         if prompt is not None:
             super().__init__(self, 0, prompt, {})
@@ -544,12 +545,33 @@ class Tracer(Invoke):
         self._own()
         super().stop(when=when, step=step)
 
+    def options(
+        self,
+        *,
+        stream_interval_ms: int | None = None,
+        stream_every_step: bool | None = None,
+        max_read_bytes: int | None = None,
+    ) -> Tracer:
+        """Streaming and limits for this trace. `stream_interval_ms`: send step results at
+        most that often, coalescing the steps done meanwhile (throughput over per-token
+        latency); `stream_every_step=False`: only steps that carry values; `max_read_bytes`:
+        refuse the trace up front if its reads could exceed this."""
+        self._check_open()
+        if stream_interval_ms is not None:
+            self._options.stream_interval_ms = stream_interval_ms
+        if stream_every_step is not None:
+            self._options.stream_every_step = stream_every_step
+        if max_read_bytes is not None:
+            self._options.max_read_bytes = max_read_bytes
+        return self
+
     def request(self) -> service_pb2.TraceRequest:
         if not self._invokes:
             raise InvalidArgument("a trace needs a prompt: client.trace(prompt) or tracer.invoke(prompt)")
         return service_pb2.TraceRequest(
             sampling_params=sampling_params(**self._trace_sampling),
             invokes=[inv._message() for inv in self._invokes],
+            options=self._options,
         )
 
     # -- running ---------------------------------------------------------------

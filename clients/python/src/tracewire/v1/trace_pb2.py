@@ -30,7 +30,7 @@ from tracewire.v1 import sampling_pb2 as tracewire_dot_v1_dot_sampling__pb2
 from tracewire.v1 import tensor_pb2 as tracewire_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tracewire/v1/trace.proto\x12\x0ctracewire.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1ftracewire/v1/intervention.proto\x1a\x19tracewire/v1/output.proto\x1a\x19tracewire/v1/prompt.proto\x1a\x1btracewire/v1/sampling.proto\x1a\x19tracewire/v1/tensor.proto\"\x98\x01\n\x06Invoke\x12$\n\x06prompt\x18\x01 \x01(\x0b\x32\x14.tracewire.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12\x31\n\rinterventions\x18\x03 \x03(\x0b\x32\x1a.tracewire.v1.Intervention\"\\\n\x0cTraceOptions\x12\x16\n\x0emax_read_bytes\x18\x01 \x01(\x03\x12\x1e\n\x11stream_every_step\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x14\n\x12_stream_every_step\"\x83\x01\n\tReadValue\x12$\n\x06values\x18\x01 \x01(\x0b\x32\x14.tracewire.v1.Tensor\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.tracewire.v1.Tensor\x12\'\n\tpositions\x18\x03 \x01(\x0b\x32\x14.tracewire.v1.Tensor\"\xae\x02\n\nStepResult\x12\x14\n\x0cinvoke_index\x18\x01 \x01(\x05\x12\x16\n\x0esequence_index\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x05\x12\x10\n\x08token_id\x18\x04 \x01(\x05\x12\x12\n\ntext_delta\x18\x05 \x01(\t\x12\x34\n\x06values\x18\x06 \x03(\x0b\x32$.tracewire.v1.StepResult.ValuesEntry\x12\x0f\n\x07stopped\x18\x07 \x01(\x08\x12/\n\x0b\x65ngine_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a\x46\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.tracewire.v1.ReadValue:\x02\x38\x01\"8\n\x0bStepResults\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.tracewire.v1.StepResult\"Q\n\x0cInvokeResult\x12\x14\n\x0cinvoke_index\x18\x01 \x01(\x05\x12+\n\x06output\x18\x02 \x01(\x0b\x32\x1b.tracewire.v1.RequestOutput\"Y\n\x0cTraceWarning\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x14\n\x0cinvoke_index\x18\x03 \x01(\x05\x12\x14\n\x0cintervention\x18\x04 \x01(\t\"e\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\x12\x12\n\nread_bytes\x18\x04 \x01(\x03\"\\\n\x08TraceEnd\x12,\n\x08warnings\x18\x01 \x03(\x0b\x32\x1a.tracewire.v1.TraceWarning\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.tracewire.v1.Usageb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tracewire/v1/trace.proto\x12\x0ctracewire.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1ftracewire/v1/intervention.proto\x1a\x19tracewire/v1/output.proto\x1a\x19tracewire/v1/prompt.proto\x1a\x1btracewire/v1/sampling.proto\x1a\x19tracewire/v1/tensor.proto\"\x98\x01\n\x06Invoke\x12$\n\x06prompt\x18\x01 \x01(\x0b\x32\x14.tracewire.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12\x31\n\rinterventions\x18\x03 \x03(\x0b\x32\x1a.tracewire.v1.Intervention\"x\n\x0cTraceOptions\x12\x16\n\x0emax_read_bytes\x18\x01 \x01(\x03\x12\x1e\n\x11stream_every_step\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\x12stream_interval_ms\x18\x03 \x01(\rB\x14\n\x12_stream_every_step\"\x83\x01\n\tReadValue\x12$\n\x06values\x18\x01 \x01(\x0b\x32\x14.tracewire.v1.Tensor\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.tracewire.v1.Tensor\x12\'\n\tpositions\x18\x03 \x01(\x0b\x32\x14.tracewire.v1.Tensor\"\xae\x02\n\nStepResult\x12\x14\n\x0cinvoke_index\x18\x01 \x01(\x05\x12\x16\n\x0esequence_index\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x05\x12\x10\n\x08token_id\x18\x04 \x01(\x05\x12\x12\n\ntext_delta\x18\x05 \x01(\t\x12\x34\n\x06values\x18\x06 \x03(\x0b\x32$.tracewire.v1.StepResult.ValuesEntry\x12\x0f\n\x07stopped\x18\x07 \x01(\x08\x12/\n\x0b\x65ngine_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a\x46\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.tracewire.v1.ReadValue:\x02\x38\x01\"8\n\x0bStepResults\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.tracewire.v1.StepResult\"Q\n\x0cInvokeResult\x12\x14\n\x0cinvoke_index\x18\x01 \x01(\x05\x12+\n\x06output\x18\x02 \x01(\x0b\x32\x1b.tracewire.v1.RequestOutput\"Y\n\x0cTraceWarning\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x14\n\x0cinvoke_index\x18\x03 \x01(\x05\x12\x14\n\x0cintervention\x18\x04 \x01(\t\"e\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\x12\x12\n\nread_bytes\x18\x04 \x01(\x03\"\\\n\x08TraceEnd\x12,\n\x08warnings\x18\x01 \x03(\x0b\x32\x1a.tracewire.v1.TraceWarning\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.tracewire.v1.Usageb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,21 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INVOKE']._serialized_start=219
   _globals['_INVOKE']._serialized_end=371
   _globals['_TRACEOPTIONS']._serialized_start=373
-  _globals['_TRACEOPTIONS']._serialized_end=465
-  _globals['_READVALUE']._serialized_start=468
-  _globals['_READVALUE']._serialized_end=599
-  _globals['_STEPRESULT']._serialized_start=602
-  _globals['_STEPRESULT']._serialized_end=904
-  _globals['_STEPRESULT_VALUESENTRY']._serialized_start=834
-  _globals['_STEPRESULT_VALUESENTRY']._serialized_end=904
-  _globals['_STEPRESULTS']._serialized_start=906
-  _globals['_STEPRESULTS']._serialized_end=962
-  _globals['_INVOKERESULT']._serialized_start=964
-  _globals['_INVOKERESULT']._serialized_end=1045
-  _globals['_TRACEWARNING']._serialized_start=1047
-  _globals['_TRACEWARNING']._serialized_end=1136
-  _globals['_USAGE']._serialized_start=1138
-  _globals['_USAGE']._serialized_end=1239
-  _globals['_TRACEEND']._serialized_start=1241
-  _globals['_TRACEEND']._serialized_end=1333
+  _globals['_TRACEOPTIONS']._serialized_end=493
+  _globals['_READVALUE']._serialized_start=496
+  _globals['_READVALUE']._serialized_end=627
+  _globals['_STEPRESULT']._serialized_start=630
+  _globals['_STEPRESULT']._serialized_end=932
+  _globals['_STEPRESULT_VALUESENTRY']._serialized_start=862
+  _globals['_STEPRESULT_VALUESENTRY']._serialized_end=932
+  _globals['_STEPRESULTS']._serialized_start=934
+  _globals['_STEPRESULTS']._serialized_end=990
+  _globals['_INVOKERESULT']._serialized_start=992
+  _globals['_INVOKERESULT']._serialized_end=1073
+  _globals['_TRACEWARNING']._serialized_start=1075
+  _globals['_TRACEWARNING']._serialized_end=1164
+  _globals['_USAGE']._serialized_start=1166
+  _globals['_USAGE']._serialized_end=1267
+  _globals['_TRACEEND']._serialized_start=1269
+  _globals['_TRACEEND']._serialized_end=1361
 # @@protoc_insertion_point(module_scope)

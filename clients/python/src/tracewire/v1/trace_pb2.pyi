@@ -25,12 +25,14 @@ class Invoke(_message.Message):
     def __init__(self, prompt: _Optional[_Union[_prompt_pb2.Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[_intervention_pb2.Intervention, _Mapping]]] = ...) -> None: ...
 
 class TraceOptions(_message.Message):
-    __slots__ = ("max_read_bytes", "stream_every_step")
+    __slots__ = ("max_read_bytes", "stream_every_step", "stream_interval_ms")
     MAX_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAM_EVERY_STEP_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     max_read_bytes: int
     stream_every_step: bool
-    def __init__(self, max_read_bytes: _Optional[int] = ..., stream_every_step: _Optional[bool] = ...) -> None: ...
+    stream_interval_ms: int
+    def __init__(self, max_read_bytes: _Optional[int] = ..., stream_every_step: _Optional[bool] = ..., stream_interval_ms: _Optional[int] = ...) -> None: ...
 
 class ReadValue(_message.Message):
     __slots__ = ("values", "token_ids", "positions")
