@@ -181,7 +181,28 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...]):
     return channel, fns
 
 
-async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int, rows_kinds: tuple[str, ...]):
+def _profile(server_pid: int, row: str, concurrency: int, out_dir: str) -> list[subprocess.Popen[bytes]]:
+    """py-spy on the server and its engine processes while one cell runs, when
+    BENCH_PYSPY (the py-spy binary) and BENCH_PROFILE ("<row>@<concurrency>") ask for it."""
+    spy, wanted = os.environ.get("BENCH_PYSPY"), os.environ.get("BENCH_PROFILE", "")
+    if not spy or wanted != f"{row}@{concurrency}" or _profile.done:  # type: ignore[attr-defined]
+        return []
+    _profile.done = True  # type: ignore[attr-defined]
+    children = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True).stdout.split()
+    procs = []
+    for label, pid in [("server", server_pid)] + [(f"child{i}", int(p)) for i, p in enumerate(children)]:
+        out = Path(out_dir) / f"spy-{label}.txt"
+        procs.append(subprocess.Popen([spy, "record", "-p", str(pid), "-r", "250", "-d", "3", "-f", "raw",
+                                       "--nonblocking", "-o", str(out)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return procs
+
+
+_profile.done = False  # type: ignore[attr-defined]
+
+
+async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int, rows_kinds: tuple[str, ...],
+                  out_dir: str = "."):
     """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
     the median of `repeats` per cell."""
     began = time.perf_counter()
@@ -197,7 +218,11 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
             for c in levels:
                 for _ in range(repeats):
                     for name, fn in fns.items():
+                        profile = _profile(server.pid, name, c, out_dir)
                         samples[name][c].append(await timed(c, rounds, fn))
+                        if profile:
+                            for p in profile:
+                                p.wait()
                         log(f"c={c} {name}: {samples[name][c][-1]:.0f} tok/s")
         finally:
             llm.shutdown()
@@ -264,7 +289,7 @@ def main() -> int:
     if args.hidden:
         ENGINE["enforce_eager"] = True
     kinds = HIDDEN_ROWS if args.hidden else (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else ROWS)
-    rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens, kinds))
+    rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens, kinds, args.out_dir))
     raw = rows["raw vLLM AsyncLLM"]
 
     import vllm
