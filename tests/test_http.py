@@ -286,3 +286,26 @@ def test_http_and_grpc_calls_share_one_engine(server):
     worker.join(timeout=120)
     assert done.is_set()
     assert wait_for_unfinished(server.target, lambda n: n == 0)
+
+
+def test_cors_origin_flag_replaces_the_localhost_default():
+    """`--cors-origin` configuration, on the ASGI app alone (no engine needed for CORS)."""
+    import asyncio
+
+    from tracewire_server.http_gateway import build_app
+
+    async def preflight(app, origin: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.options(SERVICE + "Generate", headers={
+                "origin": origin, "access-control-request-method": "POST",
+                "access-control-request-headers": "content-type,connect-protocol-version"})
+
+    explicit = build_app({}, ["https://dash.example"], read_max_bytes=1 << 20)
+    r = asyncio.run(preflight(explicit, "https://dash.example"))
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://dash.example"
+    r = asyncio.run(preflight(explicit, "http://localhost:5173"))  # the default no longer applies
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+    anyone = build_app({}, ["*"], read_max_bytes=1 << 20)
+    r = asyncio.run(preflight(anyone, "https://elsewhere.example"))
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
