@@ -208,7 +208,9 @@ def build_app(
     """
     app = _ConnectApp(
         service=endpoints,
-        endpoints=lambda eps: eps,
+        # connectrpc types this with its private union of Endpoint subclasses, which
+        # service_endpoints builds (unary and server-stream ones).
+        endpoints=lambda eps: cast(Any, eps),
         read_max_bytes=read_max_bytes,
         # JSON is what people type (curl): a misspelt field is an INVALID_ARGUMENT naming it,
         # not silently ignored, as binary protobuf cannot misspell one.
