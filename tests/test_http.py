@@ -309,3 +309,20 @@ def test_cors_origin_flag_replaces_the_localhost_default():
     anyone = build_app({}, ["*"], read_max_bytes=1 << 20)
     r = asyncio.run(preflight(anyone, "https://elsewhere.example"))
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_plain_grpc_on_the_http_port_is_415():
+    """gRPC needs HTTP/2 trailers; the HTTP port says where to go instead of failing inside."""
+    import asyncio
+
+    from tracewire_server.http_gateway import build_app
+
+    async def post(content_type: str) -> httpx.Response:
+        app = build_app({}, [], read_max_bytes=1 << 20)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(SERVICE + "Generate", content=envelope(b""), headers={"content-type": content_type})
+
+    r = asyncio.run(post("application/grpc+proto"))
+    assert r.status_code == 415 and "gRPC port" in r.text
+    # gRPC-Web (trailers in the body) passes on to routing: this app has no endpoints
+    assert asyncio.run(post("application/grpc-web+proto")).status_code == 404

@@ -199,6 +199,27 @@ class _ConnectApp(ConnectASGIApplication[Mapping[str, Endpoint[Any, Any]]]):
         return "/"
 
 
+class _RefuseGrpc:
+    """Answer plain gRPC (content-type application/grpc) with 415 instead of a traceback:
+    it needs HTTP/2 trailers, which uvicorn's HTTP/1.1 cannot send; the gRPC port serves it."""
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and _is_plain_grpc(dict(scope.get("headers", ())).get(b"content-type", b"")):
+            body = b"plain gRPC is served on the gRPC port; this port speaks Connect and gRPC-Web\n"
+            await send({"type": "http.response.start", "status": 415,
+                        "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self._app(scope, receive, send)
+
+
+def _is_plain_grpc(content_type: bytes) -> bool:
+    return content_type == b"application/grpc" or content_type.startswith(b"application/grpc+")
+
+
 def build_app(
     endpoints: Mapping[str, Endpoint[Any, Any]], cors_origins: Sequence[str], read_max_bytes: int
 ) -> Any:
@@ -217,7 +238,7 @@ def build_app(
         codecs=[google_protobuf_binary_codec(), google_protobuf_json_codec(ignore_unknown_fields=False)],
     )
     return CORSMiddleware(
-        app,
+        _RefuseGrpc(app),
         allow_origins=list(cors_origins),
         allow_origin_regex=None if cors_origins else LOCALHOST_ORIGINS,
         allow_methods=CORS_ALLOWED_METHODS,
