@@ -126,36 +126,62 @@ def test_unknown_method_is_404(server):
 
 # ---- server streaming ----------------------------------------------------------------
 
-def _normalized(events: list) -> list:
-    """Trace events with what differs between two runs of one request cleared, read values
-    checked apart (float32 kernels may differ in the last bits with prefix-cache hits)."""
+def step_results(events: list) -> list:
+    """The StepResults of trace events, whether each event carries one (`step`) or a batch
+    of those ready together (`steps`, on branches where the contract batches them)."""
     out = []
     for event in events:
-        event = type(event).FromString(event.SerializeToString())
         kind = event.WhichOneof("event")
-        if kind == "invoke_result":
-            event.invoke_result.output.ClearField("request_id")
-            event.invoke_result.output.ClearField("num_cached_tokens")
-        elif kind == "end":
-            event.end.usage.ClearField("elapsed_seconds")
-        out.append(event)
+        if kind == "steps":
+            out.extend(event.steps.results)
+        elif kind == "step":
+            out.append(event.step)
     return out
 
 
+def _copy(message):
+    return type(message).FromString(message.SerializeToString())
+
+
+def _clear(message, *names: str) -> None:
+    for name in names:
+        if name in message.DESCRIPTOR.fields_by_name:
+            message.ClearField(name)
+
+
 def assert_same_trace(a: list, b: list) -> None:
-    a, b = _normalized(a), _normalized(b)
-    assert [e.WhichOneof("event") for e in a] == [e.WhichOneof("event") for e in b]
-    for x, y in zip(a, b, strict=True):
-        if x.WhichOneof("event") == "step":
-            assert set(x.step.values) == set(y.step.values)
-            for name in x.step.values:
-                vx, vy = x.step.values[name], y.step.values[name]
-                assert vx.token_ids == vy.token_ids, (name, x.step.step)
-                np.testing.assert_allclose(np.frombuffer(vx.values.data, "<f4"),
-                                           np.frombuffer(vy.values.data, "<f4"), atol=1e-4)
-                for v in (vx, vy):
-                    v.values.ClearField("data")
+    """Two runs of one trace agree: the same steps (tokens, text, read values within float32
+    noise: kernels may differ in the last bits with prefix-cache hits), then the same final
+    events, with what differs per run (request ids, cache hits, clocks) cleared."""
+    steps_a, steps_b = [_copy(s) for s in step_results(a)], [_copy(s) for s in step_results(b)]
+    assert len(steps_a) == len(steps_b)
+    for x, y in zip(steps_a, steps_b, strict=True):
+        assert set(x.values) == set(y.values)
+        for name in x.values:
+            vx, vy = x.values[name], y.values[name]
+            assert vx.token_ids == vy.token_ids, (name, x.step)
+            np.testing.assert_allclose(np.frombuffer(vx.values.data, "<f4"),
+                                       np.frombuffer(vy.values.data, "<f4"), atol=1e-4)
+            for v in (vx, vy):
+                v.values.ClearField("data")
+        for s in (x, y):
+            _clear(s, "engine_time")
         assert x == y
+
+    def rest(events: list) -> list:
+        out = []
+        for event in events:
+            if event.WhichOneof("event") in ("step", "steps"):
+                continue
+            event = _copy(event)
+            if event.WhichOneof("event") == "invoke_result":
+                _clear(event.invoke_result.output, "request_id", "num_cached_tokens")
+            else:
+                _clear(event.end.usage, "elapsed_seconds")
+            out.append(event)
+        return out
+
+    assert rest(a) == rest(b)
 
 
 TRACE = T.trace(T.invoke("The capital of France is", T.iv("top", read_logits=T.logits(k=3)),
@@ -171,7 +197,7 @@ def test_trace_stream_over_http_equals_grpc(server, stub, protocol):
     else:
         events, end = connect_stream(server, "Trace", TRACE, codec=protocol.split("+")[1])
         assert end == {}, end  # no error
-    steps = [e.step for e in events if e.WhichOneof("event") == "step"]
+    steps = step_results(events)
     assert [s.step for s in steps] == list(range(6))
     assert all(len(np.frombuffer(s.values["top"].values.data, "<f4")) == 3 for s in steps)
     assert events[-1].WhichOneof("event") == "end"
@@ -265,7 +291,7 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(server):
         chunks = r.iter_raw()  # held: dropping the iterator would already close the connection
         first = next(chunks)
         (flags, payload), *_ = envelopes(first[:5 + struct.unpack(">I", first[1:5])[0]])
-        assert flags == 0 and service_pb2.TraceResponse.FromString(payload).step.step == 0
+        assert flags == 0 and step_results([service_pb2.TraceResponse.FromString(payload)])[0].step == 0
         assert engine_stats(server.target).num_unfinished_requests == 1  # still generating
     # leaving the block closed the connection mid-stream
     assert wait_for_unfinished(server.target, lambda n: n == 0), "the engine request outlived the client"
