@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import struct
 import threading
 
@@ -352,3 +353,20 @@ def test_plain_grpc_on_the_http_port_is_415():
     assert r.status_code == 415 and "gRPC port" in r.text
     # gRPC-Web (trailers in the body) passes on to routing: this app has no endpoints
     assert asyncio.run(post("application/grpc-web+proto")).status_code == 404
+
+
+def test_http_port_in_use_is_a_clear_startup_error():
+    import asyncio
+    import socket
+
+    from tracewire_server.http_gateway import HttpGateway, build_app
+
+    async def start(port: int) -> None:
+        await HttpGateway.start(build_app({}, [], read_max_bytes=1 << 20), "127.0.0.1", port)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=re.escape(f"cannot listen on 127.0.0.1:{port} (HTTP)")):
+            asyncio.run(start(port))

@@ -257,6 +257,15 @@ class _Server(uvicorn.Server):
         yield
 
 
+async def _serve(server: _Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit as e:
+        # uvicorn exits the process when it cannot start; a SystemExit out of a task would
+        # tear down the event loop, the gRPC server's too, so it becomes an error here.
+        raise RuntimeError(f"uvicorn could not start (exit code {e.code})") from e
+
+
 class HttpGateway:
     """The HTTP server, running as a task in the current event loop."""
 
@@ -277,20 +286,12 @@ class HttpGateway:
             access_log=False,
         )
         server = _Server(config)
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(_serve(server))
         while not server.started:
-            if task.done():  # uvicorn logs why (address in use, ...) and exits
-                with contextlib.suppress(BaseException):
-                    task.result()
-                raise SystemExit(f"tracewire: cannot listen on {host}:{port} (HTTP)")
+            if task.done():  # uvicorn has logged why (address in use, ...)
+                raise SystemExit(f"tracewire: cannot listen on {host}:{port} (HTTP): {task.exception()}")
             await asyncio.sleep(0.02)
         return cls(server, task, f"{host}:{port}")
-
-    @property
-    def port(self) -> int:
-        """The bound port (useful with port 0)."""
-        sockets = self._server.servers[0].sockets
-        return int(sockets[0].getsockname()[1])
 
     async def stop(self, cancel_timeout: float = 5.0) -> None:
         """Cancel the calls still running (their engine requests are aborted; clients get
