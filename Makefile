@@ -1,5 +1,6 @@
 # tracewire entry points. Every target installs what it needs first.
-#   make serve   start the service on the embedded default model (or MODEL=path)
+#   make serve   start the service on the embedded default model (or MODEL=path),
+#                gRPC on PORT and Connect / gRPC-Web for browsers on HTTP_PORT
 #   make test    run the whole test suite (proto drift check included)
 #   make proto   regenerate the committed code from proto/
 #   make lint    buf lint + ruff + mypy
@@ -19,6 +20,8 @@ BUF := clients/ts/node_modules/.bin/buf
 MODEL ?= models/tracewire-tiny
 PORT ?= 50051
 HOST ?= 127.0.0.1
+# Connect protocol / gRPC-Web for browsers (HTTP/1.1); HTTP_PORT=0 turns it off.
+HTTP_PORT ?= 8080
 # Extra server / engine options, e.g. ENGINE_ARGS="--dtype bfloat16 --max-model-len 512"
 ENGINE_ARGS ?=
 PYTEST_ARGS ?=
@@ -45,7 +48,8 @@ $(BUF): clients/ts/package.json
 	touch $@
 
 serve: setup
-	$(PY) -m tracewire_server --model $(MODEL) --host $(HOST) --port $(PORT) $(ENGINE_ARGS)
+	$(PY) -m tracewire_server --model $(MODEL) --host $(HOST) --port $(PORT) \
+		--http-port $(HTTP_PORT) $(ENGINE_ARGS)
 
 test: setup proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)

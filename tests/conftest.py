@@ -1,8 +1,9 @@
 """One real tracewire server (real vLLM engine, CPU build) per test session.
 
 The server runs as `python -m tracewire_server` in a subprocess, exactly as a
-user starts it. Its health is polled from the moment it is spawned, so the
-NOT_SERVING -> SERVING transition is observed, not assumed.
+user starts it, with its HTTP port (Connect / gRPC-Web) on too: `http_url`. Its
+health is polled from the moment it is spawned, so the NOT_SERVING -> SERVING
+transition is observed, not assumed.
 """
 
 from __future__ import annotations
@@ -31,9 +32,19 @@ START_TIMEOUT = 600.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (the sockets stay bound until all are picked)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass
@@ -41,6 +52,7 @@ class ServerProcess:
     target: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    http_url: str = ""  # base URL of the HTTP port: http://127.0.0.1:N
     health_seen: list[str] = field(default_factory=list)
 
     def log(self) -> str:
@@ -76,14 +88,14 @@ class ServerProcess:
 
 
 def start_server(tmp_dir: Path, *extra: str) -> ServerProcess:
-    port = free_port()
+    port, http_port = free_ports(2)
     log_path = tmp_dir / f"server-{port}.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     cmd = [sys.executable, "-m", "tracewire_server", "--model", str(MODEL),
-           "--port", str(port), *ENGINE_ARGS, *extra]
+           "--port", str(port), "--http-port", str(http_port), *ENGINE_ARGS, *extra]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(f"127.0.0.1:{port}", process, log_path)
+    server = ServerProcess(f"127.0.0.1:{port}", process, log_path, f"http://127.0.0.1:{http_port}")
     try:
         server.wait_serving()
     except BaseException:

@@ -28,6 +28,21 @@ def parse_args(argv: list[str]) -> ServerConfig:
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=50051, help="gRPC port")
     group.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="also serve the API to browsers on this HTTP port (Connect protocol with JSON or "
+        "binary protobuf, and gRPC-Web), on --host; 0: off",
+    )
+    group.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="browser origin allowed to call the HTTP port, e.g. https://dash.example.com "
+        "(repeatable; '*' allows any). Default: pages served from localhost / 127.0.0.1 / [::1] only",
+    )
+    group.add_argument(
         "--grace-period",
         type=float,
         default=10.0,
@@ -74,6 +89,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
             buffer_bytes=args.trace_buffer_bytes,
             fault_injection=args.enable_fault_injection,
         ),
+        http_port=args.http_port,
+        cors_origins=tuple(args.cors_origin),
     )
 
 

@@ -1,9 +1,10 @@
 """Process lifecycle: the grpc.aio server, health, reflection, engine start and drain.
 
-Order of events: listen at once with health NOT_SERVING (RPCs answer
-UNAVAILABLE) -> start the engine -> SERVING -> on SIGTERM/SIGINT: NOT_SERVING,
-refuse new calls, give in-flight calls a grace period, cancel the rest (which
-aborts their engine requests), stop the engine, exit 0.
+Order of events: listen at once (gRPC, and HTTP with --http-port) with health
+NOT_SERVING (RPCs answer UNAVAILABLE) -> start the engine -> SERVING -> on
+SIGTERM/SIGINT: NOT_SERVING, refuse new calls on both ports, give in-flight calls
+a grace period, cancel the rest (which aborts their engine requests), stop the
+engine, exit 0.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 from .engine import Engine
+from .http_gateway import HttpGateway, build_app, service_endpoints
 from .servicer import TraceOptions, TraceServicer
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,10 @@ class ServerConfig:
     max_message_bytes: int
     engine_args: Any  # vllm AsyncEngineArgs
     trace: TraceOptions
+    # Connect / gRPC-Web for browsers on this port; 0: off.
+    http_port: int = 0
+    # Browser origins allowed on the HTTP port ("*": any); empty: localhost pages only.
+    cors_origins: tuple[str, ...] = ()
 
 
 async def serve(config: ServerConfig) -> int:
@@ -67,6 +73,7 @@ async def serve(config: ServerConfig) -> int:
 
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
+    gateway = await _start_http(config, servicer, health_servicer)
     log.info("tracewire listening on %s; starting the engine", address)
 
     started = time.monotonic()
@@ -79,6 +86,8 @@ async def serve(config: ServerConfig) -> int:
     try:
         engine = await engine_task  # a stop during start still waits for the engine to exist
     except BaseException:
+        if gateway is not None:
+            await gateway.stop()
         await server.stop(0)
         raise
     engine_died = False
@@ -103,12 +112,38 @@ async def serve(config: ServerConfig) -> int:
     servicer.draining = True
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     deadline = time.monotonic() + config.grace_seconds
-    while servicer.in_flight and time.monotonic() < deadline:
+    while servicer.in_flight and time.monotonic() < deadline:  # counts HTTP calls too
         await asyncio.sleep(0.05)
+    if gateway is not None:
+        await gateway.stop()
     await server.stop(0)
     engine.shutdown()
     log.info("tracewire stopped")
     return 1 if engine_died else 0
+
+
+async def _start_http(
+    config: ServerConfig, servicer: TraceServicer, health_servicer: health.aio.HealthServicer
+) -> HttpGateway | None:
+    """Serve the same servicer instances over Connect / gRPC-Web, or nothing without a port.
+
+    Health's Check is served too, so a browser can read readiness; Watch (a stream that
+    never ends) and reflection stay on the gRPC port.
+    """
+    if not config.http_port:
+        return None
+    endpoints = service_endpoints(service_pb2.DESCRIPTOR.services_by_name["TraceService"], servicer)
+    endpoints |= service_endpoints(
+        health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer, methods={"Check"}
+    )
+    app = build_app(endpoints, config.cors_origins, read_max_bytes=config.max_message_bytes)
+    gateway = await HttpGateway.start(app, config.host, config.http_port)
+    log.info(
+        "tracewire HTTP (Connect, gRPC-Web) on http://%s; CORS origins: %s",
+        gateway.address,
+        ", ".join(config.cors_origins) or "localhost pages only",
+    )
+    return gateway
 
 
 async def _watch_engine(engine: Engine, stop: asyncio.Event) -> bool:
