@@ -53,6 +53,36 @@ from .tensors import RawTensor
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _StepOps:
+    """The ops selected at one step, sorted by what the hooks do with them."""
+
+    ops: tuple[P.Op, ...]
+    reads: tuple[P.Op, ...]
+    logits_writes: tuple[P.Op, ...]
+    needs_raw: bool
+    needs_processed: bool
+
+    @classmethod
+    def of(cls, ops: tuple[P.Op, ...]) -> _StepOps:
+        return cls(
+            ops,
+            tuple(op for op in ops if isinstance(op.action, P.READS)),
+            tuple(op for op in ops if isinstance(op.action, P.LOGITS_WRITES)),
+            P.needs_raw_logits(ops),
+            P.needs_processed_logits(ops),
+        )
+
+
+_NO_OPS = _StepOps.of(())
+_ERROR_OPS = _StepOps.of((P.Op("error", P.StepSet(), None, P.Stop()),))
+
+
+def _always(op: P.Op) -> bool:
+    """Whether the op is selected at every step (then a sequence's ops never change)."""
+    return op.steps == P.StepSet() and op.selects(1)
+
+
 @dataclass
 class _Sequence:
     """Per-request state the worker keeps across steps."""
@@ -70,6 +100,17 @@ class _Sequence:
     pending: dict[str, list[tuple[list[int], torch.Tensor]]] = field(default_factory=dict)
     # Write operands already on the device, by id() of the plan's action.
     operands: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    constant: _StepOps | None = None  # the ops of every step, when they never change
+
+    def __post_init__(self) -> None:
+        if all(_always(op) for op in self.plan.ops):
+            self.constant = _StepOps.of(self.plan.ops)
+
+    def ops_at(self, step: int) -> _StepOps:
+        if self.constant is not None:
+            return self.constant
+        ops = self.plan.active_at(step)
+        return _StepOps.of(ops) if ops else _NO_OPS
 
 
 @dataclass
@@ -84,22 +125,35 @@ class _Captured:
         return self.batch[self.position]
 
 
+class _HostBatch:
+    """Host tensors of one read kind for several rows, valid once the step's copies are
+    done (_StepWork.wait); viewed as numpy once, on first use."""
+
+    __slots__ = ("_arrays", "ids", "values")
+
+    def __init__(self, values: torch.Tensor, ids: torch.Tensor | None) -> None:
+        self.values, self.ids = values, ids
+        self._arrays: tuple[np.ndarray, np.ndarray | None] | None = None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
+        if self._arrays is None:
+            self._arrays = (self.values.numpy(), self.ids.numpy() if self.ids is not None else None)
+        return self._arrays
+
+
 @dataclass
 class _HostRead:
-    """A read's value on its way to the host: host tensors that hold their values only
-    once the step's copies are done (_StepWork.wait); `index` picks this read's row
-    of a batched result."""
+    """A read's value on its way to the host; `index` picks this read's row of a
+    batched result."""
 
-    values: torch.Tensor | None  # None: the drawn token itself (known after the wait)
-    token_ids: torch.Tensor | None = None
+    batch: _HostBatch | None  # None: the drawn token itself (known after the wait)
     positions: list[int] | None = None
     index: int | None = None
 
     def result(self, token: int) -> ReadResult:
-        if self.values is None:
+        if self.batch is None:
             return ReadResult(RawTensor.from_numpy(np.asarray(token, dtype=np.int32)))
-        values = self.values.numpy()
-        ids = self.token_ids.numpy() if self.token_ids is not None else None
+        values, ids = self.batch.arrays()
         if self.index is not None:
             values = values[self.index]
             ids = ids[self.index] if ids is not None else None
@@ -114,7 +168,7 @@ class _HostRead:
 class _Row:
     index: int  # row in the logits
     seq: _Sequence
-    ops: tuple[P.Op, ...]  # the ops selected at this step (empty: only count the step)
+    selected: _StepOps  # the ops selected at this step (none: only count the step)
     step: int = -1
     raw: _Captured | None = None
     processed: _Captured | None = None
@@ -325,17 +379,18 @@ def _logit_lens_value(row: _Row, name: str, read: P.ReadLogitLens, lens: _Lens) 
     logprobs = lens(torch.stack(streams))  # [layers, positions, vocab]
     if read.top_k:
         top = torch.topk(logprobs, read.top_k, dim=-1)
-        return _HostRead(_to_host(top.values), _to_host(top.indices.to(torch.int32)), positions)
-    return _HostRead(_to_host(logprobs), None, positions)
+        return _HostRead(_HostBatch(_to_host(top.values), _to_host(top.indices.to(torch.int32))), positions)
+    return _HostRead(_HostBatch(_to_host(logprobs), None), positions)
 
 
 def _module_value(row: _Row, name: str, read: P.ReadModule) -> _HostRead:
     values, positions = _gathered(row, name, read.module, read.positions)
     if read.mean:
-        return _HostRead(_to_host(values.mean(0)))
+        return _HostRead(_HostBatch(_to_host(values.mean(0)), None))
     if read.positions.kind == "new_token" or (read.positions.kind == "all" and row.seq.step > 0):
-        return _HostRead(_to_host(values[0]))  # [hidden]
-    return _HostRead(_to_host(values), positions=positions)  # [positions, hidden], with the prompt positions
+        return _HostRead(_HostBatch(_to_host(values[0]), None))  # [hidden]
+    # [positions, hidden], with the prompt positions
+    return _HostRead(_HostBatch(_to_host(values), None), positions=positions)
 
 
 def _launch_reads(fired: list[tuple[_Row, P.Op]], lens: _Lens | None, drawn: torch.Tensor) -> None:
@@ -363,9 +418,9 @@ def _launch_reads(fired: list[tuple[_Row, P.Op]], lens: _Lens | None, drawn: tor
             values, ids = _logprobs(rows, key[1], drawn)
         else:
             values, ids = _logits(rows, *key[1:])
-        host_values, host_ids = _to_host(values), _to_host(ids) if ids is not None else None
+        batch = _HostBatch(_to_host(values), _to_host(ids) if ids is not None else None)
         for j, (row, op) in enumerate(members):
-            row.reads[op.name] = _HostRead(host_values, host_ids, index=j)
+            row.reads[op.name] = _HostRead(batch, index=j)
 
 
 def _logprobs(rows: list[_Row], top_k: int | None, drawn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -631,39 +686,38 @@ class PlanHooks:
                 continue
             if discard_np is not None and discard_np[i]:
                 continue  # mid-prefill: vLLM throws this sample away
-            row = _Row(i, seq, seq.plan.active_at(seq.step))
+            row = _Row(i, seq, seq.ops_at(seq.step))
             if seq.error is not None:  # failed in a module hook: report it on this step
-                row.ops, row.error = (P.Op("error", P.StepSet(), None, P.Stop()),), seq.error
+                row.selected, row.error = _ERROR_OPS, seq.error
             rows.append(row)
         return rows
 
     def _capture_raw(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        wanted = [row for row in rows if P.needs_raw_logits(row.ops)]
+        wanted = [row for row in rows if row.selected.needs_raw]
         if wanted:
             for row, captured in zip(wanted, _capture(logits, wanted), strict=True):
                 row.raw = captured
 
     def _write_and_capture(self, rows: list[_Row], logits: torch.Tensor) -> None:
         for row in rows:
-            if not row.ops:
+            if not row.selected.logits_writes:
                 continue
             try:
                 wrote = False
                 ctx = _Context(self, row, drawn=False)
-                for op in row.ops:
-                    if isinstance(op.action, P.LOGITS_WRITES):
-                        if op.condition is not None and row.processed is None:
-                            self.collector.drain()  # the text so far includes every finished step
-                            (row.processed,) = _capture(logits, [row])
-                        # Conditions see the row as vLLM made it, before any of our writes.
-                        if _holds(op.condition, ctx):
-                            _apply_write(op.action, logits[row.index], row.seq, self.fault_injection)
-                            wrote = True
+                for op in row.selected.logits_writes:
+                    if op.condition is not None and row.processed is None:
+                        self.collector.drain()  # the text so far includes every finished step
+                        (row.processed,) = _capture(logits, [row])
+                    # Conditions see the row as vLLM made it, before any of our writes.
+                    if _holds(op.condition, ctx):
+                        _apply_write(op.action, logits[row.index], row.seq, self.fault_injection)
+                        wrote = True
                 if wrote:
                     row.processed = None  # captured again below, after the writes
             except Exception as e:  # noqa: BLE001 - fails this request's trace only
                 row.error = f"{type(e).__name__}: {e}"
-        wanted = [r for r in rows if r.ops and r.processed is None and P.needs_processed_logits(r.ops)]
+        wanted = [r for r in rows if r.selected.needs_processed and r.processed is None]
         if wanted:
             for row, captured in zip(wanted, _capture(logits, wanted), strict=True):
                 row.processed = captured
@@ -673,7 +727,7 @@ class PlanHooks:
         and hand the step to the collector. No waiting for the device here."""
         drawn = sampled.view(sampled.shape[0], -1)[:, 0]
         fired = [
-            (row, op) for row in rows if row.error is None for op in row.ops if isinstance(op.action, P.READS)
+            (row, op) for row in rows if row.error is None for op in row.selected.reads
         ]
         try:
             _launch_reads(fired, self.lens, drawn)
@@ -700,7 +754,7 @@ class PlanHooks:
         for row in work.rows:
             seq = row.seq
             row.token = int(tokens[row.index])
-            if row.ops:
+            if row.selected.ops:
                 if row.error is None:
                     try:
                         self._decide(row)
@@ -726,7 +780,7 @@ class PlanHooks:
     def _decide(self, row: _Row) -> None:
         """This row's stops, and which of its launched reads it keeps."""
         ctx = _Context(self, row, drawn=True)
-        for op in row.ops:
+        for op in row.selected.ops:
             if isinstance(op.action, P.READS):
                 if _holds(op.condition, ctx):
                     row.values[op.name] = row.reads[op.name].result(row.token)
