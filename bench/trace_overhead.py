@@ -121,7 +121,8 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
     )
 
 
-def start_server(model: str) -> tuple[subprocess.Popen[bytes], int]:
+def start_server(model: str, log_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """The tracewire server in a subprocess, its output in `log_path`."""
     port = free_port()
     args = [sys.executable, "-m", "tracewire_server", "--model", model, "--port", str(port)]
     for key, value in ENGINE.items():  # the same engine settings as the raw engine
@@ -130,13 +131,15 @@ def start_server(model: str) -> tuple[subprocess.Popen[bytes], int]:
             args.append(flag)
         elif value is not False:
             args += [flag, str(value)]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), port
 
 
 HIDDEN_SIZE = [0]  # set from GetModelInfo
 
 
-async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...]):
+async def tracewire_clients(server: subprocess.Popen[bytes], log_path: Path, port: int, new_tokens: int,
+                            rows: tuple[str, ...]):
     """One request function per tracewire row, all through gRPC from this process."""
     import grpc
     from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, service_pb2_grpc
@@ -144,6 +147,9 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...]):
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = service_pb2_grpc.TraceServiceStub(channel)
     for _ in range(600):
+        if server.poll() is not None:  # say so at once instead of waiting out the start
+            tail = log_path.read_bytes()[-3000:].decode(errors="replace")
+            raise SystemExit(f"the tracewire server exited with {server.returncode}; its log ends:\n{tail}")
         try:
             info = await stub.GetModelInfo(service_pb2.GetModelInfoRequest(), timeout=2)
             HIDDEN_SIZE[0] = info.hidden_size
@@ -206,9 +212,10 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
     """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
     the median of `repeats` per cell."""
     began = time.perf_counter()
-    server, port = start_server(model)
+    log_path = Path(out_dir) / "server.log"
+    server, port = start_server(model, log_path)
     try:
-        channel, rows = await tracewire_clients(port, new_tokens, rows_kinds)
+        channel, rows = await tracewire_clients(server, log_path, port, new_tokens, rows_kinds)
         log(f"tracewire server up after {time.perf_counter() - began:.0f} s")
         llm, raw = await raw_engine(model, new_tokens)
         log(f"raw engine up after {time.perf_counter() - began:.0f} s")

@@ -14,7 +14,7 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,8 +22,10 @@ from grpc_reflection.v1alpha import reflection
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 from .engine import Engine
-from .http_gateway import HttpGateway, build_app, service_endpoints
 from .servicer import TraceOptions, TraceServicer
+
+if TYPE_CHECKING:
+    from .http_gateway import HttpGateway
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,9 @@ async def _start_http(
     """
     if not config.http_port:
         return None
+    # Imported only when serving HTTP: a gRPC-only server loads none of the HTTP stack.
+    from .http_gateway import HttpGateway, build_app, service_endpoints
+
     endpoints = service_endpoints(service_pb2.DESCRIPTOR.services_by_name["TraceService"], servicer)
     endpoints |= service_endpoints(
         health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer, methods={"Check"}
