@@ -5,7 +5,7 @@
  */
 
 import { isMessage } from "@bufbuild/protobuf";
-import { createClient, type CallOptions as ConnectCallOptions, type Client, type Transport } from "@connectrpc/connect";
+import { ConnectError, createClient, type CallOptions as ConnectCallOptions, type Client, type Transport } from "@connectrpc/connect";
 import { Code, TracewireError, toTracewireError } from "./errors.js";
 import { TraceRun } from "./stream.js";
 import { InvokeBuilder, samplingParams, toPrompt, traceRequest, type PromptInput, type Sampling } from "./trace.js";
@@ -41,11 +41,21 @@ export class TracewireClient {
   /** The generated Connect client, for calls this layer does not wrap. */
   readonly service: Client<typeof TraceService>;
 
+  /**
+   * `close` releases what the transport holds open (connect-node's HTTP/2 session, which
+   * otherwise keeps a Node process alive until it idles out); fetch transports need none.
+   */
   constructor(
     transport: Transport,
     private readonly options: ClientOptions = {},
+    private readonly release: () => void = () => undefined,
   ) {
     this.service = createClient(TraceService, transport);
+  }
+
+  /** Close the connection; calls in flight fail with CANCELED. */
+  close(): void {
+    this.release();
   }
 
   /** Plain generation: one RequestOutput per prompt, in order. A number[] is one prompt of token ids. */
@@ -66,11 +76,7 @@ export class TracewireClient {
     call?: CallOptions,
   ): AsyncGenerator<GenerateStreamResponse> {
     const request = { prompts: promptList(prompts).map(toPrompt), samplingParams: samplingParams(sampling) };
-    try {
-      yield* this.service.generateStream(request, this.callOptions(call));
-    } catch (error) {
-      throw toTracewireError(error);
-    }
+    yield* this.stream((options) => this.service.generateStream(request, options), call);
   }
 
   /**
@@ -91,7 +97,7 @@ export class TracewireClient {
     } else {
       message = traceRequest(request as InvokeBuilder | readonly InvokeBuilder[], sampling);
     }
-    return new TraceRun((signal) => this.service.trace(message, this.callOptions(call, signal)));
+    return new TraceRun((signal) => this.stream((options) => this.service.trace(message, options), call, signal));
   }
 
   /** Tokenize with the served model's tokenizer (special tokens added unless told otherwise). */
@@ -131,14 +137,41 @@ export class TracewireClient {
     }
   }
 
-  /** Connect's call options: the call's deadline or the client's, and the signals that cancel it. */
-  private callOptions(call: CallOptions = {}, internal?: AbortSignal): ConnectCallOptions {
-    const signals = [call.signal, internal].filter((s): s is AbortSignal => s !== undefined);
-    return {
-      timeoutMs: call.timeoutMs ?? this.options.timeoutMs,
-      signal: signals.length > 1 ? AbortSignal.any(signals) : signals[0],
-    };
+  /**
+   * A server stream with the call's deadline kept here rather than in Connect's timeoutMs:
+   * connect 2.1 leaves its deadline timer running when the consumer stops reading early
+   * (a `break` out of a trace), which holds a Node process open until the deadline passes.
+   * The price: no grpc-timeout header; the server still sees the cancellation when the timer fires.
+   */
+  private async *stream<T>(
+    open: (options: ConnectCallOptions) => AsyncIterable<T>,
+    call: CallOptions = {},
+    internal?: AbortSignal,
+  ): AsyncGenerator<T> {
+    const timeoutMs = call.timeoutMs ?? this.options.timeoutMs;
+    const deadline = new AbortController();
+    const timer =
+      timeoutMs === undefined
+        ? undefined
+        : setTimeout(() => deadline.abort(new ConnectError("deadline exceeded", Code.DeadlineExceeded)), timeoutMs);
+    try {
+      yield* open({ signal: anySignal(call.signal, internal, deadline.signal) });
+    } catch (error) {
+      throw toTracewireError(error);
+    } finally {
+      clearTimeout(timer);
+    }
   }
+
+  /** Connect's call options for a unary call: the call's deadline or the client's, and its signal. */
+  private callOptions(call: CallOptions = {}): ConnectCallOptions {
+    return { timeoutMs: call.timeoutMs ?? this.options.timeoutMs, signal: call.signal };
+  }
+}
+
+function anySignal(...signals: (AbortSignal | undefined)[]): AbortSignal | undefined {
+  const present = signals.filter((s): s is AbortSignal => s !== undefined);
+  return present.length > 1 ? AbortSignal.any(present) : present[0];
 }
 
 /** One prompt or a list of them; a list of numbers is one prompt of token ids (as in the Python SDK). */
