@@ -28,7 +28,7 @@ process.once("SIGINT", stopOnSignal);
 process.once("SIGTERM", stopOnSignal);
 try {
   // One file at a time: they share one small server on a 2-core machine.
-  const runner = spawn(process.execPath, ["--test", "--test-concurrency=1", ...files], {
+  const runner = spawn(process.execPath, ["--test", "--test-concurrency=1", "--test-reporter=spec", ...files], {
     env: { ...process.env, TRACEWIRE_TEST_URL: server.url },
     stdio: "inherit",
   });
