@@ -9,6 +9,7 @@
  * loop early cancels the call, and the server aborts the trace's engine requests.
  */
 
+import { timestampDate } from "@bufbuild/protobuf/wkt";
 import { Code, TracewireError, toTracewireError } from "./errors.js";
 import { decodeTensor, type DecodedTensor } from "./tensors.js";
 import type { RequestOutput } from "./gen/tracewire/v1/output_pb.js";
@@ -39,6 +40,8 @@ export interface Step {
   readonly stopped: boolean;
   /** Values read at this step, by read name. */
   readonly values: Readonly<Record<string, ReadResult>>;
+  /** When the server got this step's token from the engine (server clock): streaming latency. */
+  readonly engineTime: Date | undefined;
 }
 
 /** What a trace ends with: each invoke's final output, the warnings and the totals. */
@@ -103,8 +106,12 @@ export class TraceRun implements AsyncIterable<Step> {
     try {
       for await (const response of this.open(abort.signal)) {
         const event = response.event;
-        if (event.case === "step") {
-          yield toStep(event.value);
+        if (event.case === "steps") {
+          // Several when the server coalesced them (stream_interval_ms, a slow reader);
+          // in order within each sequence.
+          for (const result of event.value.results) {
+            yield toStep(result);
+          }
         } else if (event.case === "invokeResult" && event.value.output) {
           this.outputs[event.value.invokeIndex] = event.value.output;
         } else if (event.case === "end") {
@@ -145,6 +152,7 @@ function toStep(result: StepResult): Step {
     text: result.textDelta,
     stopped: result.stopped,
     values,
+    engineTime: result.engineTime ? timestampDate(result.engineTime) : undefined,
   };
 }
 

@@ -1,6 +1,7 @@
 /**
  * The Node test entry point: start one real server, run every compiled *.test.js
- * against it with node's built-in runner (TRACEWIRE_TEST_URL tells them where), stop it.
+ * against it with node's built-in runner (TRACEWIRE_TEST_URL / TRACEWIRE_TEST_HTTP_URL tell
+ * them where: the gRPC port and the HTTP port), stop it.
  *
  *   node dist/test/run.js            (npm test / make test-ts build first)
  */
@@ -18,7 +19,7 @@ const files = readdirSync(here)
 
 const started = Date.now();
 const server = await startServer();
-console.log(`tracewire server at ${server.url} (up in ${((Date.now() - started) / 1000).toFixed(1)} s, log ${server.logPath})`);
+console.log(`tracewire server at ${server.url}, HTTP port ${server.httpUrl} (up in ${((Date.now() - started) / 1000).toFixed(1)} s, log ${server.logPath})`);
 
 let code = 1;
 const stopOnSignal = (signal: NodeJS.Signals): void => {
@@ -29,7 +30,7 @@ process.once("SIGTERM", stopOnSignal);
 try {
   // One file at a time: they share one small server on a 2-core machine.
   const runner = spawn(process.execPath, ["--test", "--test-concurrency=1", "--test-reporter=spec", ...files], {
-    env: { ...process.env, TRACEWIRE_TEST_URL: server.url },
+    env: { ...process.env, TRACEWIRE_TEST_URL: server.url, TRACEWIRE_TEST_HTTP_URL: server.httpUrl },
     stdio: "inherit",
   });
   code = await new Promise<number>((done) => runner.on("exit", (c) => done(c ?? 1)));

@@ -22,7 +22,10 @@ const START_TIMEOUT_MS = 600_000;
 const STOP_TIMEOUT_MS = 120_000;
 
 export interface RunningServer {
+  /** The gRPC port (HTTP/2). */
   readonly url: string;
+  /** The HTTP port (--http-port): Connect protocol and gRPC-Web, for browsers. */
+  readonly httpUrl: string;
   readonly target: string;
   readonly logPath: string;
   stop(): Promise<number | null>;
@@ -30,6 +33,7 @@ export interface RunningServer {
 
 export async function startServer(): Promise<RunningServer> {
   const port = await freePort();
+  const httpPort = await freePort();
   const logPath = join(mkdtempSync(join(tmpdir(), "tracewire-ts-")), `server-${port}.log`);
   const log = openSync(logPath, "w");
   const env = {
@@ -37,12 +41,14 @@ export async function startServer(): Promise<RunningServer> {
     VLLM_CPU_KVCACHE_SPACE: process.env.VLLM_CPU_KVCACHE_SPACE ?? "1",
     VLLM_LOGGING_LEVEL: process.env.VLLM_LOGGING_LEVEL ?? "WARNING",
   };
-  const args = ["-m", "tracewire_server", "--model", MODEL, "--host", "127.0.0.1", "--port", String(port), ...ENGINE_ARGS];
+  const args = ["-m", "tracewire_server", "--model", MODEL, "--host", "127.0.0.1", "--port", String(port),
+    "--http-port", String(httpPort), ...ENGINE_ARGS];
   // Its own process group: the engine core is a child of the server, and a hard kill must reach it too.
   const child = spawn(PYTHON, args, { cwd: REPO, env, stdio: ["ignore", log, log], detached: true });
   const target = `127.0.0.1:${port}`;
   const server: RunningServer = {
     url: `http://${target}`,
+    httpUrl: `http://127.0.0.1:${httpPort}`,
     target,
     logPath,
     stop: () => stopProcess(child),

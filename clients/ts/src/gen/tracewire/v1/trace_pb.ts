@@ -4,6 +4,8 @@
 
 import type { GenFile, GenMessage } from "@bufbuild/protobuf/codegenv2";
 import { fileDesc, messageDesc } from "@bufbuild/protobuf/codegenv2";
+import type { Timestamp } from "@bufbuild/protobuf/wkt";
+import { file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
 import type { Intervention } from "./intervention_pb.js";
 import { file_tracewire_v1_intervention } from "./intervention_pb.js";
 import type { RequestOutput } from "./output_pb.js";
@@ -20,7 +22,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tracewire/v1/trace.proto.
  */
 export const file_tracewire_v1_trace: GenFile = /*@__PURE__*/
-  fileDesc("Chh0cmFjZXdpcmUvdjEvdHJhY2UucHJvdG8SDHRyYWNld2lyZS52MSKYAQoGSW52b2tlEiQKBnByb21wdBgBIAEoCzIULnRyYWNld2lyZS52MS5Qcm9tcHQSNQoPc2FtcGxpbmdfcGFyYW1zGAIgASgLMhwudHJhY2V3aXJlLnYxLlNhbXBsaW5nUGFyYW1zEjEKDWludGVydmVudGlvbnMYAyADKAsyGi50cmFjZXdpcmUudjEuSW50ZXJ2ZW50aW9uIlwKDFRyYWNlT3B0aW9ucxIWCg5tYXhfcmVhZF9ieXRlcxgBIAEoAxIeChFzdHJlYW1fZXZlcnlfc3RlcBgCIAEoCEgAiAEBQhQKEl9zdHJlYW1fZXZlcnlfc3RlcCKDAQoJUmVhZFZhbHVlEiQKBnZhbHVlcxgBIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3ISJwoJdG9rZW5faWRzGAIgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvchInCglwb3NpdGlvbnMYAyABKAsyFC50cmFjZXdpcmUudjEuVGVuc29yIv0BCgpTdGVwUmVzdWx0EhQKDGludm9rZV9pbmRleBgBIAEoBRIWCg5zZXF1ZW5jZV9pbmRleBgCIAEoBRIMCgRzdGVwGAMgASgFEhAKCHRva2VuX2lkGAQgASgFEhIKCnRleHRfZGVsdGEYBSABKAkSNAoGdmFsdWVzGAYgAygLMiQudHJhY2V3aXJlLnYxLlN0ZXBSZXN1bHQuVmFsdWVzRW50cnkSDwoHc3RvcHBlZBgHIAEoCBpGCgtWYWx1ZXNFbnRyeRILCgNrZXkYASABKAkSJgoFdmFsdWUYAiABKAsyFy50cmFjZXdpcmUudjEuUmVhZFZhbHVlOgI4ASJRCgxJbnZva2VSZXN1bHQSFAoMaW52b2tlX2luZGV4GAEgASgFEisKBm91dHB1dBgCIAEoCzIbLnRyYWNld2lyZS52MS5SZXF1ZXN0T3V0cHV0IlkKDFRyYWNlV2FybmluZxIMCgRjb2RlGAEgASgJEg8KB21lc3NhZ2UYAiABKAkSFAoMaW52b2tlX2luZGV4GAMgASgFEhQKDGludGVydmVudGlvbhgEIAEoCSJlCgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgDEhgKEGdlbmVyYXRlZF90b2tlbnMYAiABKAMSFwoPZWxhcHNlZF9zZWNvbmRzGAMgASgBEhIKCnJlYWRfYnl0ZXMYBCABKAMiXAoIVHJhY2VFbmQSLAoId2FybmluZ3MYASADKAsyGi50cmFjZXdpcmUudjEuVHJhY2VXYXJuaW5nEiIKBXVzYWdlGAIgASgLMhMudHJhY2V3aXJlLnYxLlVzYWdlYgZwcm90bzM", [file_tracewire_v1_intervention, file_tracewire_v1_output, file_tracewire_v1_prompt, file_tracewire_v1_sampling, file_tracewire_v1_tensor]);
+  fileDesc("Chh0cmFjZXdpcmUvdjEvdHJhY2UucHJvdG8SDHRyYWNld2lyZS52MSKYAQoGSW52b2tlEiQKBnByb21wdBgBIAEoCzIULnRyYWNld2lyZS52MS5Qcm9tcHQSNQoPc2FtcGxpbmdfcGFyYW1zGAIgASgLMhwudHJhY2V3aXJlLnYxLlNhbXBsaW5nUGFyYW1zEjEKDWludGVydmVudGlvbnMYAyADKAsyGi50cmFjZXdpcmUudjEuSW50ZXJ2ZW50aW9uIngKDFRyYWNlT3B0aW9ucxIWCg5tYXhfcmVhZF9ieXRlcxgBIAEoAxIeChFzdHJlYW1fZXZlcnlfc3RlcBgCIAEoCEgAiAEBEhoKEnN0cmVhbV9pbnRlcnZhbF9tcxgDIAEoDUIUChJfc3RyZWFtX2V2ZXJ5X3N0ZXAigwEKCVJlYWRWYWx1ZRIkCgZ2YWx1ZXMYASABKAsyFC50cmFjZXdpcmUudjEuVGVuc29yEicKCXRva2VuX2lkcxgCIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3ISJwoJcG9zaXRpb25zGAMgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvciKuAgoKU3RlcFJlc3VsdBIUCgxpbnZva2VfaW5kZXgYASABKAUSFgoOc2VxdWVuY2VfaW5kZXgYAiABKAUSDAoEc3RlcBgDIAEoBRIQCgh0b2tlbl9pZBgEIAEoBRISCgp0ZXh0X2RlbHRhGAUgASgJEjQKBnZhbHVlcxgGIAMoCzIkLnRyYWNld2lyZS52MS5TdGVwUmVzdWx0LlZhbHVlc0VudHJ5Eg8KB3N0b3BwZWQYByABKAgSLwoLZW5naW5lX3RpbWUYCCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wGkYKC1ZhbHVlc0VudHJ5EgsKA2tleRgBIAEoCRImCgV2YWx1ZRgCIAEoCzIXLnRyYWNld2lyZS52MS5SZWFkVmFsdWU6AjgBIjgKC1N0ZXBSZXN1bHRzEikKB3Jlc3VsdHMYASADKAsyGC50cmFjZXdpcmUudjEuU3RlcFJlc3VsdCJRCgxJbnZva2VSZXN1bHQSFAoMaW52b2tlX2luZGV4GAEgASgFEisKBm91dHB1dBgCIAEoCzIbLnRyYWNld2lyZS52MS5SZXF1ZXN0T3V0cHV0IlkKDFRyYWNlV2FybmluZxIMCgRjb2RlGAEgASgJEg8KB21lc3NhZ2UYAiABKAkSFAoMaW52b2tlX2luZGV4GAMgASgFEhQKDGludGVydmVudGlvbhgEIAEoCSJlCgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgDEhgKEGdlbmVyYXRlZF90b2tlbnMYAiABKAMSFwoPZWxhcHNlZF9zZWNvbmRzGAMgASgBEhIKCnJlYWRfYnl0ZXMYBCABKAMiXAoIVHJhY2VFbmQSLAoId2FybmluZ3MYASADKAsyGi50cmFjZXdpcmUudjEuVHJhY2VXYXJuaW5nEiIKBXVzYWdlGAIgASgLMhMudHJhY2V3aXJlLnYxLlVzYWdlYgZwcm90bzM", [file_google_protobuf_timestamp, file_tracewire_v1_intervention, file_tracewire_v1_output, file_tracewire_v1_prompt, file_tracewire_v1_sampling, file_tracewire_v1_tensor]);
 
 /**
  * One prompt in a trace: one engine request, batched with the trace's other
@@ -80,6 +82,17 @@ export type TraceOptions = Message<"tracewire.v1.TraceOptions"> & {
    * @generated from field: optional bool stream_every_step = 2;
    */
   streamEveryStep?: boolean | undefined;
+
+  /**
+   * Send step results at most once per this many milliseconds, coalescing the
+   * steps done meanwhile into one StepResults; a step after a quiet spell still
+   * goes out at once. 0 (default): every step as soon as it is done. Raise it
+   * when throughput matters more than per-token latency: at high concurrency
+   * each message costs the server CPU time. At most 1000.
+   *
+   * @generated from field: uint32 stream_interval_ms = 3;
+   */
+  streamIntervalMs: number;
 };
 
 /**
@@ -181,6 +194,14 @@ export type StepResult = Message<"tracewire.v1.StepResult"> & {
    * @generated from field: bool stopped = 7;
    */
   stopped: boolean;
+
+  /**
+   * When the server received this step's token from the engine (server clock);
+   * with the client's receive time it gives the streaming latency.
+   *
+   * @generated from field: google.protobuf.Timestamp engine_time = 8;
+   */
+  engineTime?: Timestamp | undefined;
 };
 
 /**
@@ -189,6 +210,28 @@ export type StepResult = Message<"tracewire.v1.StepResult"> & {
  */
 export const StepResultSchema: GenMessage<StepResult> = /*@__PURE__*/
   messageDesc(file_tracewire_v1_trace, 3);
+
+/**
+ * Step results sent together. Usually one; several when they were ready at
+ * once (the engine delivered several tokens in one output, or the client fell
+ * behind), so that a busy stream sends fewer, larger messages. Per sequence
+ * the steps are in order and none is left out.
+ *
+ * @generated from message tracewire.v1.StepResults
+ */
+export type StepResults = Message<"tracewire.v1.StepResults"> & {
+  /**
+   * @generated from field: repeated tracewire.v1.StepResult results = 1;
+   */
+  results: StepResult[];
+};
+
+/**
+ * Describes the message tracewire.v1.StepResults.
+ * Use `create(StepResultsSchema)` to create a new message.
+ */
+export const StepResultsSchema: GenMessage<StepResults> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_trace, 4);
 
 /**
  * An invoke's final output, once all its sequences have finished.
@@ -216,7 +259,7 @@ export type InvokeResult = Message<"tracewire.v1.InvokeResult"> & {
  * Use `create(InvokeResultSchema)` to create a new message.
  */
 export const InvokeResultSchema: GenMessage<InvokeResult> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_trace, 4);
+  messageDesc(file_tracewire_v1_trace, 5);
 
 /**
  * A warning about the trace that did not fail it.
@@ -258,7 +301,7 @@ export type TraceWarning = Message<"tracewire.v1.TraceWarning"> & {
  * Use `create(TraceWarningSchema)` to create a new message.
  */
 export const TraceWarningSchema: GenMessage<TraceWarning> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_trace, 5);
+  messageDesc(file_tracewire_v1_trace, 6);
 
 /**
  * Totals for the whole trace.
@@ -300,7 +343,7 @@ export type Usage = Message<"tracewire.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_trace, 6);
+  messageDesc(file_tracewire_v1_trace, 7);
 
 /**
  * The last event of a trace.
@@ -328,5 +371,5 @@ export type TraceEnd = Message<"tracewire.v1.TraceEnd"> & {
  * Use `create(TraceEndSchema)` to create a new message.
  */
 export const TraceEndSchema: GenMessage<TraceEnd> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_trace, 7);
+  messageDesc(file_tracewire_v1_trace, 8);
 
