@@ -4,7 +4,7 @@
 #   make test    run the whole test suite (proto drift check included), then test-ts
 #   make test-ts the TypeScript client's Node tests against a real server
 #   make proto   regenerate the committed code (Python and TypeScript) from proto/
-#   make lint    buf lint + ruff + mypy
+#   make lint    buf lint + ruff + mypy + tsc (the TS client, strict)
 #   make bench   benchmarks (results under bench/results/); make bench-gpu on the GPU machine
 
 SHELL := /bin/bash
