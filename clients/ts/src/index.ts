@@ -1,0 +1,43 @@
+/**
+ * @tracewire/client: a typed client for the tracewire TraceService.
+ * Universal (browser and Node); Node's gRPC transport lives in "@tracewire/client/node".
+ */
+
+export { TracewireClient, type CallOptions, type ClientOptions, type Tokenized } from "./client.js";
+export { createWebClient, type WebClientOptions, type WebProtocol } from "./web.js";
+export {
+  InvokeBuilder,
+  invoke,
+  read,
+  samplingParams,
+  toPrompt,
+  traceRequest,
+  write,
+  type PositionsInput,
+  type PromptInput,
+  type ReadAction,
+  type Sampling,
+  type Steps,
+  type StopAt,
+  type TraceOptionsInit,
+  type Where,
+  type WriteAction,
+} from "./trace.js";
+export { TraceRun, type ReadResult, type Step, type TraceResult } from "./stream.js";
+export {
+  allOf,
+  anyOf,
+  argmaxIn,
+  entropy,
+  not,
+  sampledIn,
+  textContains,
+  textMatches,
+  tokenProbability,
+  type Comparator,
+  type Condition,
+} from "./conditions.js";
+export { Dtype, decodeTensor, float32Tensor, type DecodedTensor, type DtypeArrays, type TensorArray } from "./tensors.js";
+export { Code, TracewireError, statusName, toTracewireError } from "./errors.js";
+/** The generated tracewire.v1 messages and service, for anything the typed layer does not cover. */
+export * as v1 from "./v1.js";

@@ -1,0 +1,314 @@
+/**
+ * Building TraceRequests without ceremony.
+ *
+ *   const request = traceRequest(
+ *     invoke("The capital of France is")
+ *       .read("top", read.logits({ topK: 5 }))          // every step
+ *       .write(write.force(794), { steps: 0 })          // force the first draw
+ *       .stop({ step: 3 }),
+ *     { temperature: 0, maxTokens: 16 },
+ *   );
+ *
+ * Everything here is data: the builder only assembles the proto messages the
+ * server compiles into its in-engine hooks. The server validates and answers
+ * INVALID_ARGUMENT naming the field; the builder checks only what would make
+ * results ambiguous locally (duplicate or missing read names).
+ */
+
+import { create, type MessageInitShape } from "@bufbuild/protobuf";
+import { Code, TracewireError } from "./errors.js";
+import { sampledIn, textContains, type Condition } from "./conditions.js";
+import { float32Tensor } from "./tensors.js";
+import {
+  InterventionSchema,
+  LogitsStage,
+  PositionsSchema,
+  Reduction,
+  StepSelectorSchema,
+  type Intervention,
+  type Positions,
+  type StepSelector,
+} from "./gen/tracewire/v1/intervention_pb.js";
+import { PromptSchema, type Prompt } from "./gen/tracewire/v1/prompt_pb.js";
+import { SamplingParamsSchema, type SamplingParams } from "./gen/tracewire/v1/sampling_pb.js";
+import { TraceRequestSchema, type TraceRequest } from "./gen/tracewire/v1/service_pb.js";
+import { InvokeSchema, TraceOptionsSchema, type Invoke } from "./gen/tracewire/v1/trace_pb.js";
+
+/** Text (tokenized by the server), token ids used verbatim, or a Prompt message. */
+export type PromptInput = string | readonly number[] | Prompt;
+
+/** vLLM's SamplingParams in camelCase (temperature, maxTokens, topK, logprobs, seed, ...). */
+export type Sampling = MessageInitShape<typeof SamplingParamsSchema>;
+
+/** Trace limits and switches (maxReadBytes, streamEveryStep). */
+export type TraceOptionsInit = MessageInitShape<typeof TraceOptionsSchema>;
+
+/**
+ * Which steps: "all" (the default), one step, a list of steps, or the half-open
+ * range [start, stop) (open-ended without stop). Step 0 draws the first generated token.
+ */
+export type Steps = "all" | number | readonly number[] | { readonly start: number; readonly stop?: number };
+
+/**
+ * Which token positions a module read / write / logit lens acts on: "new" (the token
+ * processed at each step, the default), "prompt", "all", a range or a list of prompt
+ * positions (negative counts from the end).
+ */
+export type PositionsInput = "new" | "prompt" | "all" | readonly number[] | { readonly start: number; readonly stop?: number };
+
+/** Where an action applies: its steps and an optional server-side condition. */
+export interface Where {
+  readonly steps?: Steps;
+  readonly when?: Condition;
+}
+
+type ActionInit = NonNullable<MessageInitShape<typeof InterventionSchema>["action"]>;
+type ReadCase = "readLogits" | "readSample" | "readLogprobs" | "readModule" | "readLogitLens";
+type WriteCase = "forceSample" | "writeLogits" | "writeModule";
+
+/** A read action, from the `read` helpers. */
+export type ReadAction = Extract<ActionInit, { case: ReadCase }>;
+/** A write action, from the `write` helpers. */
+export type WriteAction = Extract<ActionInit, { case: WriteCase }>;
+
+/** What to read; each read's values come back per step under the name given to `.read()`. */
+export const read = {
+  /**
+   * The logits row the sampler draws from ("processed", the default) or lm_head's raw
+   * output: the full [vocab] row, the top k (values and token ids, largest first), or
+   * the values of chosen token ids.
+   */
+  logits(options: { topK?: number; tokenIds?: readonly number[]; stage?: "raw" | "processed" } = {}): ReadAction {
+    const stage = options.stage === "raw" ? LogitsStage.RAW : LogitsStage.PROCESSED;
+    if (options.topK !== undefined && options.tokenIds !== undefined) {
+      throw new TracewireError("read.logits: give topK or tokenIds, not both", Code.InvalidArgument);
+    }
+    if (options.topK !== undefined) {
+      return { case: "readLogits", value: { stage, selection: { case: "topK", value: { k: options.topK } } } };
+    }
+    if (options.tokenIds !== undefined) {
+      const tokenIds = [...options.tokenIds];
+      return { case: "readLogits", value: { stage, selection: { case: "tokenIds", value: { tokenIds } } } };
+    }
+    return { case: "readLogits", value: { stage, selection: { case: "full", value: {} } } };
+  },
+
+  /** The token id drawn (or forced): a scalar per step. */
+  sample(): ReadAction {
+    return { case: "readSample", value: {} };
+  },
+
+  /** The drawn token's logprob first, then the topK largest logprobs; token ids alike. */
+  logprobs(topK = 0): ReadAction {
+    return { case: "readLogprobs", value: { topK } };
+  },
+
+  /** A module's output (decoder layers "layers.i": the residual stream). Needs --enforce-eager. */
+  module(path: string, options: { positions?: PositionsInput; mean?: boolean } = {}): ReadAction {
+    const reduction = options.mean ? Reduction.MEAN : Reduction.UNSPECIFIED;
+    return { case: "readModule", value: { module: path, positions: positions(options.positions), reduction } };
+  },
+
+  /** Final norm + lm_head on these layers: [layers, positions, k] top-k logprobs (topK 0: full rows). */
+  logitLens(layers: number | readonly number[], options: { positions?: PositionsInput; topK?: number } = {}): ReadAction {
+    const layerList = typeof layers === "number" ? [layers] : [...layers];
+    return {
+      case: "readLogitLens",
+      value: { layers: layerList, positions: positions(options.positions), topK: options.topK ?? 5 },
+    };
+  },
+} as const;
+
+/** What to change; the sampler then draws from the result. */
+export const write = {
+  /** Make the sampler draw this token. */
+  force(tokenId: number): WriteAction {
+    return { case: "forceSample", value: { tokenId } };
+  },
+
+  /** Add a value to these token ids' logits. */
+  bias(biases: Readonly<Record<number, number>> | ReadonlyMap<number, number>): WriteAction {
+    const bias = biases instanceof Map ? Object.fromEntries(biases) : { ...biases };
+    return { case: "writeLogits", value: { op: { case: "bias", value: { bias } } } };
+  },
+
+  /** Set these token ids' logits to -inf so they cannot be drawn. */
+  mask(tokenIds: number | readonly number[]): WriteAction {
+    const ids = typeof tokenIds === "number" ? [tokenIds] : [...tokenIds];
+    return { case: "writeLogits", value: { op: { case: "mask", value: { tokenIds: ids } } } };
+  },
+
+  /** Add a [vocab] vector to the logits row. */
+  addLogits(values: ArrayLike<number>): WriteAction {
+    return { case: "writeLogits", value: { op: { case: "add", value: float32Tensor(values) } } };
+  },
+
+  /** Replace the logits row with a [vocab] vector. */
+  replaceLogits(values: ArrayLike<number>): WriteAction {
+    return { case: "writeLogits", value: { op: { case: "replace", value: float32Tensor(values) } } };
+  },
+
+  /** Add scale * vector ([hidden]) to a module's output: a steering vector. Needs --enforce-eager. */
+  steer(path: string, vector: ArrayLike<number>, options: { scale?: number; positions?: PositionsInput } = {}): WriteAction {
+    return {
+      case: "writeModule",
+      value: {
+        module: path,
+        positions: positions(options.positions),
+        op: { case: "add", value: float32Tensor(vector) },
+        scale: options.scale,
+      },
+    };
+  },
+
+  /** Zero a module's output at the positions. Needs --enforce-eager. */
+  zero(path: string, options: { positions?: PositionsInput } = {}): WriteAction {
+    return {
+      case: "writeModule",
+      value: { module: path, positions: positions(options.positions), op: { case: "zero", value: {} } },
+    };
+  },
+} as const;
+
+/** When to end the sequence (the token drawn at that step is kept). */
+export type StopAt =
+  | { readonly step: number }
+  | { readonly token: number | readonly number[] }
+  | { readonly text: string }
+  | { readonly when: Condition; readonly steps?: Steps };
+
+/** One prompt of a trace and its interventions; chainable. */
+export class InvokeBuilder {
+  readonly prompt: Prompt;
+  /** Overrides of the trace's sampling parameters for this prompt. */
+  readonly sampling: Sampling | undefined;
+  private readonly interventions: Intervention[] = [];
+  private readonly readNames = new Set<string>();
+
+  constructor(prompt: PromptInput, sampling?: Sampling) {
+    this.prompt = toPrompt(prompt);
+    this.sampling = sampling;
+  }
+
+  /** Read at the selected steps (every step by default); values come back under `name`. */
+  read(name: string, action: ReadAction, where: Where = {}): this {
+    if (!name) {
+      throw new TracewireError("a read needs a name: its values come back under it", Code.InvalidArgument);
+    }
+    if (this.readNames.has(name)) {
+      throw new TracewireError(`duplicate read name "${name}"`, Code.InvalidArgument);
+    }
+    this.readNames.add(name);
+    return this.add(name, action, where);
+  }
+
+  /** Write at the selected steps (every step by default). */
+  write(action: WriteAction, where: Where = {}): this {
+    return this.add("", action, where);
+  }
+
+  /** End the sequence at a step, at the first drawn token in a set, or once the text contains a string. */
+  stop(at: StopAt): this {
+    if ("step" in at) {
+      return this.add("", { case: "stop", value: {} }, { steps: at.step });
+    }
+    if ("token" in at) {
+      return this.add("", { case: "stop", value: {} }, { when: sampledIn(at.token) });
+    }
+    if ("text" in at) {
+      return this.add("", { case: "stop", value: {} }, { when: textContains(at.text) });
+    }
+    return this.add("", { case: "stop", value: {} }, { steps: at.steps, when: at.when });
+  }
+
+  /** The Invoke message. */
+  message(): Invoke {
+    return create(InvokeSchema, {
+      prompt: this.prompt,
+      samplingParams: this.sampling,
+      interventions: [...this.interventions],
+    });
+  }
+
+  private add(name: string, action: ActionInit, where: Where): this {
+    this.interventions.push(
+      create(InterventionSchema, { name, steps: stepSelector(where.steps), condition: where.when, action }),
+    );
+    return this;
+  }
+}
+
+/** One prompt of a trace: `invoke(prompt).read(...).write(...).stop(...)`. */
+export function invoke(prompt: PromptInput, sampling?: Sampling): InvokeBuilder {
+  return new InvokeBuilder(prompt, sampling);
+}
+
+/** The TraceRequest for one or more invokes sharing `sampling` (each invoke may override fields). */
+export function traceRequest(
+  invokes: InvokeBuilder | readonly InvokeBuilder[],
+  sampling?: Sampling,
+  options?: TraceOptionsInit,
+): TraceRequest {
+  const list = invokes instanceof InvokeBuilder ? [invokes] : invokes;
+  if (list.length === 0) {
+    throw new TracewireError("a trace needs at least one invoke", Code.InvalidArgument);
+  }
+  return create(TraceRequestSchema, {
+    samplingParams: sampling,
+    invokes: list.map((inv) => inv.message()),
+    options,
+  });
+}
+
+/** A Prompt message from text, token ids or a Prompt. */
+export function toPrompt(prompt: PromptInput): Prompt {
+  if (typeof prompt === "string") {
+    return create(PromptSchema, { kind: { case: "text", value: prompt } });
+  }
+  if (isTokenIds(prompt)) {
+    return create(PromptSchema, { kind: { case: "tokenIds", value: { ids: [...prompt] } } });
+  }
+  return prompt;
+}
+
+/** The SamplingParams message (unset fields stay unset: the server's / vLLM's defaults). */
+export function samplingParams(sampling: Sampling = {}): SamplingParams {
+  return create(SamplingParamsSchema, sampling);
+}
+
+function isTokenIds(prompt: readonly number[] | Prompt): prompt is readonly number[] {
+  return Array.isArray(prompt);
+}
+
+function stepSelector(steps: Steps = "all"): StepSelector {
+  if (steps === "all") {
+    return create(StepSelectorSchema, { kind: { case: "all", value: {} } });
+  }
+  if (typeof steps === "number") {
+    return create(StepSelectorSchema, { kind: { case: "list", value: { steps: [steps] } } });
+  }
+  if (isList(steps)) {
+    return create(StepSelectorSchema, { kind: { case: "list", value: { steps: [...steps] } } });
+  }
+  return create(StepSelectorSchema, { kind: { case: "range", value: { start: steps.start, stop: steps.stop } } });
+}
+
+function positions(input: PositionsInput = "new"): Positions {
+  switch (input) {
+    case "new":
+      return create(PositionsSchema, { kind: { case: "newToken", value: {} } });
+    case "prompt":
+      return create(PositionsSchema, { kind: { case: "allPrompt", value: {} } });
+    case "all":
+      return create(PositionsSchema, { kind: { case: "all", value: {} } });
+  }
+  if (isList(input)) {
+    return create(PositionsSchema, { kind: { case: "promptList", value: { positions: [...input] } } });
+  }
+  return create(PositionsSchema, { kind: { case: "promptRange", value: { start: input.start, stop: input.stop } } });
+}
+
+// Array.isArray does not narrow readonly arrays out of a union; this does.
+function isList<T>(value: readonly T[] | object): value is readonly T[] {
+  return Array.isArray(value);
+}

@@ -1,0 +1,41 @@
+/**
+ * The Node test entry point: start one real server, run every compiled *.test.js
+ * against it with node's built-in runner (TRACEWIRE_TEST_URL / TRACEWIRE_TEST_HTTP_URL tell
+ * them where: the gRPC port and the HTTP port), stop it.
+ *
+ *   node dist/test/run.js            (npm test / make test-ts build first)
+ */
+
+import { spawn } from "node:child_process";
+import { readdirSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { fileURLToPath } from "node:url";
+import { startServer } from "./server.js";
+
+const here = dirname(fileURLToPath(import.meta.url));
+const files = readdirSync(here)
+  .filter((f) => f.endsWith(".test.js"))
+  .map((f) => join(here, f));
+
+const started = Date.now();
+const server = await startServer();
+console.log(`tracewire server at ${server.url}, HTTP port ${server.httpUrl} (up in ${((Date.now() - started) / 1000).toFixed(1)} s, log ${server.logPath})`);
+
+let code = 1;
+const stopOnSignal = (signal: NodeJS.Signals): void => {
+  void server.stop().finally(() => process.exit(128 + (signal === "SIGINT" ? 2 : 15)));
+};
+process.once("SIGINT", stopOnSignal);
+process.once("SIGTERM", stopOnSignal);
+try {
+  // One file at a time: they share one small server on a 2-core machine.
+  const runner = spawn(process.execPath, ["--test", "--test-concurrency=1", "--test-reporter=spec", ...files], {
+    env: { ...process.env, TRACEWIRE_TEST_URL: server.url, TRACEWIRE_TEST_HTTP_URL: server.httpUrl },
+    stdio: "inherit",
+  });
+  code = await new Promise<number>((done) => runner.on("exit", (c) => done(c ?? 1)));
+} finally {
+  const exitCode = await server.stop();
+  console.log(`server stopped (exit ${exitCode}); tests took ${((Date.now() - started) / 1000).toFixed(1)} s in all`);
+}
+process.exit(code);
