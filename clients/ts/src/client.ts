@@ -154,8 +154,15 @@ export class TracewireClient {
       timeoutMs === undefined
         ? undefined
         : setTimeout(() => deadline.abort(new ConnectError("deadline exceeded", Code.DeadlineExceeded)), timeoutMs);
+    // The timer alone is not enough: a stream that keeps delivering can hold the event
+    // loop in promise callbacks past the timer's due time, so each message is checked too.
+    const due = timeoutMs === undefined ? Number.POSITIVE_INFINITY : Date.now() + timeoutMs;
     try {
-      yield* open({ signal: anySignal(call.signal, internal, deadline.signal) });
+      for await (const item of open({ signal: anySignal(call.signal, internal, deadline.signal) })) {
+        if (Date.now() > due) throw new ConnectError("deadline exceeded", Code.DeadlineExceeded);
+        yield item;
+      }
+      if (deadline.signal.aborted) throw deadline.signal.reason;
     } catch (error) {
       throw toTracewireError(error);
     } finally {
