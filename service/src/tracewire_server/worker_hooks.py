@@ -553,7 +553,9 @@ class PlanHooks:
         self._rows: list[_Row] | None = None
         self._tokenizer: Any = None
         self.lens: _Lens | None = None
-        self.collector: StepCollector[_StepWork] = StepCollector(self._finish)
+        # Off the engine's thread only where the device runs ahead of the host.
+        threaded = runner.device.type == "cuda" if hasattr(runner, "device") else True
+        self.collector: StepCollector[_StepWork] = StepCollector(self._finish, threaded=threaded)
 
     # -- installation ----------------------------------------------------------
 
