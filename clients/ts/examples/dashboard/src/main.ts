@@ -40,6 +40,7 @@ function readSettings(els: Elements): RunSettings {
     maxTokens: els.maxTokens.valueAsNumber,
     topK: els.topK.valueAsNumber,
     temperature: els.temperature.valueAsNumber,
+    ignoreEos: els.ignoreEos.checked,
   };
 }
 
@@ -79,7 +80,9 @@ class Dashboard {
     this.abort?.abort();
     const abort = new AbortController();
     this.abort = abort;
-    const previousText = forced.length > 0 ? this.shown?.steps.map((s) => s.text).join("") : undefined;
+    // A forced run is compared with, and keeps the prefix's candidates of, the run on screen.
+    const before = forced.length > 0 ? (this.shown?.steps ?? []) : [];
+    const previousText = forced.length > 0 ? before.map((s) => s.text).join("") : undefined;
     const steps: StepView[] = [];
     this.shown = { settings, steps };
     clearError(this.els);
@@ -96,7 +99,7 @@ class Dashboard {
         if (id !== this.runId) {
           return; // superseded: leaving the loop cancels the call
         }
-        const view = toStepView(step, forced);
+        const view = toStepView(step, forced, before);
         steps.push(view);
         addStep(this.els, this.labels, view);
         setStatus(this.els, "running", id, `${what}: step ${view.step}`);

@@ -6,6 +6,10 @@
  * step k re-runs the same prompt and sampling with the tokens of steps 0..k-1 forced
  * to what they were (so they stay identical even when sampling is not greedy) and
  * t forced at step k.
+ *
+ * The logprobs are read after the writes, so at a forced step they say only "forced:
+ * probability 1". What the model thought there is the previous run's reading of that
+ * step (same prefix, same distribution), so those steps keep the previous candidates.
  */
 
 import { invoke, read, write, type InvokeBuilder, type Sampling, type Step } from "@tracewire/client";
@@ -18,6 +22,8 @@ export interface RunSettings {
   readonly maxTokens: number;
   readonly topK: number;
   readonly temperature: number;
+  /** Keep generating past the end-of-sequence token (up to maxTokens). */
+  readonly ignoreEos: boolean;
 }
 
 /** Token ids forced at steps 0, 1, ... (empty: a plain run). */
@@ -34,10 +40,11 @@ export interface StepView {
   readonly step: number;
   readonly tokenId: number;
   readonly text: string;
-  /** The drawn (or forced) token's probability under the model, before forcing. */
-  readonly prob: number;
+  /** The drawn (or forced) token's probability under the model, before any forcing (undefined: unknown). */
+  readonly prob: number | undefined;
   /** The top-k candidates, most likely first. */
   readonly candidates: readonly Candidate[];
+  /** The step the user forced (the last of the forced prefix). */
   readonly forced: boolean;
 }
 
@@ -49,7 +56,7 @@ export function buildInvoke(settings: RunSettings, forced: Forced): InvokeBuilde
 }
 
 export function sampling(settings: RunSettings): Sampling {
-  return { temperature: settings.temperature, maxTokens: settings.maxTokens };
+  return { temperature: settings.temperature, maxTokens: settings.maxTokens, ignoreEos: settings.ignoreEos };
 }
 
 /** The forces for "token t at step k", keeping the steps before k as they were. */
@@ -58,8 +65,17 @@ export function forceAt(previous: readonly StepView[], step: number, tokenId: nu
   return [...prefix.map((s) => s.tokenId), tokenId];
 }
 
-/** A decoded step as the view draws it; throws when the read is missing (a server bug). */
-export function toStepView(step: Step, forced: Forced): StepView {
+/**
+ * A decoded step as the view draws it; `before` is the previous run's steps, whose
+ * candidates the forced prefix keeps. Throws when the read is missing (a server bug).
+ */
+export function toStepView(step: Step, forced: Forced, before: readonly StepView[]): StepView {
+  const isForced = step.step === forced.length - 1;
+  const prior = step.step < forced.length ? before.find((s) => s.step === step.step) : undefined;
+  if (prior) {
+    const prob = prior.tokenId === step.tokenId ? prior.prob : prior.candidates.find((c) => c.tokenId === step.tokenId)?.prob;
+    return { step: step.step, tokenId: step.tokenId, text: step.text, prob, candidates: prior.candidates, forced: isForced };
+  }
   const top = step.values[TOP];
   if (!top?.tokenIds) {
     throw new Error(`step ${step.step} came without its "${TOP}" read`);
@@ -73,6 +89,6 @@ export function toStepView(step: Step, forced: Forced): StepView {
     text: step.text,
     prob: Math.exp(logprobs[0] ?? -Infinity),
     candidates,
-    forced: step.step === forced.length - 1,
+    forced: isForced,
   };
 }

@@ -19,6 +19,7 @@ export interface Elements {
   readonly maxTokens: HTMLInputElement;
   readonly topK: HTMLInputElement;
   readonly temperature: HTMLInputElement;
+  readonly ignoreEos: HTMLInputElement;
   readonly server: HTMLElement;
   readonly status: HTMLElement;
   readonly error: HTMLElement;
@@ -42,6 +43,7 @@ export function findElements(doc: Document): Elements {
     maxTokens: get("max-tokens", HTMLInputElement),
     topK: get("top-k", HTMLInputElement),
     temperature: get("temperature", HTMLInputElement),
+    ignoreEos: get("ignore-eos", HTMLInputElement),
     server: get("server", HTMLElement),
     status: get("status", HTMLElement),
     error: get("error", HTMLElement),
@@ -98,7 +100,8 @@ export function addStep(els: Elements, labels: TokenLabels, step: StepView): voi
   row.dataset.tokenId = String(step.tokenId);
   row.dataset.forced = String(step.forced);
   const chosen = label(labels, step.tokenId, "chosen");
-  const prob = span("chosen-prob", step.forced ? `forced (p ${percent(step.prob)})` : percent(step.prob));
+  const p = step.prob === undefined ? "?" : percent(step.prob);
+  const prob = span("chosen-prob", step.forced ? `forced (was ${p})` : p);
   const candidates = document.createElement("div");
   candidates.className = "candidates";
   candidates.append(...step.candidates.map((c) => candidateButton(labels, step, c.tokenId, c.prob)));
