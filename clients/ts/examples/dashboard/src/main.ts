@@ -52,11 +52,17 @@ class Dashboard {
   /** What is on screen: its settings and steps (a force re-runs exactly these settings). */
   private shown: { settings: RunSettings; steps: StepView[] } | undefined;
 
+  /** Shown with errors from fetch itself, which say no more than "Failed to fetch". */
+  private readonly unreachable: string;
+
   constructor(
     private readonly els: Elements,
     private readonly client: TracewireClient,
+    server: string,
   ) {
     this.labels = new TokenLabels(client);
+    this.unreachable = `(is the server's HTTP port at ${server}? \`make serve\` opens 8080; ` +
+      `pages from other origins than localhost need its --cors-origin)`;
   }
 
   start(): void {
@@ -108,7 +114,7 @@ class Dashboard {
       setStatus(this.els, "done", id, `done: ${steps.length} tokens in ${seconds} s`);
     } catch (error) {
       if (id === this.runId) {
-        showError(this.els, error);
+        showError(this.els, error, this.unreachable);
         setStatus(this.els, "error", id, "failed");
       }
     }
@@ -127,7 +133,7 @@ function main(): void {
   }
   els.server.textContent = `${config.server} (${config.protocol})`;
   const client = createWebClient(config.server, { protocol: config.protocol });
-  new Dashboard(els, client).start();
+  new Dashboard(els, client, config.server).start();
   setStatus(els, "idle", 0, "ready");
 }
 

@@ -7,7 +7,7 @@
  * .step[data-step][data-token-id][data-forced], .candidate[data-step][data-token-id][data-prob][data-chosen].
  */
 
-import { TracewireError } from "@tracewire/client";
+import { Code, TracewireError } from "@tracewire/client";
 import { showToken, type TokenLabels } from "./labels.js";
 import type { StepView } from "./model.js";
 
@@ -59,8 +59,11 @@ export function setStatus(els: Elements, state: RunState, run: number, message: 
   els.status.textContent = message;
 }
 
-/** The red banner: the status name and the offending field, as the server said them. */
-export function showError(els: Elements, error: unknown): void {
+/**
+ * The red banner: the status name and the offending field, as the server said them.
+ * `hint` follows errors that never reached the server (fetch refused: down, wrong port, CORS).
+ */
+export function showError(els: Elements, error: unknown, hint?: string): void {
   const tw = error instanceof TracewireError ? error : undefined;
   const status = tw?.status ?? "ERROR";
   els.error.dataset.status = status;
@@ -69,6 +72,7 @@ export function showError(els: Elements, error: unknown): void {
     span("error-status", status),
     ...(tw?.field ? [span("error-field", tw.field)] : []),
     span("error-message", error instanceof Error ? error.message : String(error)),
+    ...(hint && tw?.code === Code.Unknown ? [span("error-hint", hint)] : []),
   );
   els.error.hidden = false;
 }
