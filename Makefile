@@ -2,9 +2,12 @@
 #   make serve   start the service on the embedded default model (or MODEL=path),
 #                gRPC on PORT and Connect / gRPC-Web for browsers on HTTP_PORT
 #   make test    run the whole test suite (proto drift check included), then test-ts
-#   make test-ts the TypeScript client's Node tests against a real server
+#   make test-ts the TypeScript client's Node tests against a real server, and the dashboard's
+#                browser test (Debian's Chromium: installed with apt-get when missing, as root)
+#   make dashboard  the browser dashboard (Vite dev server on http://127.0.0.1:5173), against
+#                the server `make serve` started (open ?server=http://127.0.0.1:HTTP_PORT)
 #   make proto   regenerate the committed code (Python and TypeScript) from proto/
-#   make lint    buf lint + ruff + mypy + tsc (the TS client, strict)
+#   make lint    buf lint + ruff + mypy + tsc (the TS client and the dashboard, strict)
 #   make bench   benchmarks (results under bench/results/); make bench-gpu on the GPU machine
 
 SHELL := /bin/bash
@@ -20,6 +23,10 @@ TS := clients/ts
 BUF := $(TS)/node_modules/.bin/buf
 # npm ci ran against the current package.json / package-lock.json
 NODE_STAMP := $(TS)/node_modules/.tracewire-installed
+DASH := $(TS)/examples/dashboard
+DASH_STAMP := $(DASH)/node_modules/.tracewire-installed
+# The browser the browser tests drive (pytest's test_http_browser.py and the dashboard's).
+CHROMIUM ?= /usr/bin/chromium
 
 MODEL ?= models/tracewire-tiny
 PORT ?= 50051
@@ -33,9 +40,9 @@ PYTEST_ARGS ?=
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup serve test test-ts proto proto-check lint bench bench-gpu clean
+.PHONY: setup chromium serve dashboard test test-ts proto proto-check lint bench bench-gpu clean
 
-setup: $(STAMP) $(NODE_STAMP)
+setup: $(STAMP) $(NODE_STAMP) $(DASH_STAMP)
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,18 +60,42 @@ $(NODE_STAMP): $(TS)/package.json $(TS)/package-lock.json
 	cd $(TS) && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
+# The dashboard's own tools (Vite, TypeScript); the client itself comes from $(TS)/src.
+$(DASH_STAMP): $(DASH)/package.json $(DASH)/package-lock.json
+	cd $(DASH) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+# Debian's Chromium for the browser tests: installed when missing (needs root and apt-get),
+# otherwise a clear failure rather than skipped tests. A Playwright browser download would
+# not work here (closed network): playwright-core drives this one.
+chromium:
+	@test -x $(CHROMIUM) || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -q && apt-get install -yq chromium; \
+		fi; }
+	@test -x $(CHROMIUM) || { echo "no Chromium at $(CHROMIUM): the browser tests need it" \
+		"(Debian: apt-get install chromium; or CHROMIUM=/path/to/chromium)"; exit 1; }
+
 serve: setup
 	$(PY) -m tracewire_server --model $(MODEL) --host $(HOST) --port $(PORT) \
 		--http-port $(HTTP_PORT) $(ENGINE_ARGS)
 
-test: setup proto-check lint
+# A localhost page, so the server's default CORS lets it call the HTTP port.
+dashboard: setup
+	@echo "dashboard: http://127.0.0.1:5173/?server=http://$(HOST):$(HTTP_PORT)"
+	cd $(DASH) && npm run dev
+
+test: setup chromium proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-ts
 
-# Builds the TS client (tsc, strict) and runs its Node tests; they start one real server
-# (.venv's python -m tracewire_server, float32) and stop it when done.
-test-ts: setup
-	cd $(TS) && npm run --silent build && node dist/test/run.js
+# Builds the TS client (tsc, strict) and the dashboard (tsc + vite build), and runs the Node
+# tests; they start one real server (.venv's python -m tracewire_server, float32) and stop it
+# when done. test/dashboard.test.ts drives the built dashboard in headless Chromium.
+test-ts: setup chromium
+	cd $(TS) && npm run --silent build
+	cd $(DASH) && npm run --silent build -- --logLevel warn
+	cd $(TS) && TRACEWIRE_CHROMIUM=$(CHROMIUM) node dist/test/run.js
 
 GEN_PY := clients/python/src/tracewire/v1
 GEN_TS := $(TS)/src/gen
@@ -96,6 +127,7 @@ lint: setup
 	$(VENV)/bin/ruff check service tests clients/python/src bench models
 	cd clients/python && ../../$(VENV)/bin/mypy src/tracewire
 	cd $(TS) && node_modules/.bin/tsc -p tsconfig.json --noEmit
+	cd $(DASH) && node_modules/.bin/tsc -p tsconfig.json --noEmit
 
 bench: setup
 	$(PY) bench/trace_overhead.py
@@ -107,4 +139,4 @@ bench-gpu:
 	bash bench/gpu.sh --shape $(SHAPE) $(BENCH_ARGS)
 
 clean:
-	rm -rf build $(TS)/dist
+	rm -rf build $(TS)/dist $(DASH)/dist $(TS)/test-output

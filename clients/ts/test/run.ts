@@ -4,6 +4,7 @@
  * them where: the gRPC port and the HTTP port), stop it.
  *
  *   node dist/test/run.js            (npm test / make test-ts build first)
+ *   node dist/test/run.js dashboard  (only the test files whose name contains "dashboard")
  */
 
 import { spawn } from "node:child_process";
@@ -13,8 +14,10 @@ import { fileURLToPath } from "node:url";
 import { startServer } from "./server.js";
 
 const here = dirname(fileURLToPath(import.meta.url));
+const only = process.argv.slice(2);
 const files = readdirSync(here)
   .filter((f) => f.endsWith(".test.js"))
+  .filter((f) => only.length === 0 || only.some((name) => f.includes(name)))
   .map((f) => join(here, f));
 
 const started = Date.now();

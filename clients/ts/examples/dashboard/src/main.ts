@@ -1,0 +1,140 @@
+/**
+ * tracewire dashboard: type a prompt, watch the tokens stream with each step's top-k
+ * probabilities, click a candidate to force it at that step and re-run.
+ *
+ * The server's HTTP port is `?server=` (default http://127.0.0.1:8080, what `make serve`
+ * opens); `?protocol=grpc-web` switches from the Connect protocol (binary either way).
+ */
+
+import { createWebClient, type TracewireClient, type WebProtocol } from "@tracewire/client";
+import { TokenLabels } from "./labels.js";
+import { buildInvoke, forceAt, sampling, toStepView, type Forced, type RunSettings, type StepView } from "./model.js";
+import { addStep, clearError, findElements, setStatus, showError, startRun, type Elements } from "./view.js";
+import "./style.css";
+
+const DEFAULT_SERVER = "http://127.0.0.1:8080";
+// Long enough for a cold engine on a small CPU; a stuck call still ends.
+const TIMEOUT_MS = 300_000;
+
+interface Config {
+  readonly server: string;
+  readonly protocol: WebProtocol;
+}
+
+/** The page's query parameters; only an http(s) URL is taken as the server. */
+function readConfig(search: string): Config {
+  const params = new URLSearchParams(search);
+  const server = params.get("server") ?? DEFAULT_SERVER;
+  const url = new URL(server); // throws on garbage: shown in the banner
+  if (url.protocol !== "http:" && url.protocol !== "https:") {
+    throw new Error(`?server= must be an http(s) URL, not ${JSON.stringify(server)}`);
+  }
+  const protocol = params.get("protocol") === "grpc-web" ? "grpc-web" : "connect";
+  return { server: url.origin + url.pathname.replace(/\/+$/, ""), protocol };
+}
+
+/** The form's values as typed; the server validates them (and says which field is wrong). */
+function readSettings(els: Elements): RunSettings {
+  return {
+    prompt: els.prompt.value,
+    maxTokens: els.maxTokens.valueAsNumber,
+    topK: els.topK.valueAsNumber,
+    temperature: els.temperature.valueAsNumber,
+    ignoreEos: els.ignoreEos.checked,
+  };
+}
+
+class Dashboard {
+  private readonly labels: TokenLabels;
+  /** Bumped by every run; a superseded run stops drawing and is cancelled. */
+  private runId = 0;
+  private abort: AbortController | undefined;
+  /** What is on screen: its settings and steps (a force re-runs exactly these settings). */
+  private shown: { settings: RunSettings; steps: StepView[] } | undefined;
+
+  /** Shown with errors from fetch itself, which say no more than "Failed to fetch". */
+  private readonly unreachable: string;
+
+  constructor(
+    private readonly els: Elements,
+    private readonly client: TracewireClient,
+    server: string,
+  ) {
+    this.labels = new TokenLabels(client);
+    this.unreachable = `(is the server's HTTP port at ${server}? \`make serve\` opens 8080; ` +
+      `pages from other origins than localhost need its --cors-origin)`;
+  }
+
+  start(): void {
+    this.els.form.addEventListener("submit", (event) => {
+      event.preventDefault();
+      void this.run(readSettings(this.els), []);
+    });
+    // One listener for every candidate button, present and future.
+    this.els.steps.addEventListener("click", (event) => {
+      const button = event.target instanceof Element ? event.target.closest<HTMLElement>("button.candidate") : null;
+      if (button && this.shown) {
+        const forced = forceAt(this.shown.steps, Number(button.dataset.step), Number(button.dataset.tokenId));
+        void this.run(this.shown.settings, forced);
+      }
+    });
+  }
+
+  /** One trace, drawn step by step as the stream delivers it. */
+  private async run(settings: RunSettings, forced: Forced): Promise<void> {
+    const id = ++this.runId;
+    this.abort?.abort();
+    const abort = new AbortController();
+    this.abort = abort;
+    // A forced run is compared with, and keeps the prefix's candidates of, the run on screen.
+    const before = forced.length > 0 ? (this.shown?.steps ?? []) : [];
+    const previousText = forced.length > 0 ? before.map((s) => s.text).join("") : undefined;
+    const steps: StepView[] = [];
+    this.shown = { settings, steps };
+    clearError(this.els);
+    startRun(this.els, settings.prompt, previousText);
+    const what = forced.length > 0 ? `forcing token ${forced.at(-1)} at step ${forced.length - 1}` : "running";
+    setStatus(this.els, "running", id, `${what}…`);
+    const started = performance.now();
+    try {
+      const trace = this.client.trace(buildInvoke(settings, forced), sampling(settings), {
+        signal: abort.signal,
+        timeoutMs: TIMEOUT_MS,
+      });
+      for await (const step of trace) {
+        if (id !== this.runId) {
+          return; // superseded: leaving the loop cancels the call
+        }
+        const view = toStepView(step, forced, before);
+        steps.push(view);
+        addStep(this.els, this.labels, view);
+        setStatus(this.els, "running", id, `${what}: step ${view.step}`);
+      }
+      const seconds = ((performance.now() - started) / 1000).toFixed(2);
+      setStatus(this.els, "done", id, `done: ${steps.length} tokens in ${seconds} s`);
+    } catch (error) {
+      if (id === this.runId) {
+        showError(this.els, error, this.unreachable);
+        setStatus(this.els, "error", id, "failed");
+      }
+    }
+  }
+}
+
+function main(): void {
+  const els = findElements(document);
+  let config: Config;
+  try {
+    config = readConfig(window.location.search);
+  } catch (error) {
+    showError(els, error);
+    setStatus(els, "error", 0, "bad ?server= parameter");
+    return;
+  }
+  els.server.textContent = `${config.server} (${config.protocol})`;
+  const client = createWebClient(config.server, { protocol: config.protocol });
+  new Dashboard(els, client, config.server).start();
+  setStatus(els, "idle", 0, "ready");
+}
+
+main();
