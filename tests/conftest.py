@@ -87,7 +87,23 @@ class ServerProcess:
         return self.process.wait(timeout=timeout)
 
 
+class PortTaken(RuntimeError):
+    """A port picked as free was taken before the server bound it."""
+
+
 def start_server(tmp_dir: Path, *extra: str) -> ServerProcess:
+    """A server on fresh ports. Ports are free when picked but can be taken before the
+    server binds them (vLLM's engines pick random free ports too): then again, on others."""
+    for attempt in range(3):
+        try:
+            return _start_server_once(tmp_dir, *extra)
+        except PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_server_once(tmp_dir: Path, *extra: str) -> ServerProcess:
     port, http_port = free_ports(2)
     log_path = tmp_dir / f"server-{port}.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
@@ -98,6 +114,11 @@ def start_server(tmp_dir: Path, *extra: str) -> ServerProcess:
     server = ServerProcess(f"127.0.0.1:{port}", process, log_path, f"http://127.0.0.1:{http_port}")
     try:
         server.wait_serving()
+    except RuntimeError as e:
+        process.kill()
+        if "tracewire: cannot listen on" in server.log():
+            raise PortTaken(str(e)) from e
+        raise
     except BaseException:
         process.kill()
         raise
