@@ -212,6 +212,7 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
     """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
     the median of `repeats` per cell."""
     began = time.perf_counter()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     log_path = Path(out_dir) / "server.log"
     server, port = start_server(model, log_path)
     try:
