@@ -31,9 +31,24 @@ export interface RunningServer {
   stop(): Promise<number | null>;
 }
 
+/**
+ * Ports are free when picked but can be taken before the server binds them (vLLM's engines
+ * pick random free ports too): then the server says "cannot listen on" and we try others.
+ */
 export async function startServer(): Promise<RunningServer> {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await startServerOnce();
+    } catch (error) {
+      if (attempt >= 3 || !String(error).includes("cannot listen on")) throw error;
+    }
+  }
+}
+
+async function startServerOnce(): Promise<RunningServer> {
   const port = await freePort();
-  const httpPort = await freePort();
+  let httpPort = await freePort();
+  while (httpPort === port) httpPort = await freePort();
   const logPath = join(mkdtempSync(join(tmpdir(), "tracewire-ts-")), `server-${port}.log`);
   const log = openSync(logPath, "w");
   const env = {
