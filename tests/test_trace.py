@@ -8,6 +8,7 @@ within 1e-3.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import numpy as np
 import pytest
@@ -309,12 +310,16 @@ def test_stream_interval_coalesces_steps_and_loses_none(client, stub, hf):
     tracer = client.trace(PROMPT, max_tokens=24, **GREEDY).options(stream_interval_ms=300)
     messages = []
     request = tracer.start()
+    started = time.monotonic()
     for event in stub.Trace(request, timeout=60):
         messages.append(event)
         list(tracer.handle(event))
+    elapsed = time.monotonic() - started
     steps = [s for ev in messages if ev.HasField("steps") for s in ev.steps.results]
     assert [s.step for s in steps] == list(range(24))
     assert [s.token_id for s in steps] == hf.greedy(hf.encode(PROMPT), 24)
     step_messages = sum(ev.HasField("steps") for ev in messages)
-    assert step_messages <= 6, step_messages
+    # At most one message per interval after the first, however slow the machine.
+    assert step_messages <= 2 + elapsed / 0.3, (step_messages, elapsed)
+    assert step_messages < 24
     assert len(messages[0].steps.results) == 1  # nothing to wait for before the first step
