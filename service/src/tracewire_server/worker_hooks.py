@@ -206,6 +206,8 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 def _on_device(values: np.ndarray | list[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A small operand on `device` without waiting for the device: a blocking copy from
     pageable memory would synchronize it, a non-blocking one from pinned memory does not."""
+    if isinstance(values, np.ndarray) and not values.flags.writeable:
+        values = values.copy()  # torch wants writable memory (frombuffer over plan bytes is not)
     cpu = torch.as_tensor(values).to(dtype)
     if device.type == "cpu":
         return cpu
