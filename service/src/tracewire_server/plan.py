@@ -127,6 +127,11 @@ class Positions(msgspec.Struct, frozen=True):
             return sorted({p % prompt_len for p in self.items})
         return []
 
+    def new_token_only(self, step: int) -> bool:
+        """Whether a read at `step` sees the new token alone: always for "new_token", and
+        for "all" after the prompt's step 0."""
+        return self.kind == "new_token" or (self.kind == "all" and step > 0)
+
 
 class ReadModule(msgspec.Struct, frozen=True, tag="read_module"):
     module: str

@@ -279,12 +279,20 @@ def _holds(cond: P.Condition | None, ctx: _Context) -> bool:
     raise TypeError(f"unknown condition {type(cond).__name__}")
 
 
-def _operands(seq: _Sequence, action: P.Write, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The action's vectors and ids on the device, built once per request."""
+def _operands(
+    seq: _Sequence, action: P.Write, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
+    """The action's vectors and ids on the device, built once per request. A module
+    write's vector comes in the activations' dtype, times its scale for adds."""
     key = id(action)
     if key not in seq.operands:
         if isinstance(action, (P.ReplaceLogits, P.AddLogits)):
             found: tuple[torch.Tensor, ...] = (_on_device(np.frombuffer(action.values, "<f4"), device, torch.float32),)
+        elif isinstance(action, P.WriteModule):
+            vector = np.frombuffer(action.vector, "<f4")
+            if action.edit == "add":
+                vector = vector * np.float32(action.scale)
+            found = (_on_device(vector, device, torch.float32).to(dtype),)
         elif isinstance(action, P.BiasLogits):
             found = (
                 _on_device(list(action.bias.keys()), device, torch.long),
@@ -360,7 +368,7 @@ def _gathered(row: _Row, key: str, module: str, positions_of: P.Positions) -> tu
     prefill runs several), checked complete: [positions, hidden] and the positions."""
     chunks = row.seq.pending.pop(key, [])
     positions = [p for chunk_positions, _ in chunks for p in chunk_positions]
-    if positions_of.kind == "new_token" or (positions_of.kind == "all" and row.seq.step > 0):
+    if positions_of.new_token_only(row.seq.step):
         expected = 1
     else:
         expected = len(positions_of.prompt_positions(len(row.seq.prompt_ids)))
@@ -389,7 +397,7 @@ def _module_value(row: _Row, name: str, read: P.ReadModule) -> _HostRead:
     values, positions = _gathered(row, name, read.module, read.positions)
     if read.mean:
         return _HostRead(_HostBatch(_to_host(values.mean(0)), None))
-    if read.positions.kind == "new_token" or (read.positions.kind == "all" and row.seq.step > 0):
+    if read.positions.new_token_only(row.seq.step):
         return _HostRead(_HostBatch(_to_host(values[0]), None))  # [hidden]
     # [positions, hidden], with the prompt positions
     return _HostRead(_HostBatch(_to_host(values), None), positions=positions)
@@ -493,15 +501,7 @@ def _edit_module_output(path: str, output: Any, edits: list[tuple[list[int], P.W
 
 
 def _vector(seq: _Sequence, edit: P.WriteModule, like: torch.Tensor) -> torch.Tensor:
-    """The write's vector (times its scale, for adds) on the activations' device and
-    dtype, built once per request."""
-    key = id(edit)
-    if key not in seq.operands:
-        vector = np.frombuffer(edit.vector, "<f4")
-        if edit.edit == "add":
-            vector = vector * np.float32(edit.scale)
-        seq.operands[key] = (_on_device(vector, like.device, torch.float32).to(like.dtype),)
-    return seq.operands[key][0]
+    return _operands(seq, edit, like.device, like.dtype)[0]
 
 
 class _Lens:
