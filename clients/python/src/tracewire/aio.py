@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from .client import ModelInfo, StreamUpdate, _prompt_list, channel_options, model_info
+from .client import ModelInfo, StreamUpdate, _prompt_list, model_info, open_channel
 from .errors import InvalidArgument, from_rpc_error
 from .outputs import RequestOutput, request_output
 from .prompts import PromptLike, to_prompt
@@ -94,11 +94,7 @@ class AsyncClient:
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        opts = channel_options(options)
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=opts)
-        else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=opts)
+        self._channel: grpc.aio.Channel = open_channel(grpc.aio, target, credentials, options)
         self._stub = service_pb2_grpc.TraceServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self.timeout = timeout
         self.tokenizer = AsyncTokenizer(self)

@@ -49,9 +49,15 @@ class StreamUpdate:
     output: RequestOutput
 
 
-def channel_options(extra: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """Channel options: full-vocabulary reads make large messages."""
-    return [("grpc.max_receive_message_length", 256 * 1024 * 1024), *extra]
+def open_channel(
+    api: Any, target: str, credentials: grpc.ChannelCredentials | None, options: Sequence[tuple[str, Any]]
+) -> Any:
+    """A channel from `api` (grpc or grpc.aio: the same factory functions), TLS when
+    credentials are given. Full-vocabulary reads make large messages."""
+    opts = [("grpc.max_receive_message_length", 256 * 1024 * 1024), *options]
+    if credentials is None:
+        return api.insecure_channel(target, options=opts)
+    return api.secure_channel(target, credentials, options=opts)
 
 
 class Client:
@@ -69,11 +75,7 @@ class Client:
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        opts = channel_options(options)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=opts)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=opts)
+        self._channel: grpc.Channel = open_channel(grpc, target, credentials, options)
         self._stub = service_pb2_grpc.TraceServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self.timeout = timeout
         self.tokenizer = RemoteTokenizer(self._unary)
