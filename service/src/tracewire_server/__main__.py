@@ -43,6 +43,14 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "(repeatable; '*' allows any). Default: pages served from localhost / 127.0.0.1 / [::1] only",
     )
     group.add_argument(
+        "--frontends",
+        type=int,
+        default=1,
+        help="server processes sharing the engine, all on --port (and --http-port): more "
+        "frontends stream more steps a second to many concurrent clients (like vLLM's "
+        "--api-server-count)",
+    )
+    group.add_argument(
         "--grace-period",
         type=float,
         default=10.0,
@@ -77,6 +85,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
     if _EMBEDDED_MODEL.is_dir():
         parser.set_defaults(model=str(_EMBEDDED_MODEL))
     args = parser.parse_args(argv)
+    if args.frontends < 1:
+        parser.error("--frontends must be >= 1")
     engine_args = AsyncEngineArgs.from_cli_args(args)
     return ServerConfig(
         host=args.host,
@@ -91,6 +101,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         ),
         http_port=args.http_port,
         cors_origins=tuple(args.cors_origin),
+        frontends=args.frontends,
     )
 
 
@@ -99,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = parse_args(sys.argv[1:] if argv is None else argv)
+    if config.frontends > 1:
+        from .frontends import run
+
+        return run(config)
     return asyncio.run(serve(config))
 
 

@@ -89,8 +89,10 @@ class _Compiler:
         encoder: Encoder,
         server_max_read_bytes: int,
         fault_injection: bool,
+        route: int = 0,
     ):
         self.limits = limits
+        self.route = route  # the frontend process this trace's records go to
         self.encoder = encoder
         self.server_max_read_bytes = server_max_read_bytes
         self.fault_injection = fault_injection
@@ -127,7 +129,7 @@ class _Compiler:
                     seq_kwargs["seed"] = seq_kwargs["seed"] + s
                 # Without ops the worker has nothing to do: no plan, no records; the
                 # step results come from vLLM's token stream alone.
-                plan = P.SequencePlan(key=f"{key}/{s}", ops=ops) if ops else None
+                plan = P.SequencePlan(key=f"{key}/{s}", ops=ops, route=self.route) if ops else None
                 if plan is not None:
                     seq_kwargs["extra_args"] = {P.EXTRA_ARGS_KEY: P.encode_plan(plan)}
                 sequences.append(EngineSequence(i, s, seq_kwargs, plan))
@@ -459,7 +461,8 @@ def compile_trace(
     trace_key: str,
     server_max_read_bytes: int,
     fault_injection: bool = False,
+    route: int = 0,
 ) -> CompiledTrace:
-    return _Compiler(limits, encoder, server_max_read_bytes, fault_injection).trace(
+    return _Compiler(limits, encoder, server_max_read_bytes, fault_injection, route).trace(
         request, trace_key
     )

@@ -86,19 +86,20 @@ class Engine:
     description: ModelDescription
     limits: ModelLimits
     receiver: Receiver  # the worker hooks' records arrive here
+    route: int = 0  # this frontend's index among those sharing the engine core
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     @classmethod
-    async def start(cls, engine_args: Any, *, fault_injection: bool = False) -> Engine:
+    async def start(
+        cls, engine_args: Any, *, fault_injection: bool = False, client: dict[str, Any] | None = None
+    ) -> Engine:
+        """Start vLLM's engine core in child processes, or, with `client` (the config a
+        frontend process of `--frontends N` was given), connect to the shared one."""
         counters = SchedulerCounters()
-        if engine_args.worker_extension_cls not in ("", WORKER_EXTENSION):
-            raise ValueError(
-                "tracewire installs its own worker_extension_cls; "
-                f"{engine_args.worker_extension_cls!r} cannot be combined with it"
-            )
-        engine_args.worker_extension_cls = WORKER_EXTENSION
+        use_worker_hooks(engine_args)
+        route = int(client["client_index"]) if client else 0
         receiver = Receiver()
         receiver.start()
 
@@ -111,7 +112,7 @@ class Engine:
         # outside a running loop.
         try:
             llm = await asyncio.to_thread(
-                vllm_compat.AsyncLLM.from_engine_args, engine_args, stat_loggers=[counters_logger]
+                vllm_compat.start_async_llm, engine_args, [counters_logger], client
             )
         except BaseException:
             receiver.close()
@@ -127,10 +128,11 @@ class Engine:
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
         )
-        # Wrap every worker's sampler; only rank 0 sends records to `receiver`.
-        await llm.collective_rpc("tracewire_install", args=(receiver.address, fault_injection))
+        # Wrap every worker's sampler (once); rank 0 sends this frontend's records to
+        # `receiver`.
+        await llm.collective_rpc("tracewire_install", args=(receiver.address, fault_injection, route))
         return cls(llm=llm, tokenizer=tokenizer, description=description, limits=limits,
-                   counters=counters, receiver=receiver)
+                   counters=counters, receiver=receiver, route=route)
 
     def new_request_id(self) -> str:
         return f"tw-{self._prefix}-{next(self._ids)}"
@@ -192,6 +194,16 @@ class Engine:
     def shutdown(self) -> None:
         self.llm.shutdown()
         self.receiver.close()
+
+
+def use_worker_hooks(engine_args: Any) -> None:
+    """Make vLLM's workers load tracewire's hooks (before the engine config is built)."""
+    if engine_args.worker_extension_cls not in ("", WORKER_EXTENSION):
+        raise ValueError(
+            "tracewire installs its own worker_extension_cls; "
+            f"{engine_args.worker_extension_cls!r} cannot be combined with it"
+        )
+    engine_args.worker_extension_cls = WORKER_EXTENSION
 
 
 def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Generator, Mapping, Sequence
 from typing import Any, NoReturn, cast
 
@@ -257,9 +258,9 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _serve(server: _Server) -> None:
+async def _serve(server: _Server, sockets: list[socket.socket] | None) -> None:
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     except SystemExit as e:
         # uvicorn exits the process when it cannot start; a SystemExit out of a task would
         # tear down the event loop, the gRPC server's too, so it becomes an error here.
@@ -275,7 +276,11 @@ class HttpGateway:
         self.address = address
 
     @classmethod
-    async def start(cls, app: Any, host: str, port: int) -> HttpGateway:
+    async def start(cls, app: Any, host: str, port: int, *, shared: bool = False) -> HttpGateway:
+        """Serve `app` on host:port; `shared`: with SO_REUSEPORT, so that every frontend
+        process of `--frontends N` listens on the same port and the kernel spreads the
+        connections over them."""
+        sockets = [_reuse_port_socket(host, port)] if shared else None
         config = uvicorn.Config(
             app,
             host=host,
@@ -286,7 +291,7 @@ class HttpGateway:
             access_log=False,
         )
         server = _Server(config)
-        task = asyncio.create_task(_serve(server))
+        task = asyncio.create_task(_serve(server, sockets))
         while not server.started:
             if task.done():  # uvicorn has logged why (address in use, ...)
                 raise SystemExit(f"tracewire: cannot listen on {host}:{port} (HTTP): {task.exception()}")
@@ -303,3 +308,11 @@ class HttpGateway:
             await asyncio.wait(running, timeout=cancel_timeout)
         self._server.should_exit = True
         await self._task
+
+
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        return socket.create_server((host, port), family=family, reuse_port=True)
+    except OSError as e:
+        raise SystemExit(f"tracewire: cannot listen on {host}:{port} (HTTP): {e}") from e

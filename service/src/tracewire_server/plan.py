@@ -243,6 +243,8 @@ class SequencePlan(msgspec.Struct, frozen=True):
 
     key: str  # joins the worker's records with the server's request
     ops: tuple[Op, ...]
+    # Which frontend process gets this request's records (0 with a single frontend).
+    route: int = 0
 
     def active_at(self, step: int) -> tuple[Op, ...]:
         """The ops selected at `step`. The worker sends a record for a step exactly

@@ -44,14 +44,22 @@ class ServerConfig:
     http_port: int = 0
     # Browser origins allowed on the HTTP port ("*": any); empty: localhost pages only.
     cors_origins: tuple[str, ...] = ()
+    # Frontend processes sharing one engine core (frontends.py); 1: this process only.
+    frontends: int = 1
 
 
-async def serve(config: ServerConfig) -> int:
+async def serve(config: ServerConfig, client: dict[str, Any] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT. `client`: this process is one of `config.frontends`
+    frontends, connecting to an engine core started by frontends.py."""
     servicer = TraceServicer(config.trace)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
+            # Only the frontends of one engine share a port (the kernel spreads the
+            # connections over them); grpc's Linux default would let any second server
+            # bind a port already in use without a word.
+            ("grpc.so_reuseport", 1 if client else 0),
         ]
     )
     service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
@@ -80,7 +88,7 @@ async def serve(config: ServerConfig) -> int:
 
     started = time.monotonic()
     engine_task = asyncio.create_task(
-        Engine.start(config.engine_args, fault_injection=config.trace.fault_injection)
+        Engine.start(config.engine_args, fault_injection=config.trace.fault_injection, client=client)
     )
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -142,7 +150,7 @@ async def _start_http(
         health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer, methods={"Check"}
     )
     app = build_app(endpoints, config.cors_origins, read_max_bytes=config.max_message_bytes)
-    gateway = await HttpGateway.start(app, config.host, config.http_port)
+    gateway = await HttpGateway.start(app, config.host, config.http_port, shared=config.frontends > 1)
     log.info(
         "tracewire HTTP (Connect, gRPC-Web) on http://%s; CORS origins: %s",
         gateway.address,

@@ -218,6 +218,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             trace_key=f"{engine.new_request_id()}-t{next(self._traces)}",
             server_max_read_bytes=self.options.max_read_bytes,
             fault_injection=self.options.fault_injection,
+            route=engine.route,
         )
         run = TraceRun(engine, engine.receiver, compiled, self.options.buffer_bytes)
         async for event in run.events():

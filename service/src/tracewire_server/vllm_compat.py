@@ -92,3 +92,121 @@ def num_unfinished_requests(llm: AsyncLLM) -> int:
     if method is not None:
         return int(method())
     return int(llm.output_processor.get_num_unfinished_requests())
+
+
+# -- several frontend processes sharing one engine core (`--frontends N`) -------------
+
+
+def start_async_llm(
+    engine_args: AsyncEngineArgs,
+    stat_loggers: list[Any],
+    client: dict[str, Any] | None = None,
+) -> AsyncLLM:
+    """An AsyncLLM that starts its own engine core, or, given `client` (the client
+    config a frontend process got from `launch_frontends`), one that connects to the
+    shared engine core as frontend `client_index` of `client_count`."""
+    if client is None:
+        return AsyncLLM.from_engine_args(engine_args, stat_loggers=stat_loggers)
+    from vllm.usage.usage_lib import UsageContext
+
+    addresses = dict(client)
+    count, index = addresses.pop("client_count"), addresses.pop("client_index")
+    # vLLM 0.32 balances its HTTP accepts with this; tracewire's ports use SO_REUSEPORT.
+    addresses.pop("api_server_loads", None)
+    engine_args._api_process_count = count  # type: ignore[attr-defined]
+    engine_args._api_process_rank = index  # type: ignore[attr-defined]
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    return AsyncLLM.from_vllm_config(
+        vllm_config,
+        stat_loggers=stat_loggers,
+        disable_log_stats=engine_args.disable_log_stats,
+        client_addresses=addresses,
+        client_count=count,
+        client_index=index,
+    )
+
+
+class FrontendGroup:
+    """The engine core processes and the frontend processes `launch_frontends` started."""
+
+    def __init__(self, frontends: Any, engine_manager: Any, coordinator: Any) -> None:
+        self._frontends = frontends
+        self._engine_manager = engine_manager
+        self._coordinator = coordinator
+
+    @property
+    def processes(self) -> list[Any]:
+        return list(self._frontends.processes)
+
+    def wait(self) -> None:
+        """Until every frontend exits; raises when one fails or the engine core dies."""
+        from vllm.v1.utils import wait_for_completion_or_failure
+
+        wait_for_completion_or_failure(
+            api_server_manager=self._frontends,
+            engine_manager=self._engine_manager,
+            coordinator=self._coordinator,
+        )
+
+    def shutdown(self, timeout: float | None) -> None:
+        """SIGTERM the frontends (they drain), kill what is left after `timeout`, then
+        stop the engine core."""
+        self._frontends.shutdown(timeout=timeout)
+        if self._engine_manager is not None:
+            self._engine_manager.shutdown()
+        if self._coordinator is not None:
+            self._coordinator.shutdown()
+
+
+def launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payload: Any) -> FrontendGroup:
+    """Start one engine core and `count` processes running
+    `target(None, None, payload, client_config)`, as vLLM's `--api-server-count` does;
+    returns once the engine core is up (the frontends connect to it meanwhile)."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine import utils as engine_utils
+    from vllm.v1.executor import Executor
+    from vllm.v1.utils import APIServerProcessManager
+
+    engine_args._api_process_count = count  # type: ignore[attr-defined]
+    engine_args._api_process_rank = -1  # type: ignore[attr-defined]
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    executor_class = Executor.get_class(vllm_config)
+    log_stats = not engine_args.disable_log_stats
+    frontends: Any = None
+    try:
+        if hasattr(engine_utils, "bind_engine_zmq_listeners"):  # vLLM >= 0.32
+            listeners = engine_utils.bind_engine_zmq_listeners(vllm_config, count)
+            with engine_utils.launch_core_engines(
+                vllm_config, executor_class, log_stats, listeners.addresses
+            ) as launch:
+                # No listen socket: each frontend binds its own ports (SO_REUSEPORT).
+                frontends = APIServerProcessManager(
+                    None, None, payload, count,
+                    input_listeners=listeners.inputs, output_listeners=listeners.outputs,
+                    target_server_fn=target,
+                    stats_update_address=_stats_address(launch.coordinator),
+                    tensor_queue=launch.tensor_queue,
+                )
+                launch.watched_frontend_processes = frontends.processes
+            return FrontendGroup(frontends, launch.engine_manager, launch.coordinator)
+        # vLLM 0.26: the frontends bind their engine sockets and report the addresses.
+        addresses = engine_utils.get_engine_zmq_addresses(vllm_config, count)
+        with engine_utils.launch_core_engines(
+            vllm_config, executor_class, log_stats, addresses, count
+        ) as (engine_manager, coordinator, addresses, tensor_queue):
+            frontends = APIServerProcessManager(
+                None, None, payload, count,
+                input_addresses=addresses.inputs, output_addresses=addresses.outputs,
+                target_server_fn=target, stats_update_address=_stats_address(coordinator),
+                tensor_queue=tensor_queue,
+            )
+            addresses.inputs, addresses.outputs = frontends.gather_actual_addresses()
+        return FrontendGroup(frontends, engine_manager, coordinator)
+    except BaseException:
+        if frontends is not None:
+            frontends.shutdown(timeout=5)
+        raise
+
+
+def _stats_address(coordinator: Any) -> str | None:
+    return coordinator.get_stats_publish_address() if coordinator else None

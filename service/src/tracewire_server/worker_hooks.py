@@ -547,9 +547,10 @@ class _Want:
 class PlanHooks:
     """Owns the per-request plans and wraps one model runner's sampler."""
 
-    def __init__(self, runner: Any, sender: Sender | None, fault_injection: bool) -> None:
+    def __init__(self, runner: Any, fault_injection: bool) -> None:
         self.runner = runner
-        self.sender = sender
+        # One side channel per frontend process, by route (rank 0 only; empty elsewhere).
+        self.senders: dict[int, Sender] = {}
         self.fault_injection = fault_injection
         self.sequences: dict[str, _Sequence | None] = {}
         self._rows: list[_Row] | None = None
@@ -765,7 +766,7 @@ class PlanHooks:
         conditions and stops, send its records, extend each sequence's text."""
         work.wait()
         tokens = work.tokens.tolist()
-        records = []
+        records: dict[int, list[StepRecord]] = {}
         for row in work.rows:
             seq = row.seq
             row.token = int(tokens[row.index])
@@ -777,7 +778,7 @@ class PlanHooks:
                         row.error = f"{type(e).__name__}: {e}"
                 if row.error is not None:
                     seq.error, seq.error_reported = row.error, True  # no more work for this request
-                records.append(
+                records.setdefault(seq.plan.route, []).append(
                     StepRecord(
                         key=seq.plan.key,
                         step=row.step,
@@ -789,8 +790,10 @@ class PlanHooks:
                 )
             if seq.needs_text:
                 seq.tokens.append(row.token)
-        if self.sender is not None and records:
-            self.sender.send(records)
+        for route, batch in records.items():
+            sender = self.senders.get(route)
+            if sender is not None:
+                sender.send(batch)
 
     def _decide(self, row: _Row) -> None:
         """This row's stops, and which of its launched reads it keeps."""
@@ -817,7 +820,18 @@ class PlanHooks:
 class TracewireWorkerExtension:
     """Mixed into vLLM's worker class (worker_extension_cls)."""
 
-    def tracewire_install(self, address: str, fault_injection: bool = False) -> int:
+    def tracewire_install(self, address: str, fault_injection: bool = False, route: int = 0) -> int:
+        """Wrap the sampler (once) and connect frontend `route`'s side channel. Every
+        frontend process sharing this engine calls this with its own address and route."""
+        rank = getattr(self, "rank", 0)
+        hooks: PlanHooks | None = getattr(self, "tracewire_hooks", None)
+        if hooks is None:
+            hooks = self._tracewire_hooks(fault_injection)
+        if rank == 0:
+            hooks.senders[route] = Sender(address)
+        return int(rank)
+
+    def _tracewire_hooks(self, fault_injection: bool) -> PlanHooks:
         runner = self.model_runner  # type: ignore[attr-defined]
         sampler = getattr(runner, "sampler", None)
         if not hasattr(runner, "input_batch") or not hasattr(sampler, "apply_logits_processors"):
@@ -825,11 +839,9 @@ class TracewireWorkerExtension:
                 f"tracewire needs vLLM's V1 model runner, not {type(runner).__module__}; "
                 "unset VLLM_USE_V2_MODEL_RUNNER"
             )
-        rank = getattr(self, "rank", 0)
-        sender = Sender(address) if rank == 0 else None
-        hooks = PlanHooks(runner, sender, fault_injection)
+        hooks = PlanHooks(runner, fault_injection)
         hooks.install(runner.sampler)
         if runner.model_config.enforce_eager:  # hooks cannot fire inside compiled graphs
             hooks.install_module_hooks(runner.model)
         self.tracewire_hooks = hooks
-        return int(rank)
+        return hooks
