@@ -513,21 +513,25 @@ export const GetEngineStatsRequestSchema: GenMessage<GetEngineStatsRequest> = /*
  */
 export type GetEngineStatsResponse = Message<"tracewire.v1.GetEngineStatsResponse"> & {
   /**
-   * Requests the server has in the engine and not yet finished.
+   * Requests the server has in the engine and not yet finished. A server run
+   * with several frontend processes (--frontends) counts those of the process
+   * that answers.
    *
    * @generated from field: int32 num_unfinished_requests = 1;
    */
   numUnfinishedRequests: number;
 
   /**
-   * Requests the engine's scheduler reported running at its last step.
+   * Requests the engine's scheduler reported running at its last step (0 with
+   * several frontend processes: vLLM reports scheduler stats to none of them).
    *
    * @generated from field: int32 num_running_requests = 2;
    */
   numRunningRequests: number;
 
   /**
-   * Requests the engine's scheduler reported waiting at its last step.
+   * Requests the engine's scheduler reported waiting at its last step (0 with
+   * several frontend processes, as above).
    *
    * @generated from field: int32 num_waiting_requests = 3;
    */
