@@ -121,10 +121,11 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
     )
 
 
-def start_server(model: str, log_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_server(model: str, log_path: Path, frontends: int) -> tuple[subprocess.Popen[bytes], int]:
     """The tracewire server in a subprocess, its output in `log_path`."""
     port = free_port()
-    args = [sys.executable, "-m", "tracewire_server", "--model", model, "--port", str(port)]
+    args = [sys.executable, "-m", "tracewire_server", "--model", model, "--port", str(port),
+            "--frontends", str(frontends)]
     for key, value in ENGINE.items():  # the same engine settings as the raw engine
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -138,31 +139,43 @@ def start_server(model: str, log_path: Path) -> tuple[subprocess.Popen[bytes], i
 HIDDEN_SIZE = [0]  # set from GetModelInfo
 
 
-async def tracewire_clients(server: subprocess.Popen[bytes], log_path: Path, port: int, new_tokens: int,
-                            rows: tuple[str, ...]):
-    """One request function per tracewire row, all through gRPC from this process."""
+async def wait_for_server(server: subprocess.Popen[bytes], log_path: Path, port: int) -> int:
+    """Until the server answers; its hidden size."""
+    import grpc
+    from tracewire.v1 import service_pb2, service_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = service_pb2_grpc.TraceServiceStub(channel)
+        for _ in range(360):
+            if server.poll() is not None:  # say so at once instead of waiting out the start
+                tail = log_path.read_bytes()[-3000:].decode(errors="replace")
+                raise SystemExit(f"the tracewire server exited with {server.returncode}; its log ends:\n{tail}")
+            try:
+                info = await stub.GetModelInfo(service_pb2.GetModelInfoRequest(), timeout=2)
+                return int(info.hidden_size)
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(1)
+    tail = log_path.read_bytes()[-3000:].decode(errors="replace")
+    raise SystemExit(f"the tracewire server did not answer in 360 s; its log ends:\n{tail}")
+
+
+async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], channels: int = 1):
+    """One request function per tracewire row, all through gRPC from this process, the
+    requests spread over `channels` connections (a server with several frontends
+    balances connections, not calls)."""
     import grpc
     from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, service_pb2_grpc
 
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = service_pb2_grpc.TraceServiceStub(channel)
-    for _ in range(600):
-        if server.poll() is not None:  # say so at once instead of waiting out the start
-            tail = log_path.read_bytes()[-3000:].decode(errors="replace")
-            raise SystemExit(f"the tracewire server exited with {server.returncode}; its log ends:\n{tail}")
-        try:
-            info = await stub.GetModelInfo(service_pb2.GetModelInfoRequest(), timeout=2)
-            HIDDEN_SIZE[0] = info.hidden_size
-            break
-        except grpc.aio.AioRpcError:
-            await asyncio.sleep(1)
+    opened = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+              for _ in range(channels)]
+    stubs = [service_pb2_grpc.TraceServiceStub(c) for c in opened]
     sampling = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     with_logprobs = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
                                                 logprobs=20)
 
     def generate(params):
         async def one(i: int, concurrency: int) -> int:
-            r = await stub.Generate(service_pb2.GenerateRequest(
+            r = await stubs[i % len(stubs)].Generate(service_pb2.GenerateRequest(
                 prompts=[prompt_pb2.Prompt(text=PROMPTS[i % len(PROMPTS)])], sampling_params=params),
                 timeout=REQUEST_TIMEOUT_S)
             return len(r.outputs[0].outputs[0].token_ids)
@@ -172,7 +185,8 @@ async def tracewire_clients(server: subprocess.Popen[bytes], log_path: Path, por
         async def one(i: int, concurrency: int) -> int:
             steps = 0
             latencies = LATENCY_NS.setdefault(kind, {}).setdefault(concurrency, []) if concurrency else []
-            call = stub.Trace(trace_request(kind, PROMPTS[i % len(PROMPTS)], new_tokens), timeout=REQUEST_TIMEOUT_S)
+            call = stubs[i % len(stubs)].Trace(trace_request(kind, PROMPTS[i % len(PROMPTS)], new_tokens),
+                                                timeout=REQUEST_TIMEOUT_S)
             async for ev in call:
                 now = time.time_ns()
                 for step in ev.steps.results:
@@ -184,7 +198,81 @@ async def tracewire_clients(server: subprocess.Popen[bytes], log_path: Path, por
     fns = {"Generate": generate(sampling), **{kind: traced(kind) for kind in rows if kind != LOGPROBS_ROW}}
     if LOGPROBS_ROW in rows:
         fns[LOGPROBS_ROW] = generate(with_logprobs)
-    return channel, fns
+    return opened, fns
+
+
+def _client_proc(conn, port: int, new_tokens: int, rows: tuple[str, ...], channels: int, hidden: int) -> None:
+    """A load-generator process: runs its share of each cell when told to, on its own
+    connections, and reports (tokens, start, end, latency samples)."""
+    HIDDEN_SIZE[0] = hidden
+
+    async def main() -> None:
+        opened, fns = await tracewire_clients(port, new_tokens, rows, channels)
+        while (cell := await asyncio.to_thread(conn.recv)) is not None:
+            name, first, share, rounds, concurrency = cell
+            one = fns[name]
+            LATENCY_NS.clear()
+            await asyncio.gather(*(one(first + i, 0) for i in range(min(share, 4))))  # warm-up
+            conn.send("ready")
+            await asyncio.to_thread(conn.recv)  # all processes start together
+            start = time.monotonic()
+            tokens = await _share(one, first, share, rounds, concurrency)
+            conn.send((tokens, start, time.monotonic(), LATENCY_NS.get(name, {}).get(concurrency, [])))
+        for channel in opened:
+            await channel.close()
+
+    asyncio.run(main())
+
+
+async def _share(one, first: int, share: int, rounds: int, concurrency: int) -> int:
+    """Tokens from `share` slots of a cell, `rounds` requests each, slots first.. ."""
+    async def slot(i: int) -> int:
+        return sum([await one((first + i) * rounds + r, concurrency) for r in range(rounds)])
+
+    return sum(await asyncio.gather(*(slot(i) for i in range(share))))
+
+
+class ClientProcesses:
+    """The gRPC load spread over several processes, so that at high concurrency the
+    client's own per-message Python is not what the bench measures. Each process
+    opens its own connections (a server with several frontends balances those)."""
+
+    def __init__(self, procs: int, port: int, new_tokens: int, rows: tuple[str, ...], channels: int) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conns, self.procs = [], []
+        for _ in range(procs):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_client_proc, daemon=True,
+                               args=(child, port, new_tokens, rows, channels, HIDDEN_SIZE[0]))
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def cell(self, name: str):
+        async def run(concurrency: int, rounds: int) -> float:
+            k = len(self.conns)
+            shares = [concurrency // k + (1 if i < concurrency % k else 0) for i in range(k)]
+            active = [(conn, sum(shares[:i]), share)
+                      for i, (conn, share) in enumerate(zip(self.conns, shares, strict=True)) if share]
+            for conn, first, share in active:
+                conn.send((name, first, share, rounds, concurrency))
+            for conn, _, _ in active:
+                assert await asyncio.to_thread(conn.recv) == "ready"
+            for conn, _, _ in active:
+                conn.send("go")
+            results = [await asyncio.to_thread(conn.recv) for conn, _, _ in active]
+            LATENCY_NS.setdefault(name, {}).setdefault(concurrency, []).extend(
+                sample for r in results for sample in r[3])
+            return sum(r[0] for r in results) / (max(r[2] for r in results) - min(r[1] for r in results))
+        return run
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.send(None)
+        for proc in self.procs:
+            proc.join(30)
 
 
 def _profile(server_pid: int, row: str, concurrency: int, out_dir: str) -> list[subprocess.Popen[bytes]]:
@@ -208,37 +296,57 @@ _profile.done = False  # type: ignore[attr-defined]
 
 
 async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int, rows_kinds: tuple[str, ...],
-                  out_dir: str = "."):
+                  out_dir: str = ".", frontends: int = 1, client_procs: int = 1):
     """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
     the median of `repeats` per cell."""
     began = time.perf_counter()
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     log_path = Path(out_dir) / "server.log"
-    server, port = start_server(model, log_path)
+    server, port = start_server(model, log_path, frontends)
     try:
-        channel, rows = await tracewire_clients(server, log_path, port, new_tokens, rows_kinds)
+        HIDDEN_SIZE[0] = await wait_for_server(server, log_path, port)
         log(f"tracewire server up after {time.perf_counter() - began:.0f} s")
+        # One connection per frontend and client process is not enough to spread the
+        # load evenly (the kernel picks the frontend per connection): a few more.
+        channels = 1 if frontends == 1 else 4 * frontends
+        clients = None
+        if client_procs > 1:
+            clients = ClientProcesses(client_procs, port, new_tokens, rows_kinds, channels)
+            opened: list = []
+            cells = {name: clients.cell(name) for name in ("Generate", *rows_kinds)}
+        else:
+            opened, fns = await tracewire_clients(port, new_tokens, rows_kinds, channels)
+            cells = {name: _in_process(fn) for name, fn in fns.items()}
         llm, raw = await raw_engine(model, new_tokens)
         log(f"raw engine up after {time.perf_counter() - began:.0f} s")
-        fns = {"raw vLLM AsyncLLM": raw, **rows}
-        samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in fns}
+        cells = {"raw vLLM AsyncLLM": _in_process(raw), **cells}
+        samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in cells}
         try:
             for c in levels:
                 for _ in range(repeats):
-                    for name, fn in fns.items():
+                    for name, cell in cells.items():
                         profile = _profile(server.pid, name, c, out_dir)
-                        samples[name][c].append(await timed(c, rounds, fn))
+                        samples[name][c].append(await cell(c, rounds))
                         if profile:
                             for p in profile:
                                 p.wait()
                         log(f"c={c} {name}: {samples[name][c][-1]:.0f} tok/s")
         finally:
             llm.shutdown()
-            await channel.close()
+            for channel in opened:
+                await channel.close()
+            if clients is not None:
+                clients.close()
         return {k: {c: statistics.median(v) for c, v in by_c.items()} for k, by_c in samples.items()}
     finally:
         server.terminate()
         server.wait(120)
+
+
+def _in_process(one):
+    async def run(concurrency: int, rounds: int) -> float:
+        return await timed(concurrency, rounds, one)
+    return run
 
 
 def log(message: str) -> None:
@@ -270,6 +378,10 @@ def main() -> int:
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--hidden", action="store_true",
                         help="hidden-state rows (layer read, steering write) on eager engines")
+    parser.add_argument("--frontends", type=int, default=1,
+                        help="the server's --frontends (processes sharing its engine core)")
+    parser.add_argument("--client-procs", type=int, default=1,
+                        help="load-generator processes for the tracewire rows (1: this process)")
     parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency slot")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 64 (GPU mode: 128)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per cell (median)")
@@ -297,7 +409,8 @@ def main() -> int:
     if args.hidden:
         ENGINE["enforce_eager"] = True
     kinds = HIDDEN_ROWS if args.hidden else (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else ROWS)
-    rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens, kinds, args.out_dir))
+    rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
+                               args.frontends, args.client_procs))
     raw = rows["raw vLLM AsyncLLM"]
 
     import vllm
@@ -312,6 +425,7 @@ def main() -> int:
         "vllm_version": vllm.__version__,
         "model": args.shape or args.model, "engine": ENGINE, "new_tokens": args.new_tokens,
         "rounds": args.rounds, "repeats": args.repeats, "method": "rows interleaved, median of repeats",
+        "frontends": args.frontends, "client_procs": args.client_procs,
         "tokens_per_second": rows,
         "ratio_to_raw": {k: {c: v[c] / raw[c] for c in levels} for k, v in rows.items()},
         "streaming_latency_ms": {
