@@ -134,10 +134,6 @@ class FrontendGroup:
         self._engine_manager = engine_manager
         self._coordinator = coordinator
 
-    @property
-    def processes(self) -> list[Any]:
-        return list(self._frontends.processes)
-
     def wait(self) -> None:
         """Until every frontend exits; raises when one fails or the engine core dies."""
         from vllm.v1.utils import wait_for_completion_or_failure

@@ -826,22 +826,24 @@ class TracewireWorkerExtension:
         rank = getattr(self, "rank", 0)
         hooks: PlanHooks | None = getattr(self, "tracewire_hooks", None)
         if hooks is None:
-            hooks = self._tracewire_hooks(fault_injection)
+            runner = self.model_runner  # type: ignore[attr-defined]
+            hooks = self.tracewire_hooks = _install_hooks(runner, fault_injection)
         if rank == 0:
             hooks.senders[route] = Sender(address)
         return int(rank)
 
-    def _tracewire_hooks(self, fault_injection: bool) -> PlanHooks:
-        runner = self.model_runner  # type: ignore[attr-defined]
-        sampler = getattr(runner, "sampler", None)
-        if not hasattr(runner, "input_batch") or not hasattr(sampler, "apply_logits_processors"):
-            raise RuntimeError(  # vLLM's V2 runner (vllm/v1/worker/gpu/) has another sampler
-                f"tracewire needs vLLM's V1 model runner, not {type(runner).__module__}; "
-                "unset VLLM_USE_V2_MODEL_RUNNER"
-            )
-        hooks = PlanHooks(runner, fault_injection)
-        hooks.install(runner.sampler)
-        if runner.model_config.enforce_eager:  # hooks cannot fire inside compiled graphs
-            hooks.install_module_hooks(runner.model)
-        self.tracewire_hooks = hooks
-        return hooks
+
+def _install_hooks(runner: Any, fault_injection: bool) -> PlanHooks:
+    """Wrap `runner`'s sampler (and, eager, its modules). A module function, not a method
+    of the extension: vLLM would offer every method as a collective_rpc call."""
+    sampler = getattr(runner, "sampler", None)
+    if not hasattr(runner, "input_batch") or not hasattr(sampler, "apply_logits_processors"):
+        raise RuntimeError(  # vLLM's V2 runner (vllm/v1/worker/gpu/) has another sampler
+            f"tracewire needs vLLM's V1 model runner, not {type(runner).__module__}; "
+            "unset VLLM_USE_V2_MODEL_RUNNER"
+        )
+    hooks = PlanHooks(runner, fault_injection)
+    hooks.install(runner.sampler)
+    if runner.model_config.enforce_eager:  # hooks cannot fire inside compiled graphs
+        hooks.install_module_hooks(runner.model)
+    return hooks
