@@ -23,6 +23,10 @@ from .prompts import EnginePrompt
 from .sidechannel import Receiver
 
 WORKER_EXTENSION = "tracewire_server.worker_hooks.TracewireWorkerExtension"
+# The install is a few milliseconds of work in the worker; the engine core answers
+# utility calls between steps.
+INSTALL_TIMEOUT_S = 60.0
+INSTALL_ATTEMPTS = 3
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +132,14 @@ class Engine:
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
         )
-        # Wrap every worker's sampler (once); rank 0 sends this frontend's records to
-        # `receiver`.
-        await llm.collective_rpc("tracewire_install", args=(receiver.address, fault_injection, route))
+        if client:
+            log.info("connected to the engine core as frontend %d; installing the worker hooks", route)
+        try:
+            await _install_worker_hooks(llm, receiver.address, fault_injection, route)
+        except BaseException:
+            receiver.close()
+            llm.shutdown()
+            raise
         return cls(llm=llm, tokenizer=tokenizer, description=description, limits=limits,
                    counters=counters, receiver=receiver, route=route)
 
@@ -248,3 +257,31 @@ def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:
 def default_cpu_environment() -> None:
     """KV-cache size for the CPU build when the user set none (GiB)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, route: int) -> None:
+    """Wrap every worker's sampler (once per engine); rank 0 sends frontend `route`'s
+    records to `address`.
+
+    With several frontends, one frontend's install call once went unanswered and its
+    start hung until the test timed out (not reproduced since, cause unknown). The
+    install is idempotent, so an unanswered call is asked again, and the start fails
+    with a clear error rather than hanging. The call itself is shielded: cancelling
+    vLLM's utility future would break its output handler when the answer comes late.
+    """
+    for attempt in range(1, INSTALL_ATTEMPTS + 1):
+        call = asyncio.ensure_future(
+            llm.collective_rpc("tracewire_install", args=(address, fault_injection, route))
+        )
+        try:
+            await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S)
+            return
+        except TimeoutError:
+            log.warning(
+                "the engine core has not answered tracewire_install (frontend %d) in %.0f s "
+                "(attempt %d of %d)", route, INSTALL_TIMEOUT_S, attempt, INSTALL_ATTEMPTS,
+            )
+    raise RuntimeError(
+        f"the engine core did not answer tracewire_install (frontend {route}) "
+        f"in {INSTALL_ATTEMPTS} attempts of {INSTALL_TIMEOUT_S:.0f} s"
+    )

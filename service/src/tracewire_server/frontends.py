@@ -9,6 +9,10 @@ kernel spreads connections over them) with its own vLLM client of the shared
 engine core. The worker hooks send each frontend the records of its own
 requests (SequencePlan.route).
 
+A frontend whose engine client is up reports SERVING only once every frontend's
+is (GroupReadiness): the kernel may hand any new connection to any of them, so
+one SERVING answer must mean that every connection will be served.
+
 This process supervises: it forwards SIGTERM/SIGINT to the frontends (which
 drain), stops everything when a frontend or the engine core dies, and stops
 the engine core last.
@@ -18,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import signal
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from . import vllm_compat
@@ -44,7 +50,10 @@ def run(config: ServerConfig) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.info("tracewire: starting the engine core and %d frontends on port %d", config.frontends, config.port)
-    group = vllm_compat.launch_frontends(config.engine_args, config.frontends, _frontend, config)
+    readiness = GroupReadiness(config.frontends)
+    group = vllm_compat.launch_frontends(
+        config.engine_args, config.frontends, _frontend, _FrontendArgs(config, readiness)
+    )
     try:
         group.wait()
     except SystemExit:
@@ -58,10 +67,38 @@ def run(config: ServerConfig) -> int:
     return 0
 
 
-def _frontend(listen_address: Any, sock: Any, config: ServerConfig, client: dict[str, Any]) -> None:
+class GroupReadiness:
+    """How many of the frontends have their engine client up, shared between the
+    processes (a counter in shared memory, handed over at spawn)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._ready = multiprocessing.get_context("spawn").Value("i", 0)
+
+    def arrive(self) -> None:
+        with self._ready.get_lock():
+            self._ready.value += 1
+
+    async def all_ready(self, stop: asyncio.Event) -> bool:
+        """Wait until every frontend has arrived (True) or `stop` is set (False). A
+        frontend that dies on the way stops the whole group (run()), so this ends."""
+        while self._ready.value < self.count:
+            if stop.is_set():
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+
+@dataclass(frozen=True)
+class _FrontendArgs:
+    config: ServerConfig
+    readiness: GroupReadiness
+
+
+def _frontend(listen_address: Any, sock: Any, args: _FrontendArgs, client: dict[str, Any]) -> None:
     """A frontend process (spawned): the whole server, on the shared engine core."""
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s %(name)s[{client['client_index']}]: %(message)s",
     )
-    sys.exit(asyncio.run(serve(config, client=client)))
+    sys.exit(asyncio.run(serve(args.config, client=client, readiness=args.readiness)))

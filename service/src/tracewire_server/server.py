@@ -25,6 +25,7 @@ from .engine import Engine
 from .servicer import TraceOptions, TraceServicer
 
 if TYPE_CHECKING:
+    from .frontends import GroupReadiness
     from .http_gateway import HttpGateway
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,14 @@ class ServerConfig:
     frontends: int = 1
 
 
-async def serve(config: ServerConfig, client: dict[str, Any] | None = None) -> int:
+async def serve(
+    config: ServerConfig,
+    client: dict[str, Any] | None = None,
+    readiness: GroupReadiness | None = None,
+) -> int:
     """Serve until SIGTERM/SIGINT. `client`: this process is one of `config.frontends`
-    frontends, connecting to an engine core started by frontends.py."""
+    frontends, connecting to an engine core started by frontends.py; it reports
+    SERVING only once `readiness` says that every frontend is up."""
     servicer = TraceServicer(config.trace)
     server = grpc.aio.server(
         options=[
@@ -101,6 +107,10 @@ async def serve(config: ServerConfig, client: dict[str, Any] | None = None) -> i
         await server.stop(0)
         raise
     engine_died = False
+    if readiness is not None:
+        readiness.arrive()
+        log.info("engine client up; waiting for the other frontends")
+        await readiness.all_ready(stop)
     if not stop.is_set():
         servicer.engine = engine
         await set_health(health_pb2.HealthCheckResponse.SERVING)

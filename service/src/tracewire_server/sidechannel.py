@@ -58,6 +58,9 @@ class Sender:
     def send(self, records: list[StepRecord]) -> None:
         self._socket.send(_ENCODER.encode(records), copy=False)
 
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
 
 class Receiver:
     """Server side: routes each record to the callback registered for its key."""

@@ -829,7 +829,11 @@ class TracewireWorkerExtension:
             runner = self.model_runner  # type: ignore[attr-defined]
             hooks = self.tracewire_hooks = _install_hooks(runner, fault_injection)
         if rank == 0:
+            previous = hooks.senders.get(route)
             hooks.senders[route] = Sender(address)
+            if previous is not None:  # the frontend asked again (engine.py)
+                previous.close()
+            log.info("tracewire: hooks installed; records of frontend %d go to %s", route, address)
         return int(rank)
 
 
