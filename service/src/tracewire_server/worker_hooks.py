@@ -38,7 +38,11 @@ record (its trace fails); vLLM's sampling always proceeds.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +55,46 @@ from .sidechannel import ReadResult, Sender, StepRecord
 from .tensors import RawTensor
 
 log = logging.getLogger(__name__)
+
+# Set to a number of seconds (e.g. `TRACEWIRE_HOOK_TIMES=10 make bench`): every worker
+# prints where its hooks' time went over each such period, to find what bounds a
+# trace's throughput. On the CPU the collector runs on the engine's thread, so its
+# time is counted in both.
+HOOK_TIMES_ENV = "TRACEWIRE_HOOK_TIMES"
+
+
+class _HookTimes:
+    """Seconds the hooks spent on the engine's thread and on the collector thread."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self.engine_s = self.collector_s = self.wait_s = 0.0
+        self.steps = self.rows = 0
+        self._since = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def add(self, engine_s: float = 0.0, collector_s: float = 0.0, wait_s: float = 0.0,
+            steps: int = 0, rows: int = 0) -> None:
+        with self._lock:
+            self.engine_s += engine_s
+            self.collector_s += collector_s
+            self.wait_s += wait_s
+            self.steps += steps
+            self.rows += rows
+            now = time.perf_counter()
+            if now - self._since < self.period_s or not self.steps:
+                return
+            elapsed, self._since = now - self._since, now
+            print(
+                f"tracewire hook times pid {os.getpid()}: {self.steps} traced steps in {elapsed:.1f} s "
+                f"({self.rows / self.steps:.0f} rows/step); per step: engine thread "
+                f"{1e3 * self.engine_s / self.steps:.3f} ms, collector {1e3 * self.collector_s / self.steps:.3f} ms "
+                f"(+{1e3 * self.wait_s / self.steps:.3f} ms waiting for the device); step interval "
+                f"{1e3 * elapsed / self.steps:.3f} ms",
+                file=sys.stderr, flush=True,
+            )
+            self.engine_s = self.collector_s = self.wait_s = 0.0
+            self.steps = self.rows = 0
 
 
 @dataclass(frozen=True)
@@ -559,6 +603,8 @@ class PlanHooks:
         # Off the engine's thread only where the device runs ahead of the host.
         threaded = runner.device.type == "cuda" if hasattr(runner, "device") else True
         self.collector: StepCollector[_StepWork] = StepCollector(self._finish, threaded=threaded)
+        period = float(os.environ.get(HOOK_TIMES_ENV) or 0)
+        self.times: _HookTimes | None = _HookTimes(period) if period > 0 else None
 
     # -- installation ----------------------------------------------------------
 
@@ -566,23 +612,35 @@ class PlanHooks:
         original_forward = sampler.forward
         original_apply = sampler.apply_logits_processors
 
+        times = self.times
+
         def forward(logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kw: Any) -> Any:
+            started = time.perf_counter() if times else 0.0
             rows = self._traced_rows()
             if not rows:
                 return original_forward(logits, sampling_metadata, *args, **kw)
             self._capture_raw(rows, logits)
             self._rows = rows
+            if times:
+                spent = time.perf_counter() - started
             try:
                 out = original_forward(logits, sampling_metadata, *args, **kw)
             finally:
                 self._rows = None
+            if times:
+                started = time.perf_counter()
             self._after_sample(rows, out.sampled_token_ids)
+            if times:
+                times.add(engine_s=spent + time.perf_counter() - started, steps=1, rows=len(rows))
             return out
 
         def apply_logits_processors(logits: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
             logits = original_apply(logits, *args, **kw)
             if self._rows:
+                started = time.perf_counter() if times else 0.0
                 self._write_and_capture(self._rows, logits)
+                if times:
+                    times.add(engine_s=time.perf_counter() - started)
             return logits
 
         sampler.forward = forward
@@ -764,7 +822,18 @@ class PlanHooks:
     def _finish(self, work: _StepWork) -> None:
         """On the collector thread: the step's values are on the host now; decide its
         conditions and stops, send its records, extend each sequence's text."""
-        work.wait()
+        times = self.times
+        if times:
+            started = time.perf_counter()
+            work.wait()
+            waited = time.perf_counter() - started
+            self._finish_ready(work)
+            times.add(collector_s=time.perf_counter() - started - waited, wait_s=waited)
+        else:
+            work.wait()
+            self._finish_ready(work)
+
+    def _finish_ready(self, work: _StepWork) -> None:
         tokens = work.tokens.tolist()
         records: dict[int, list[StepRecord]] = {}
         for row in work.rows:
