@@ -282,14 +282,12 @@ def _profile(server_pid: int, row: str, concurrency: int, out_dir: str) -> list[
     if not spy or wanted != f"{row}@{concurrency}" or _profile.done:  # type: ignore[attr-defined]
         return []
     _profile.done = True  # type: ignore[attr-defined]
-    children = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True).stdout.split()
-    procs = []
-    for label, pid in [("server", server_pid)] + [(f"child{i}", int(p)) for i, p in enumerate(children)]:
-        out = Path(out_dir) / f"spy-{label}.txt"
-        procs.append(subprocess.Popen([spy, "record", "-p", str(pid), "-r", "250", "-d", "3", "-f", "raw",
-                                       "--nonblocking", "-o", str(out)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    return procs
+    # The server and every process under it (frontends, engine core, workers), stacks
+    # tagged by process.
+    out = Path(out_dir) / "spy-server.txt"
+    return [subprocess.Popen([spy, "record", "-p", str(server_pid), "--subprocesses", "-r", "250", "-d", "3",
+                              "-f", "raw", "--nonblocking", "-o", str(out)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
 
 
 _profile.done = False  # type: ignore[attr-defined]
