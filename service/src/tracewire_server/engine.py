@@ -14,13 +14,16 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import vllm_compat
 from .errors import InvalidArgument, Unavailable
 from .limits import ModelLimits
 from .prompts import EnginePrompt
 from .sidechannel import Receiver
+
+if TYPE_CHECKING:
+    from .frontends import GroupReadiness
 
 WORKER_EXTENSION = "tracewire_server.worker_hooks.TracewireWorkerExtension"
 # The install is a few milliseconds of work in the worker; the engine core answers
@@ -97,10 +100,16 @@ class Engine:
 
     @classmethod
     async def start(
-        cls, engine_args: Any, *, fault_injection: bool = False, client: dict[str, Any] | None = None
+        cls,
+        engine_args: Any,
+        *,
+        fault_injection: bool = False,
+        client: dict[str, Any] | None = None,
+        readiness: GroupReadiness | None = None,
     ) -> Engine:
         """Start vLLM's engine core in child processes, or, with `client` (the config a
-        frontend process of `--frontends N` was given), connect to the shared one."""
+        frontend process of `--frontends N` was given), connect to the shared one and
+        install the worker hooks in turn with the other frontends (`readiness`)."""
         counters = SchedulerCounters()
         use_worker_hooks(engine_args)
         route = int(client["client_index"]) if client else 0
@@ -132,10 +141,13 @@ class Engine:
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
         )
-        if client:
-            log.info("connected to the engine core as frontend %d; installing the worker hooks", route)
         try:
+            if readiness is not None:
+                await readiness.turn(route)
+                log.info("connected to the engine core as frontend %d; installing the worker hooks", route)
             await _install_worker_hooks(llm, receiver.address, fault_injection, route)
+            if readiness is not None:
+                readiness.arrive()
         except BaseException:
             receiver.close()
             llm.shutdown()
@@ -263,10 +275,10 @@ async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, r
     """Wrap every worker's sampler (once per engine); rank 0 sends frontend `route`'s
     records to `address`.
 
-    With several frontends, one frontend's install call once went unanswered and its
-    start hung until the test timed out (not reproduced since, cause unknown). The
-    install is idempotent, so an unanswered call is asked again, and the start fails
-    with a clear error rather than hanging. The call itself is shielded: cancelling
+    With several frontends, install calls have gone unanswered (frontends.py now sends
+    them one at a time; cause not found). The install is idempotent, so an
+    unanswered call is asked again, and the start fails with a clear error rather
+    than hanging. The call itself is shielded: cancelling
     vLLM's utility future would break its output handler when the answer comes late.
     """
     for attempt in range(1, INSTALL_ATTEMPTS + 1):

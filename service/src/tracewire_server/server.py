@@ -94,7 +94,9 @@ async def serve(
 
     started = time.monotonic()
     engine_task = asyncio.create_task(
-        Engine.start(config.engine_args, fault_injection=config.trace.fault_injection, client=client)
+        Engine.start(
+            config.engine_args, fault_injection=config.trace.fault_injection, client=client, readiness=readiness
+        )
     )
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -108,7 +110,6 @@ async def serve(
         raise
     engine_died = False
     if readiness is not None:
-        readiness.arrive()
         log.info("engine client up; waiting for the other frontends")
         await readiness.all_ready(stop)
     if not stop.is_set():

@@ -1,9 +1,11 @@
 """The side channel: per-step records from the worker to the server process.
 
-One ZMQ PUSH socket per worker (rank 0 only) connects to one PULL socket bound
-by the server. Each engine step that touched a traced request sends one
-message: a msgpack list of StepRecords, tensors as raw bytes. The server
-routes records by plan key to the trace waiting for them.
+One ZMQ PUSH socket per worker (rank 0 only) and frontend connects to the PULL
+socket that frontend binds. Each engine step that touched a traced request of
+that frontend sends one message: a msgpack StepBatch, tensors as raw bytes. A
+read batched across rows (top-k logits, logprobs, ...) travels once for the
+whole step, as a column the records point into; the server hands each record
+its own row and routes records by plan key to the trace waiting for them.
 """
 
 from __future__ import annotations
@@ -39,10 +41,38 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     values: dict[str, ReadResult]
     stopped: bool = False
     error: str | None = None
+    # Reads whose value is a row of one of the step's columns: name -> (column, row).
+    # The server resolves them into `values` before a trace sees the record.
+    rows: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
+
+
+class StepBatch(msgspec.Struct, array_like=True, frozen=True):
+    """One step's records for one frontend, and the columns they point into."""
+
+    records: list[StepRecord]
+    columns: list[ReadResult]
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(list[StepRecord])
+_DECODER = msgspec.msgpack.Decoder(StepBatch)
+
+
+def _row(column: RawTensor, row: int) -> RawTensor:
+    size = len(column.data) // column.shape[0]
+    return RawTensor(column.dtype, column.shape[1:], column.data[row * size:(row + 1) * size])
+
+
+def resolve(record: StepRecord, columns: list[ReadResult]) -> StepRecord:
+    """The record with its column rows as values of its own."""
+    if not record.rows:
+        return record
+    values = dict(record.values)
+    for name, (c, j) in record.rows.items():
+        column = columns[c]
+        values[name] = ReadResult(
+            _row(column.values, j), _row(column.token_ids, j) if column.token_ids is not None else None
+        )
+    return msgspec.structs.replace(record, values=values, rows={})
 
 
 class Sender:
@@ -55,8 +85,8 @@ class Sender:
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._socket.connect(address)
 
-    def send(self, records: list[StepRecord]) -> None:
-        self._socket.send(_ENCODER.encode(records), copy=False)
+    def send(self, batch: StepBatch) -> None:
+        self._socket.send(_ENCODER.encode(batch), copy=False)
 
     def close(self) -> None:
         self._socket.close(linger=0)
@@ -87,14 +117,14 @@ class Receiver:
         while True:
             frame = await self._socket.recv(copy=False)
             try:
-                records = _DECODER.decode(frame.buffer)
+                batch = _DECODER.decode(frame.buffer)
             except msgspec.DecodeError:
                 log.exception("dropping an undecodable side-channel message")
                 continue
-            for record in records:
+            for record in batch.records:
                 deliver = self._routes.get(record.key)
                 if deliver is not None:  # else: the trace is gone (stopped, cancelled)
-                    deliver(record)
+                    deliver(resolve(record, batch.columns))
 
     def close(self) -> None:
         if self._task is not None:

@@ -51,7 +51,7 @@ import torch
 
 from . import plan as P
 from .collector import StepCollector
-from .sidechannel import ReadResult, Sender, StepRecord
+from .sidechannel import ReadResult, Sender, StepBatch, StepRecord
 from .tensors import RawTensor
 
 log = logging.getLogger(__name__)
@@ -99,23 +99,44 @@ class _HookTimes:
 
 @dataclass(frozen=True)
 class _StepOps:
-    """The ops selected at one step, sorted by what the hooks do with them."""
+    """The ops selected at one step, sorted by what the hooks do with them (once per
+    plan and step pattern, not per row)."""
 
     ops: tuple[P.Op, ...]
     reads: tuple[P.Op, ...]
     logits_writes: tuple[P.Op, ...]
     needs_raw: bool
     needs_processed: bool
+    # Reads computed for all rows at once, with the key of their batch.
+    batched_reads: tuple[tuple[str, tuple[Any, ...]], ...]
+    # Reads computed per row (module and logit-lens reads, the drawn sample).
+    row_reads: tuple[P.Op, ...]
+    # Only reads, none with a condition: every read launched is kept.
+    plain: bool
 
     @classmethod
     def of(cls, ops: tuple[P.Op, ...]) -> _StepOps:
+        reads = tuple(op for op in ops if isinstance(op.action, P.READS))
+        batched = tuple((op.name, key) for op in reads if (key := _batch_key(op.action)) is not None)
         return cls(
             ops,
-            tuple(op for op in ops if isinstance(op.action, P.READS)),
+            reads,
             tuple(op for op in ops if isinstance(op.action, P.LOGITS_WRITES)),
             P.needs_raw_logits(ops),
             P.needs_processed_logits(ops),
+            batched,
+            tuple(op for op in reads if _batch_key(op.action) is None),
+            len(reads) == len(ops) and all(op.condition is None for op in ops),
         )
+
+
+def _batch_key(action: P.Action) -> tuple[Any, ...] | None:
+    """Reads with the same key are one device computation for all their rows."""
+    if isinstance(action, P.ReadLogprobs):
+        return ("logprobs", action.top_k)
+    if isinstance(action, P.ReadLogits):
+        return ("logits", action.stage, action.top_k, action.token_ids)
+    return None
 
 
 _NO_OPS = _StepOps.of(())
@@ -157,7 +178,7 @@ class _Sequence:
         return _StepOps.of(ops) if ops else _NO_OPS
 
 
-@dataclass
+@dataclass(slots=True)
 class _Captured:
     """One row of a step's captured logits batch."""
 
@@ -184,23 +205,24 @@ class _HostBatch:
             self._arrays = (self.values.numpy(), self.ids.numpy() if self.ids is not None else None)
         return self._arrays
 
+    def column(self) -> ReadResult:
+        """All rows at once, as sent: the server hands each trace its row."""
+        values, ids = self.arrays()
+        return ReadResult(RawTensor.from_numpy(values), RawTensor.from_numpy(ids) if ids is not None else None)
+
 
 @dataclass
 class _HostRead:
-    """A read's value on its way to the host; `index` picks this read's row of a
-    batched result."""
+    """One row's read on its way to the host (a module or logit-lens read, or the
+    drawn sample); batched reads are (_HostBatch, row) pairs instead."""
 
     batch: _HostBatch | None  # None: the drawn token itself (known after the wait)
     positions: list[int] | None = None
-    index: int | None = None
 
     def result(self, token: int) -> ReadResult:
         if self.batch is None:
             return ReadResult(RawTensor.from_numpy(np.asarray(token, dtype=np.int32)))
         values, ids = self.batch.arrays()
-        if self.index is not None:
-            values = values[self.index]
-            ids = ids[self.index] if ids is not None else None
         return ReadResult(
             RawTensor.from_numpy(values),
             RawTensor.from_numpy(ids) if ids is not None else None,
@@ -208,7 +230,12 @@ class _HostRead:
         )
 
 
-@dataclass
+# A read launched for one row: its own value, or its row of a batch.
+_Launched = _HostRead | tuple[_HostBatch, int]
+_SAMPLE = _HostRead(None)
+
+
+@dataclass(slots=True)
 class _Row:
     index: int  # row in the logits
     seq: _Sequence
@@ -217,8 +244,8 @@ class _Row:
     raw: _Captured | None = None
     processed: _Captured | None = None
     token: int = -1
-    reads: dict[str, _HostRead] = field(default_factory=dict)  # launched, conditions not yet decided
-    values: dict[str, ReadResult] = field(default_factory=dict)
+    reads: dict[str, _Launched] = field(default_factory=dict)  # conditions not yet decided
+    kept: dict[str, _Launched] = field(default_factory=dict)  # the reads whose conditions held
     stopped: bool = False
     error: str | None = None
 
@@ -447,34 +474,37 @@ def _module_value(row: _Row, name: str, read: P.ReadModule) -> _HostRead:
     return _HostRead(_HostBatch(_to_host(values), None), positions=positions)
 
 
-def _launch_reads(fired: list[tuple[_Row, P.Op]], lens: _Lens | None, drawn: torch.Tensor) -> None:
+def _launch_reads(rows: list[_Row], lens: _Lens | None, drawn: torch.Tensor) -> None:
     """Launch every read of this step as device work, batched across rows by read kind
     (one topk / gather / log_softmax per kind instead of one per row), each result on its
     way to the host. `drawn`: the step's sampled ids on the device, one per logits row."""
-    groups: dict[tuple[Any, ...], list[tuple[_Row, P.Op]]] = {}
-    for row, op in fired:
-        a = op.action
-        if isinstance(a, P.ReadModule):
-            row.reads[op.name] = _module_value(row, op.name, a)
-        elif isinstance(a, P.ReadLogitLens):
-            assert lens is not None
-            row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
-        elif isinstance(a, P.ReadSample):
-            row.reads[op.name] = _HostRead(None)
-        elif isinstance(a, P.ReadLogprobs):
-            groups.setdefault(("logprobs", a.top_k), []).append((row, op))
-        else:
-            assert isinstance(a, P.ReadLogits)
-            groups.setdefault(("logits", a.stage, a.top_k, a.token_ids), []).append((row, op))
+    groups: dict[tuple[Any, ...], list[tuple[_Row, str]]] = {}
+    for row in rows:
+        ops = row.selected
+        for name, key in ops.batched_reads:
+            members = groups.get(key)
+            if members is None:
+                members = groups[key] = []
+            members.append((row, name))
+        for op in ops.row_reads:
+            a = op.action
+            if isinstance(a, P.ReadModule):
+                row.reads[op.name] = _module_value(row, op.name, a)
+            elif isinstance(a, P.ReadLogitLens):
+                assert lens is not None
+                row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
+            else:
+                assert isinstance(a, P.ReadSample)
+                row.reads[op.name] = _SAMPLE
     for key, members in groups.items():
-        rows = [row for row, _ in members]
+        group = [row for row, _ in members]
         if key[0] == "logprobs":
-            values, ids = _logprobs(rows, key[1], drawn)
+            values, ids = _logprobs(group, key[1], drawn)
         else:
-            values, ids = _logits(rows, *key[1:])
+            values, ids = _logits(group, *key[1:])
         batch = _HostBatch(_to_host(values), _to_host(ids) if ids is not None else None)
-        for j, (row, op) in enumerate(members):
-            row.reads[op.name] = _HostRead(batch, index=j)
+        for j, (row, name) in enumerate(members):
+            row.reads[name] = (batch, j)
 
 
 def _logprobs(rows: list[_Row], top_k: int | None, drawn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -586,6 +616,38 @@ class _Want:
     name: str
     rows: slice | list[int]
     positions: list[int]
+
+
+class _Outgoing:
+    """One step's message to one frontend: a record per traced row, and each batched
+    read once for all its rows (a column), which the records point into. Per row this
+    costs a few references, not a tensor conversion."""
+
+    __slots__ = ("_index", "columns", "records")
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+        self.columns: list[_HostBatch] = []
+        self._index: dict[int, int] = {}  # id(batch) -> column
+
+    def add(self, key: str, row: _Row) -> None:
+        values: dict[str, ReadResult] = {}
+        rows: dict[str, tuple[int, int]] = {}
+        if row.error is None:
+            for name, read in row.kept.items():
+                if type(read) is tuple:
+                    batch, j = read
+                    c = self._index.get(id(batch))
+                    if c is None:
+                        c = self._index[id(batch)] = len(self.columns)
+                        self.columns.append(batch)
+                    rows[name] = (c, j)
+                else:
+                    values[name] = read.result(row.token)  # type: ignore[union-attr]
+        self.records.append(StepRecord(key, row.step, row.token, values, row.stopped, row.error, rows))
+
+    def message(self) -> StepBatch:
+        return StepBatch(self.records, [batch.column() for batch in self.columns])
 
 
 class PlanHooks:
@@ -800,13 +862,11 @@ class PlanHooks:
         """Launch the step's reads (every read selected now, its condition decided later)
         and hand the step to the collector. No waiting for the device here."""
         drawn = sampled.view(sampled.shape[0], -1)[:, 0]
-        fired = [
-            (row, op) for row in rows if row.error is None for op in row.selected.reads
-        ]
+        fired = [row for row in rows if row.error is None and row.selected.reads]
         try:
             _launch_reads(fired, self.lens, drawn)
         except Exception as e:  # noqa: BLE001 - a batch failure fails the traces in it
-            for row, _ in fired:
+            for row in fired:
                 row.error = f"{type(e).__name__}: {e}"
         # On the CPU vLLM may reuse the sampled-ids buffer: keep a copy of our own.
         tokens = _to_host(drawn) if drawn.device.type != "cpu" else drawn.clone()
@@ -835,7 +895,7 @@ class PlanHooks:
 
     def _finish_ready(self, work: _StepWork) -> None:
         tokens = work.tokens.tolist()
-        records: dict[int, list[StepRecord]] = {}
+        batches: dict[int, _Outgoing] = {}
         for row in work.rows:
             seq = row.seq
             row.token = int(tokens[row.index])
@@ -847,30 +907,27 @@ class PlanHooks:
                         row.error = f"{type(e).__name__}: {e}"
                 if row.error is not None:
                     seq.error, seq.error_reported = row.error, True  # no more work for this request
-                records.setdefault(seq.plan.route, []).append(
-                    StepRecord(
-                        key=seq.plan.key,
-                        step=row.step,
-                        token_id=row.token,
-                        values=row.values if row.error is None else {},
-                        stopped=row.stopped,
-                        error=row.error,
-                    )
-                )
+                out = batches.get(seq.plan.route)
+                if out is None:
+                    out = batches[seq.plan.route] = _Outgoing()
+                out.add(seq.plan.key, row)
             if seq.needs_text:
                 seq.tokens.append(row.token)
-        for route, batch in records.items():
+        for route, out in batches.items():
             sender = self.senders.get(route)
             if sender is not None:
-                sender.send(batch)
+                sender.send(out.message())
 
     def _decide(self, row: _Row) -> None:
         """This row's stops, and which of its launched reads it keeps."""
+        if row.selected.plain:  # the common case: keep every read, nothing to decide
+            row.kept = row.reads
+            return
         ctx = _Context(self, row, drawn=True)
         for op in row.selected.ops:
             if isinstance(op.action, P.READS):
                 if _holds(op.condition, ctx):
-                    row.values[op.name] = row.reads[op.name].result(row.token)
+                    row.kept[op.name] = row.reads[op.name]
             elif isinstance(op.action, P.Stop):
                 if _holds(op.condition, ctx):
                     row.stopped = True
