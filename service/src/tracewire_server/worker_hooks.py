@@ -166,16 +166,30 @@ class _Sequence:
     # Write operands already on the device, by id() of the plan's action.
     operands: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     constant: _StepOps | None = None  # the ops of every step, when they never change
+    last_step: int | None = None  # after it no op is selected (None: open-ended)
+    _sorted: dict[tuple[P.Op, ...], _StepOps] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if all(_always(op) for op in self.plan.ops):
             self.constant = _StepOps.of(self.plan.ops)
+        lasts = [op.steps.last() for op in self.plan.ops]
+        if all(last is not None for last in lasts):
+            self.last_step = max(lasts, default=-1)  # type: ignore[type-var]
 
     def ops_at(self, step: int) -> _StepOps:
+        """Runs per traced row per step: answered without looking at the ops when it
+        can (every step alike, or past the last selected step)."""
         if self.constant is not None:
             return self.constant
+        if self.last_step is not None and step > self.last_step:
+            return _NO_OPS
         ops = self.plan.active_at(step)
-        return _StepOps.of(ops) if ops else _NO_OPS
+        if not ops:
+            return _NO_OPS
+        found = self._sorted.get(ops)
+        if found is None:
+            found = self._sorted[ops] = _StepOps.of(ops)
+        return found
 
 
 @dataclass(slots=True)
@@ -822,7 +836,11 @@ class PlanHooks:
                 continue
             if discard_np is not None and discard_np[i]:
                 continue  # mid-prefill: vLLM throws this sample away
-            row = _Row(i, seq, seq.ops_at(seq.step))
+            selected = seq.ops_at(seq.step)
+            if selected is _NO_OPS and seq.error is None and not seq.needs_text:
+                seq.step += 1  # nothing to do, record or remember at this step
+                continue
+            row = _Row(i, seq, selected)
             if seq.error is not None:  # failed in a module hook: report it on this step
                 row.selected, row.error = _ERROR_OPS, seq.error
             rows.append(row)
