@@ -129,10 +129,15 @@ def start_async_llm(
 class FrontendGroup:
     """The engine core processes and the frontend processes `launch_frontends` started."""
 
-    def __init__(self, frontends: Any, engine_manager: Any, coordinator: Any) -> None:
+    def __init__(self, frontends: Any, engine_manager: Any, coordinator: Any, listeners: Any = None) -> None:
         self._frontends = frontends
         self._engine_manager = engine_manager
         self._coordinator = coordinator
+        # vLLM 0.32's listeners unlink their ipc paths when garbage collected: held
+        # here for the group's life, or an engine socket that connects after the
+        # launch returned finds no path and its messages never arrive (a frontend
+        # then waited forever for the answer to its first call).
+        self._listeners = listeners
 
     def wait(self) -> None:
         """Until every frontend exits; raises when one fails or the engine core dies."""
@@ -152,6 +157,8 @@ class FrontendGroup:
             self._engine_manager.shutdown()
         if self._coordinator is not None:
             self._coordinator.shutdown()
+        if self._listeners is not None:
+            self._listeners.cleanup()
 
 
 def launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payload: Any) -> FrontendGroup:
@@ -184,7 +191,7 @@ def launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payl
                     tensor_queue=launch.tensor_queue,
                 )
                 launch.watched_frontend_processes = frontends.processes
-            return FrontendGroup(frontends, launch.engine_manager, launch.coordinator)
+            return FrontendGroup(frontends, launch.engine_manager, launch.coordinator, listeners)
         # vLLM 0.26: the frontends bind their engine sockets and report the addresses.
         addresses = engine_utils.get_engine_zmq_addresses(vllm_config, count)
         with engine_utils.launch_core_engines(

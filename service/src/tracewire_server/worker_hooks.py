@@ -54,7 +54,9 @@ from .collector import StepCollector
 from .sidechannel import ReadResult, Sender, StepBatch, StepRecord
 from .tensors import RawTensor
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
+# worker processes; a logger of our own would have none there.
+log = logging.getLogger(f"vllm.{__name__}")
 
 # Set to a number of seconds (e.g. `TRACEWIRE_HOOK_TIMES=10 make bench`): every worker
 # prints where its hooks' time went over each such period, to find what bounds a
@@ -977,7 +979,7 @@ class TracewireWorkerExtension:
             hooks.senders[route] = Sender(address)
             if previous is not None:  # the frontend asked again (engine.py)
                 previous.close()
-            log.info("tracewire: hooks installed; records of frontend %d go to %s", route, address)
+            log.info("tracewire hooks installed; records of frontend %d go to %s", route, address)
         return int(rank)
 
 
