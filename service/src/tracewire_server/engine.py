@@ -28,8 +28,7 @@ if TYPE_CHECKING:
 WORKER_EXTENSION = "tracewire_server.worker_hooks.TracewireWorkerExtension"
 # The install is a few milliseconds of work in the worker; the engine core answers
 # utility calls between steps.
-INSTALL_TIMEOUT_S = 60.0
-INSTALL_ATTEMPTS = 3
+INSTALL_TIMEOUT_S = 120.0
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +108,7 @@ class Engine:
     ) -> Engine:
         """Start vLLM's engine core in child processes, or, with `client` (the config a
         frontend process of `--frontends N` was given), connect to the shared one and
-        install the worker hooks in turn with the other frontends (`readiness`)."""
+        count this frontend in `readiness` once its hooks are installed."""
         counters = SchedulerCounters()
         use_worker_hooks(engine_args)
         route = int(client["client_index"]) if client else 0
@@ -142,9 +141,6 @@ class Engine:
             module_interventions=bool(llm.model_config.enforce_eager),
         )
         try:
-            if readiness is not None:
-                await readiness.turn(route)
-                log.info("connected to the engine core as frontend %d; installing the worker hooks", route)
             await _install_worker_hooks(llm, receiver.address, fault_injection, route)
             if readiness is not None:
                 readiness.arrive()
@@ -273,27 +269,14 @@ def default_cpu_environment() -> None:
 
 async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, route: int) -> None:
     """Wrap every worker's sampler (once per engine); rank 0 sends frontend `route`'s
-    records to `address`.
-
-    With several frontends, install calls have gone unanswered (frontends.py now sends
-    them one at a time; cause not found). The install is idempotent, so an
-    unanswered call is asked again, and the start fails with a clear error rather
-    than hanging. The call itself is shielded: cancelling
-    vLLM's utility future would break its output handler when the answer comes late.
-    """
-    for attempt in range(1, INSTALL_ATTEMPTS + 1):
-        call = asyncio.ensure_future(
-            llm.collective_rpc("tracewire_install", args=(address, fault_injection, route))
-        )
-        try:
-            await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S)
-            return
-        except TimeoutError:
-            log.warning(
-                "the engine core has not answered tracewire_install (frontend %d) in %.0f s "
-                "(attempt %d of %d)", route, INSTALL_TIMEOUT_S, attempt, INSTALL_ATTEMPTS,
-            )
-    raise RuntimeError(
-        f"the engine core did not answer tracewire_install (frontend {route}) "
-        f"in {INSTALL_ATTEMPTS} attempts of {INSTALL_TIMEOUT_S:.0f} s"
-    )
+    records to `address`. An engine core that never answers fails the start with a
+    clear error instead of hanging it (as a lost answer once did: vllm_compat's
+    FrontendGroup says why). Shielded: cancelling vLLM's utility future would break
+    its output handler if the answer came late."""
+    call = asyncio.ensure_future(llm.collective_rpc("tracewire_install", args=(address, fault_injection, route)))
+    try:
+        await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S)
+    except TimeoutError:
+        raise RuntimeError(
+            f"the engine core did not answer tracewire_install (frontend {route}) in {INSTALL_TIMEOUT_S:.0f} s"
+        ) from None

@@ -9,10 +9,10 @@ kernel spreads connections over them) with its own vLLM client of the shared
 engine core. The worker hooks send each frontend the records of its own
 requests (SequencePlan.route).
 
-The frontends install the worker hooks one after another, in frontend order, and
-each reports SERVING only once every frontend has (GroupReadiness): the kernel may
-hand any new connection to any of them, so one SERVING answer must mean that
-every connection will be served.
+A frontend reports SERVING only once every frontend has its engine client up and
+the worker hooks installed (GroupReadiness): the kernel may hand any new
+connection to any of them, so one SERVING answer must mean that every
+connection will be served.
 
 This process supervises: it forwards SIGTERM/SIGINT to the frontends (which
 drain), stops everything when a frontend or the engine core dies, and stops
@@ -71,21 +71,11 @@ def run(config: ServerConfig) -> int:
 class GroupReadiness:
     """How many of the frontends have their engine client up and the worker hooks
     installed, shared between the processes (a counter in shared memory, handed over
-    at spawn).
-
-    Installs go one at a time: twice, two frontends' install calls sent within
-    milliseconds of each other went unanswered (engine.py asks again), while
-    installs that did not overlap never have."""
+    at spawn)."""
 
     def __init__(self, count: int) -> None:
         self.count = count
         self._ready = multiprocessing.get_context("spawn").Value("i", 0)
-
-    async def turn(self, index: int) -> None:
-        """Until the frontends before `index` have arrived. One that dies on the way
-        stops the whole group (run()), so this ends."""
-        while self._ready.value < index:
-            await asyncio.sleep(0.05)
 
     def arrive(self) -> None:
         with self._ready.get_lock():
