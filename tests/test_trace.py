@@ -255,6 +255,27 @@ def test_concurrent_traces_equal_their_solo_runs(stub, hf):
     assert solo_r.tokens() == hf.greedy(hf.encode("The capital of Japan is"), 10)
 
 
+def test_same_read_twice_and_other_reads_in_one_step_batch(stub, hf):
+    """One trace reads the same raw top-k under two names while others read other top-ks
+    in the same engine steps: every name gets its own sequence's row of the batch."""
+    twice = trace(invoke(PROMPT, iv("a", read_logits=logits(k=5, raw=True)),
+                         iv("b", read_logits=logits(k=5, raw=True))), max_tokens=4, **GREEDY)
+    other = trace(invoke("Once upon a time", iv("c", read_logits=logits(k=3, raw=True))), max_tokens=4, **GREEDY)
+    same_k = trace(invoke("One, two, three,", iv("d", read_logits=logits(k=5, raw=True))), max_tokens=4, **GREEDY)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(run, stub, req) for req in [twice, other, same_k] * 2]
+        results = [f.result() for f in futures]
+    for k, res in enumerate(results):
+        prompt, names = [(PROMPT, "ab"), ("Once upon a time", "c"), ("One, two, three,", "d")][k % 3]
+        ids = hf.encode(prompt)
+        for step in range(4):
+            ref = torch.topk(hf.next_logits(ids), 3 if names == "c" else 5)
+            for name in names:
+                np.testing.assert_array_equal(res.ids(name)[step], ref.indices.numpy(), err_msg=f"{name} {step}")
+                np.testing.assert_allclose(res.values(name)[step], ref.values.numpy(), atol=2e-3)
+            ids.append(res.seq()[step].token_id)
+
+
 def test_tracing_does_not_perturb_seeded_sampling(stub, client, hf):
     """The reference's per-step example: temperature 0.8, top_p 0.95, seed 0, reading the
     logits and the draw at every step. Tokens equal an untraced run with the same seed; each

@@ -169,7 +169,7 @@ class _Sequence:
     operands: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     constant: _StepOps | None = None  # the ops of every step, when they never change
     last_step: int | None = None  # after it no op is selected (None: open-ended)
-    _sorted: dict[tuple[P.Op, ...], _StepOps] = field(default_factory=dict)
+    _sorted: dict[tuple[int, ...], _StepOps] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if all(_always(op) for op in self.plan.ops):
@@ -188,9 +188,10 @@ class _Sequence:
         ops = self.plan.active_at(step)
         if not ops:
             return _NO_OPS
-        found = self._sorted.get(ops)
+        key = tuple(map(id, ops))  # the plan's own op objects (not hashable: dicts inside)
+        found = self._sorted.get(key)
         if found is None:
-            found = self._sorted[ops] = _StepOps.of(ops)
+            found = self._sorted[key] = _StepOps.of(ops)
         return found
 
 
@@ -418,12 +419,12 @@ def _apply_write(action: P.Write, row: torch.Tensor, seq: _Sequence, fault_injec
 def _rows_of(group: list[_Row], stage: str) -> torch.Tensor:
     """[G, vocab] float32: the group's captured rows. Rows are captured as one batch per
     stage, so this is that batch itself (no copy) when the group is all of it."""
-    captures = [r.raw if stage == "raw" else r.processed for r in group]
-    assert all(c is not None for c in captures)
+    captures = [r.raw for r in group] if stage == "raw" else [r.processed for r in group]
     batch = captures[0].batch  # type: ignore[union-attr]
-    positions = [c.position for c in captures]  # type: ignore[union-attr]
     if all(c.batch is batch for c in captures):  # type: ignore[union-attr]
-        if positions == list(range(batch.shape[0])):
+        positions = [c.position for c in captures]  # type: ignore[union-attr]
+        # (a row reading the same thing twice is in the group twice)
+        if len(positions) == batch.shape[0] and positions == list(range(len(positions))):
             return batch
         return batch[positions]
     return torch.stack([c.batch[c.position] for c in captures])  # type: ignore[union-attr]
@@ -444,10 +445,16 @@ def _top_k(src: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _capture(logits: torch.Tensor, rows: list[_Row]) -> list[_Captured]:
-    """One copy of these rows' logits, float32; each row gets a handle into it."""
-    index = _on_device([r.index for r in rows], logits.device, torch.long)
-    batch = logits.detach().index_select(0, index).float()
-    return [_Captured(batch, j) for j in range(len(rows))]
+    """One copy of these rows' logits, float32; each row gets a handle into it. Rows
+    come in logits order; when they are one run of rows (every request traced, the
+    common case at load) a slice is copied, with no index to send to the device."""
+    first, n = rows[0].index, len(rows)
+    if rows[-1].index - first + 1 == n:
+        batch = logits.detach()[first:first + n].to(torch.float32, copy=True)
+    else:
+        index = _on_device([r.index for r in rows], logits.device, torch.long)
+        batch = logits.detach().index_select(0, index).float()
+    return [_Captured(batch, j) for j in range(n)]
 
 
 def _gathered(row: _Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:
@@ -920,7 +927,9 @@ class PlanHooks:
             seq = row.seq
             row.token = int(tokens[row.index])
             if row.selected.ops:
-                if row.error is None:
+                if row.error is None and row.selected.plain:
+                    row.kept = row.reads  # the common case: keep every read, nothing to decide
+                elif row.error is None:
                     try:
                         self._decide(row)
                     except Exception as e:  # noqa: BLE001 - fails this request's trace only
@@ -940,9 +949,6 @@ class PlanHooks:
 
     def _decide(self, row: _Row) -> None:
         """This row's stops, and which of its launched reads it keeps."""
-        if row.selected.plain:  # the common case: keep every read, nothing to decide
-            row.kept = row.reads
-            return
         ctx = _Context(self, row, drawn=True)
         for op in row.selected.ops:
             if isinstance(op.action, P.READS):
