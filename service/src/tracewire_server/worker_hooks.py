@@ -701,10 +701,15 @@ class PlanHooks:
 
         def forward(logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kw: Any) -> Any:
             started = time.perf_counter() if times else 0.0
-            rows = self._traced_rows()
+            try:
+                rows = self._traced_rows()
+                if rows:
+                    self._capture_raw(rows, logits)
+            except Exception as e:  # noqa: BLE001 - vLLM's step must go on
+                self._fail_batch("before the draw", e)
+                rows = []
             if not rows:
                 return original_forward(logits, sampling_metadata, *args, **kw)
-            self._capture_raw(rows, logits)
             self._rows = rows
             if times:
                 spent = time.perf_counter() - started
@@ -714,7 +719,10 @@ class PlanHooks:
                 self._rows = None
             if times:
                 started = time.perf_counter()
-            self._after_sample(rows, out.sampled_token_ids)
+            try:
+                self._after_sample(rows, out.sampled_token_ids)
+            except Exception as e:  # noqa: BLE001 - vLLM's step must go on
+                self._fail_batch("after the draw", e, rows)
             if times:
                 times.add(engine_s=spent + time.perf_counter() - started, steps=1, rows=len(rows))
             return out
@@ -723,7 +731,10 @@ class PlanHooks:
             logits = original_apply(logits, *args, **kw)
             if self._rows:
                 started = time.perf_counter() if times else 0.0
-                self._write_and_capture(self._rows, logits)
+                try:
+                    self._write_and_capture(self._rows, logits)
+                except Exception as e:  # noqa: BLE001 - vLLM's step must go on
+                    self._fail_batch("at the logits writes", e, self._rows)
                 if times:
                     times.add(engine_s=time.perf_counter() - started)
             return logits
@@ -813,6 +824,19 @@ class PlanHooks:
                 seq.error = seq.error or f"{type(e).__name__} in {path}: {e}"
 
     # -- per step --------------------------------------------------------------
+
+    def _fail_batch(self, where: str, error: Exception, rows: list[_Row] | None = None) -> None:
+        """A failure in the hooks' own bookkeeping (a tracewire bug, not one request's op,
+        which fails only that request): vLLM's step goes on, and every traced request in
+        the batch fails with the error, reported at its next step."""
+        log.exception("tracewire hooks failed %s; failing the traces in this batch", where)
+        message = f"tracewire hooks failed {where}: {type(error).__name__}: {error}"
+        for row in rows or ():
+            row.error = row.error or message
+        for req_id in self.runner.input_batch.req_ids:
+            seq = self.sequences.get(req_id)
+            if seq is not None and seq.error is None:
+                seq.error = message
 
     def _sequence(self, req_id: str) -> _Sequence | None:
         if req_id in self.sequences:
