@@ -144,19 +144,20 @@ async def wait_for_server(server: subprocess.Popen[bytes], log_path: Path, port:
     import grpc
     from tracewire.v1 import service_pb2, service_pb2_grpc
 
+    def log_tail() -> str:
+        return log_path.read_bytes()[-3000:].decode(errors="replace")
+
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = service_pb2_grpc.TraceServiceStub(channel)
         for _ in range(360):
             if server.poll() is not None:  # say so at once instead of waiting out the start
-                tail = log_path.read_bytes()[-3000:].decode(errors="replace")
-                raise SystemExit(f"the tracewire server exited with {server.returncode}; its log ends:\n{tail}")
+                raise SystemExit(f"the tracewire server exited with {server.returncode}; its log ends:\n{log_tail()}")
             try:
                 info = await stub.GetModelInfo(service_pb2.GetModelInfoRequest(), timeout=2)
                 return int(info.hidden_size)
             except grpc.aio.AioRpcError:
                 await asyncio.sleep(1)
-    tail = log_path.read_bytes()[-3000:].decode(errors="replace")
-    raise SystemExit(f"the tracewire server did not answer in 360 s; its log ends:\n{tail}")
+    raise SystemExit(f"the tracewire server did not answer in 360 s; its log ends:\n{log_tail()}")
 
 
 async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], channels: int = 1):

@@ -119,15 +119,15 @@ class _StepOps:
     @classmethod
     def of(cls, ops: tuple[P.Op, ...]) -> _StepOps:
         reads = tuple(op for op in ops if isinstance(op.action, P.READS))
-        batched = tuple((op.name, key) for op in reads if (key := _batch_key(op.action)) is not None)
+        keyed = [(op, _batch_key(op.action)) for op in reads]
         return cls(
             ops,
             reads,
             tuple(op for op in ops if isinstance(op.action, P.LOGITS_WRITES)),
             P.needs_raw_logits(ops),
             P.needs_processed_logits(ops),
-            batched,
-            tuple(op for op in reads if _batch_key(op.action) is None),
+            tuple((op.name, key) for op, key in keyed if key is not None),
+            tuple(op for op, key in keyed if key is None),
             len(reads) == len(ops) and all(op.condition is None for op in ops),
         )
 
@@ -933,18 +933,9 @@ class PlanHooks:
     def _finish(self, work: _StepWork) -> None:
         """On the collector thread: the step's values are on the host now; decide its
         conditions and stops, send its records, extend each sequence's text."""
-        times = self.times
-        if times:
-            started = time.perf_counter()
-            work.wait()
-            waited = time.perf_counter() - started
-            self._finish_ready(work)
-            times.add(collector_s=time.perf_counter() - started - waited, wait_s=waited)
-        else:
-            work.wait()
-            self._finish_ready(work)
-
-    def _finish_ready(self, work: _StepWork) -> None:
+        started = time.perf_counter()
+        work.wait()
+        ready = time.perf_counter()
         tokens = work.tokens.tolist()
         batches: dict[int, _Outgoing] = {}
         for row in work.rows:
@@ -970,6 +961,8 @@ class PlanHooks:
             sender = self.senders.get(route)
             if sender is not None:
                 sender.send(out.message())
+        if self.times:
+            self.times.add(collector_s=time.perf_counter() - ready, wait_s=ready - started)
 
     def _decide(self, row: _Row) -> None:
         """This row's stops, and which of its launched reads it keeps."""
