@@ -1,0 +1,112 @@
+"""The worker hooks alone: host time per traced row per step (`python bench/hooks.py`).
+
+A stand-in for vLLM's model runner and sampler drives tracewire's real sampler
+hooks over a batch of traced requests, and the records go over the real side
+channel (ZMQ) to a reader in another process. What it measures is the Python the
+hooks add to each engine step, without vLLM around it: a quiet, repeatable number
+to compare worker-side changes with on a noisy machine, where `make bench`'s
+end-to-end ratios move by more than the change. Not a substitute for `make bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "service" / "src"))
+
+from tracewire_server import plan as P  # noqa: E402
+from tracewire_server import sidechannel  # noqa: E402
+from tracewire_server import worker_hooks as W  # noqa: E402
+
+PLANS = {
+    "top-20 every step": (P.Op("t", P.StepSet(), None, P.ReadLogits("processed", top_k=20)),),
+    "top-20 + sample every step": (
+        P.Op("t", P.StepSet(), None, P.ReadLogits("processed", top_k=20)),
+        P.Op("s", P.StepSet(), None, P.ReadSample()),
+    ),
+    "forced token at step 0": (P.Op("f", P.StepSet(steps=frozenset({0})), None, P.ForceSample(5)),),
+    "stop on a token": (P.Op("stop", P.StepSet(), P.SampledIn(frozenset({1})), P.Stop()),),
+}
+
+
+def _drain(address: str, ready) -> None:
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.PULL)
+    socket.bind(address)
+    ready.set()
+    while socket.recv(copy=False):
+        pass
+
+
+class _Sampler:
+    def forward(self, logits: torch.Tensor, metadata: object) -> types.SimpleNamespace:
+        logits = self.apply_logits_processors(logits)
+        return types.SimpleNamespace(sampled_token_ids=logits.argmax(-1, keepdim=True))
+
+    def apply_logits_processors(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+def measure(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: int, address: str) -> float:
+    """Microseconds the hooks add per traced row per step (hooked minus bare sampler)."""
+    requests = {}
+    for i in range(rows):
+        blob = P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops))
+        params = types.SimpleNamespace(extra_args={P.EXTRA_ARGS_KEY: blob})
+        requests[f"r{i}"] = types.SimpleNamespace(sampling_params=params, prompt_token_ids=[1, 2])
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(req_ids=list(requests)), requests=requests,
+        device=torch.device("cpu"), discard_request_mask=None,
+        model_config=types.SimpleNamespace(enforce_eager=False),
+    )
+    hooks = W.PlanHooks(runner, fault_injection=False)
+    hooks.senders[0] = sidechannel.Sender(address)
+    bare, hooked = _Sampler(), _Sampler()
+    hooks.install(hooked)
+    logits = torch.randn(rows, vocab)
+
+    def run(sampler: _Sampler) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            sampler.forward(logits.clone(), None)
+        return time.perf_counter() - start
+
+    run(hooked)  # warm-up: plans decoded, caches filled
+    samples = [(run(hooked) - run(bare)) / (steps * rows) * 1e6 for _ in range(5)]
+    hooks.senders[0].close()
+    return statistics.median(samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="64,256")
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    address = f"ipc:///tmp/tracewire-hooks-bench-{time.monotonic_ns()}"
+    ready = multiprocessing.Event()
+    reader = multiprocessing.Process(target=_drain, args=(address, ready), daemon=True)
+    reader.start()
+    ready.wait(30)
+    levels = [int(r) for r in args.rows.split(",")]
+    print("| plan | " + " | ".join(f"{r} rows: µs/row/step" for r in levels) + " |")
+    print("|" + "---|" * (len(levels) + 1))
+    for name, ops in PLANS.items():
+        cells = [measure(ops, r, args.vocab, args.steps, address) for r in levels]
+        print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    reader.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
