@@ -28,6 +28,12 @@ class _Sender:
         self.batches.append(batch)
 
 
+def _records(batch: W.StepBatch) -> list[W.StepRecord]:
+    """Every record of a step message, blocks' records as the server sees them."""
+    blocks = [block.record(j, batch.columns) for block in batch.blocks for j in range(len(block.keys))]
+    return [*batch.records, *blocks]
+
+
 class _Sampler:
     """vLLM's sampler as the hooks see it: forward calls apply_logits_processors."""
 
@@ -54,7 +60,8 @@ def test_a_bookkeeping_failure_fails_the_batch_traces_not_the_step():
     logits = torch.randn(2, VOCAB)
 
     out = sampler.forward(logits[:1], None)  # step 0 of r0: an ordinary record
-    assert sender.batches[-1].records[0].key == "good" and sender.batches[-1].records[0].error is None
+    (first,) = _records(sender.batches[-1])
+    assert first.key == "good" and first.error is None and first.values["top"].values.shape == (3,)
 
     # A request whose plan cannot be decoded joins the batch: the hooks fail inside.
     requests["r1"] = _request(b"\xc1 not msgpack")
@@ -69,6 +76,7 @@ def test_a_bookkeeping_failure_fails_the_batch_traces_not_the_step():
     del requests["r1"]
     runner.input_batch.req_ids = ["r0"]
     sampler.forward(logits[:1], None)
-    records = [r for b in sender.batches[sent:] for r in b.records]
-    assert records and records[0].key == "good" and records[0].step == 1
+    records = [r for b in sender.batches[sent:] for r in _records(b)]
+    # (step 2: the engine drew step 1 without the hooks; the error is reported at step 2)
+    assert records and records[0].key == "good" and records[0].step == 2
     assert "tracewire hooks failed before the draw" in (records[0].error or "")

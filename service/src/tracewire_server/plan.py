@@ -256,18 +256,10 @@ class SequencePlan(msgspec.Struct, frozen=True):
 
 
 
-def needs_raw_logits(ops: tuple[Op, ...]) -> bool:
-    return any(isinstance(op.action, ReadLogits) and op.action.stage == "raw" for op in ops)
-
-
-def needs_processed_logits(ops: tuple[Op, ...]) -> bool:
-    """Whether any op reads the sampler's row or has a condition computed from it."""
-    return any(
-        (isinstance(op.action, ReadLogits) and op.action.stage == "processed")
-        or isinstance(op.action, ReadLogprobs)
-        or _uses_logits(op.condition)
-        for op in ops
-    )
+def conditions_use_logits(ops: tuple[Op, ...]) -> bool:
+    """Whether any op's condition is computed from the sampler's row (the worker then
+    keeps a copy of that row until the draw is known)."""
+    return any(_uses_logits(op.condition) for op in ops)
 
 
 def _any_leaf(condition: Condition | None, leaf: Callable[[Condition], bool]) -> bool:

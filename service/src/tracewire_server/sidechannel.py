@@ -4,8 +4,11 @@ One ZMQ PUSH socket per worker (rank 0 only) and frontend connects to the PULL
 socket that frontend binds. Each engine step that touched a traced request of
 that frontend sends one message: a msgpack StepBatch, tensors as raw bytes. A
 read batched across rows (top-k logits, logprobs, ...) travels once for the
-whole step, as a column the records point into; the server hands each record
-its own row and routes records by plan key to the trace waiting for them.
+whole step, as a column the records point into. Sequences that only read (the
+common case under load: top-k every step) travel as a RowBlock, their records as
+arrays, so the worker spends a few list entries per sequence and step on them.
+The server hands each record its own rows and routes records by plan key to the
+trace waiting for them.
 """
 
 from __future__ import annotations
@@ -46,11 +49,32 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     rows: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
 
 
+class RowBlock(msgspec.Struct, array_like=True, frozen=True):
+    """The records of several sequences at one step, as arrays: record j is sequence
+    keys[j] at steps[j], which drew tokens[j]; its read `name` is row first + j of
+    `column` for each (name, column, first) in `reads`, and the drawn token for each
+    name in `samples`. No stops or errors (those travel as StepRecords)."""
+
+    keys: list[str]
+    steps: list[int]
+    tokens: list[int]
+    reads: list[tuple[str, int, int]]
+    samples: list[str] = msgspec.field(default_factory=list)
+
+    def record(self, j: int, columns: list[ReadResult]) -> StepRecord:
+        token = self.tokens[j]
+        values = {name: token_read(token) for name in self.samples}
+        for name, c, first in self.reads:
+            values[name] = _column_row(columns[c], first + j)
+        return StepRecord(self.keys[j], self.steps[j], token, values)
+
+
 class StepBatch(msgspec.Struct, array_like=True, frozen=True):
     """One step's records for one frontend, and the columns they point into."""
 
     records: list[StepRecord]
     columns: list[ReadResult]
+    blocks: list[RowBlock] = msgspec.field(default_factory=list)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -62,16 +86,22 @@ def _row(column: RawTensor, row: int) -> RawTensor:
     return RawTensor(column.dtype, column.shape[1:], column.data[row * size:(row + 1) * size])
 
 
+def _column_row(column: ReadResult, j: int) -> ReadResult:
+    return ReadResult(_row(column.values, j), _row(column.token_ids, j) if column.token_ids is not None else None)
+
+
+def token_read(token: int) -> ReadResult:
+    """The value of a read of the drawn token: an int32 scalar."""
+    return ReadResult(RawTensor("int32", (), token.to_bytes(4, "little", signed=True)))
+
+
 def resolve(record: StepRecord, columns: list[ReadResult]) -> StepRecord:
     """The record with its column rows as values of its own."""
     if not record.rows:
         return record
     values = dict(record.values)
     for name, (c, j) in record.rows.items():
-        column = columns[c]
-        values[name] = ReadResult(
-            _row(column.values, j), _row(column.token_ids, j) if column.token_ids is not None else None
-        )
+        values[name] = _column_row(columns[c], j)
     return msgspec.structs.replace(record, values=values, rows={})
 
 
@@ -121,10 +151,16 @@ class Receiver:
             except msgspec.DecodeError:
                 log.exception("dropping an undecodable side-channel message")
                 continue
+            routes = self._routes
             for record in batch.records:
-                deliver = self._routes.get(record.key)
+                deliver = routes.get(record.key)
                 if deliver is not None:  # else: the trace is gone (stopped, cancelled)
                     deliver(resolve(record, batch.columns))
+            for block in batch.blocks:
+                for j, key in enumerate(block.keys):
+                    deliver = routes.get(key)
+                    if deliver is not None:
+                        deliver(block.record(j, batch.columns))
 
     def close(self) -> None:
         if self._task is not None:

@@ -13,20 +13,25 @@ chunked prefill's several passes are joined at the step's sample.
 Sampler hooks: the sampler's `forward` and `apply_logits_processors` are wrapped
 on the instance:
 
-    forward(logits)                       <- raw logits captured here
+    forward(logits)                       <- reads of the raw logits launched here
       apply_logits_processors(logits)     <- vLLM's processing (bias, penalties, ...)
         + tracewire writes                <- force / replace / add / bias / mask
-        + processed row captured          <- what the sampler draws from
+        + reads of the processed logits   <- what the sampler draws from
       sample(logits)                      <- vLLM draws
-    -> sampled ids                        <- reads, conditions, stops evaluated here
+    -> sampled ids                        <- logprobs, per-row reads; conditions and
+                                             stops evaluated (collector)
 
 Rows belong to requests in `input_batch.req_ids` order; rows of requests still
 in a (chunked) prefill are skipped (vLLM discards their samples). A request
 without a plan costs one dict lookup per step; a batch without plans goes
-straight to vLLM's own code.
+straight to vLLM's own code. Reads batched across rows (top-k, chosen ids, full
+rows, logprobs) are one device computation per kind, taken from the logits where
+they stand, with no copy of the rows first. Requests that only read (and only
+such batched reads or the drawn token) are handled as blocks: arrays of rows,
+with a few list entries per request and step.
 
-After the draw the hook only launches the step's reads as device work, with
-non-blocking copies to the host, and hands the step to the collector thread
+After the draw the hook only launches the step's remaining reads as device work,
+with non-blocking copies to the host, and hands the step to the collector thread
 (collector.py), which waits for the copies, decides conditions and stops, and
 sends the records. Nothing on the engine's thread waits for the device unless a
 write's condition needs a value before the draw.
@@ -51,7 +56,7 @@ import torch
 
 from . import plan as P
 from .collector import StepCollector
-from .sidechannel import ReadResult, Sender, StepBatch, StepRecord
+from .sidechannel import ReadResult, RowBlock, Sender, StepBatch, StepRecord, token_read
 from .tensors import RawTensor
 
 # Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
@@ -107,7 +112,7 @@ class _StepOps:
     ops: tuple[P.Op, ...]
     reads: tuple[P.Op, ...]
     logits_writes: tuple[P.Op, ...]
-    needs_raw: bool
+    # A condition looks at the sampler's row: keep a copy of it for after the draw.
     needs_processed: bool
     # Reads computed for all rows at once, with the key of their batch.
     batched_reads: tuple[tuple[str, tuple[Any, ...]], ...]
@@ -115,21 +120,35 @@ class _StepOps:
     row_reads: tuple[P.Op, ...]
     # Only reads, none with a condition: every read launched is kept.
     plain: bool
+    # Only batched reads and reads of the drawn token, none with a condition: rows
+    # with equal keys (and frontend) form one _Block. None: each row is a _Row.
+    block_key: tuple[Any, ...] | None
 
     @classmethod
     def of(cls, ops: tuple[P.Op, ...]) -> _StepOps:
         reads = tuple(op for op in ops if isinstance(op.action, P.READS))
         keyed = [(op, _batch_key(op.action)) for op in reads]
+        batched = tuple((op.name, key) for op, key in keyed if key is not None)
+        row_reads = tuple(op for op, key in keyed if key is None)
+        plain = len(reads) == len(ops) and all(op.condition is None for op in ops)
+        samples = tuple(op.name for op in row_reads if isinstance(op.action, P.ReadSample))
+        blockable = bool(ops) and plain and len(samples) == len(row_reads)
         return cls(
             ops,
             reads,
             tuple(op for op in ops if isinstance(op.action, P.LOGITS_WRITES)),
-            P.needs_raw_logits(ops),
-            P.needs_processed_logits(ops),
-            tuple((op.name, key) for op, key in keyed if key is not None),
-            tuple(op for op, key in keyed if key is None),
-            len(reads) == len(ops) and all(op.condition is None for op in ops),
+            P.conditions_use_logits(ops),
+            batched,
+            row_reads,
+            plain,
+            (batched, samples) if blockable else None,
         )
+
+    @property
+    def samples(self) -> tuple[str, ...]:
+        """Names of the reads of the drawn token (of a block's ops)."""
+        assert self.block_key is not None
+        return self.block_key[1]
 
 
 def _batch_key(action: P.Action) -> tuple[Any, ...] | None:
@@ -238,7 +257,7 @@ class _HostRead:
 
     def result(self, token: int) -> ReadResult:
         if self.batch is None:
-            return ReadResult(RawTensor.from_numpy(np.asarray(token, dtype=np.int32)))
+            return token_read(token)
         values, ids = self.batch.arrays()
         return ReadResult(
             RawTensor.from_numpy(values),
@@ -258,8 +277,7 @@ class _Row:
     seq: _Sequence
     selected: _StepOps  # the ops selected at this step (none: only count the step)
     step: int = -1
-    raw: _Captured | None = None
-    processed: _Captured | None = None
+    processed: _Captured | None = None  # for conditions on the sampler's row
     token: int = -1
     reads: dict[str, _Launched] = field(default_factory=dict)  # conditions not yet decided
     kept: dict[str, _Launched] = field(default_factory=dict)  # the reads whose conditions held
@@ -267,11 +285,53 @@ class _Row:
     error: str | None = None
 
 
+@dataclass(slots=True)
+class _Block:
+    """Traced rows of one step with the same block key and frontend (they only read,
+    and only batched reads or the drawn token): arrays, a few list entries per row.
+    Their steps are counted when the block is formed (no module reads need them)."""
+
+    ops: _StepOps
+    route: int
+    index: list[int] = field(default_factory=list)  # rows in the logits, ascending
+    seqs: list[_Sequence] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    # read name -> (its batch, the batch row of this block's first row)
+    reads: dict[str, tuple[_HostBatch, int]] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Step:
+    """One engine step's traced rows: rows one by one, blocks as arrays."""
+
+    rows: list[_Row]
+    blocks: list[_Block]
+    # Logprobs reads waiting for the draw: (key, logprobs [G, vocab], logits rows, targets).
+    logprobs: list[tuple[tuple[Any, ...], torch.Tensor, list[int], list[_Target]]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows or self.blocks)
+
+    def size(self) -> int:
+        return len(self.rows) + sum(len(b.index) for b in self.blocks)
+
+    def fail(self, message: str) -> None:
+        for row in self.rows:
+            row.error = row.error or message
+        for block in self.blocks:
+            block.error = block.error or message
+
+
+# A batched read's consumer: a row or a block (its rows in order), and the read's name.
+_Target = tuple[_Row | _Block, str]
+
+
 @dataclass
 class _StepWork:
     """One engine step's traced rows, handed to the collector to finish."""
 
-    rows: list[_Row]
+    step: _Step
     tokens: torch.Tensor  # host copy of the drawn ids, one per logits row
     done: torch.cuda.Event | None  # recorded after the step's copies (None: CPU, already done)
 
@@ -416,27 +476,13 @@ def _apply_write(action: P.Write, row: torch.Tensor, seq: _Sequence, fault_injec
         raise TypeError(f"unknown write {type(action).__name__}")
 
 
-def _rows_of(group: list[_Row], stage: str) -> torch.Tensor:
-    """[G, vocab] float32: the group's captured rows. Rows are captured as one batch per
-    stage, so this is that batch itself (no copy) when the group is all of it."""
-    captures = [r.raw for r in group] if stage == "raw" else [r.processed for r in group]
-    batch = captures[0].batch  # type: ignore[union-attr]
-    if all(c.batch is batch for c in captures):  # type: ignore[union-attr]
-        positions = [c.position for c in captures]  # type: ignore[union-attr]
-        # (a row reading the same thing twice is in the group twice)
-        if len(positions) == batch.shape[0] and positions == list(range(len(positions))):
-            return batch
-        return batch[positions]
-    return torch.stack([c.batch[c.position] for c in captures])  # type: ignore[union-attr]
-
-
 def _top_k(src: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values and int32 ids of the k largest per row, largest first, on src's device.
-    On the CPU numpy's partition beats torch.topk by ~1.5x at vocabulary widths."""
+    """float32 values and int32 ids of the k largest per row, largest first, on src's
+    device. On the CPU numpy's partition beats torch.topk by ~1.5x at vocabulary widths."""
     if src.device.type != "cpu":
         top = torch.topk(src, k)
-        return top.values, top.indices.to(torch.int32)
-    values = src.numpy()
+        return top.values.float(), top.indices.to(torch.int32)
+    values = src.float().numpy()
     idx = np.argpartition(values, -k, axis=1)[:, -k:]
     part = np.take_along_axis(values, idx, 1)
     order = np.argsort(-part, axis=1, kind="stable")
@@ -445,9 +491,8 @@ def _top_k(src: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _capture(logits: torch.Tensor, rows: list[_Row]) -> list[_Captured]:
-    """One copy of these rows' logits, float32; each row gets a handle into it. Rows
-    come in logits order; when they are one run of rows (every request traced, the
-    common case at load) a slice is copied, with no index to send to the device."""
+    """One copy of these rows' logits, float32, for conditions on them; each row gets a
+    handle into it. Rows come in logits order, so a run of rows is a slice."""
     first, n = rows[0].index, len(rows)
     if rows[-1].index - first + 1 == n:
         batch = logits.detach()[first:first + n].to(torch.float32, copy=True)
@@ -497,19 +542,11 @@ def _module_value(row: _Row, name: str, read: P.ReadModule) -> _HostRead:
     return _HostRead(_HostBatch(_to_host(values), None), positions=positions)
 
 
-def _launch_reads(rows: list[_Row], lens: _Lens | None, drawn: torch.Tensor) -> None:
-    """Launch every read of this step as device work, batched across rows by read kind
-    (one topk / gather / log_softmax per kind instead of one per row), each result on its
-    way to the host. `drawn`: the step's sampled ids on the device, one per logits row."""
-    groups: dict[tuple[Any, ...], list[tuple[_Row, str]]] = {}
+def _launch_row_reads(rows: list[_Row], lens: _Lens | None) -> None:
+    """Launch the reads computed per row (module and logit-lens reads, the drawn
+    sample), each on its way to the host."""
     for row in rows:
-        ops = row.selected
-        for name, key in ops.batched_reads:
-            members = groups.get(key)
-            if members is None:
-                members = groups[key] = []
-            members.append((row, name))
-        for op in ops.row_reads:
+        for op in row.selected.row_reads:
             a = op.action
             if isinstance(a, P.ReadModule):
                 row.reads[op.name] = _module_value(row, op.name, a)
@@ -519,38 +556,91 @@ def _launch_reads(rows: list[_Row], lens: _Lens | None, drawn: torch.Tensor) -> 
             else:
                 assert isinstance(a, P.ReadSample)
                 row.reads[op.name] = _SAMPLE
-    for key, members in groups.items():
-        group = [row for row, _ in members]
-        if key[0] == "logprobs":
-            values, ids = _logprobs(group, key[1], drawn)
-        else:
-            values, ids = _logits(group, *key[1:])
-        batch = _HostBatch(_to_host(values), _to_host(ids) if ids is not None else None)
-        for j, (row, name) in enumerate(members):
-            row.reads[name] = (batch, j)
 
 
-def _logprobs(rows: list[_Row], top_k: int | None, drawn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, 1 + k] logprobs of the drawn token then the top k, and their ids."""
-    lp = torch.log_softmax(_rows_of(rows, "processed"), dim=-1)
-    index = _on_device([r.index for r in rows], drawn.device, torch.long)
-    ids = drawn.index_select(0, index).to(device=lp.device, dtype=torch.long).unsqueeze(1)
-    if top_k:
-        ids = torch.cat([ids, torch.topk(lp, top_k).indices], dim=1)
-    return lp.gather(1, ids), ids.to(torch.int32)
+def _stage(key: tuple[Any, ...]) -> str:
+    """The logits a batched read is computed from (logprobs: the sampler's row)."""
+    return "processed" if key[0] == "logprobs" else key[1]
+
+
+def _select(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """These rows of the logits: a view when they are one run (every request traced,
+    the common case under load), with no index to send to the device."""
+    first, n = index[0], len(index)
+    if index[-1] - first + 1 == n and index == list(range(first, first + n)):
+        return logits[first:first + n]
+    return logits.index_select(0, _on_device(index, logits.device, torch.long))
+
+
+def _launch_batched(step: _Step, logits: torch.Tensor, stage: str) -> None:
+    """Launch this stage's batched reads for the step's rows and blocks: one device
+    computation per read key over all their rows, straight from the logits as they
+    are now (nothing is copied first), each result on its way to the host. Logprobs
+    need the draw: their log_softmax is taken now and finished by _launch_logprobs."""
+    groups: dict[tuple[Any, ...], tuple[list[int], list[_Target]]] = {}
+    for row in step.rows:
+        if row.error is None:
+            for name, key in row.selected.batched_reads:
+                if _stage(key) == stage:
+                    index, targets = groups.get(key) or groups.setdefault(key, ([], []))
+                    index.append(row.index)
+                    targets.append((row, name))
+    for block in step.blocks:
+        for name, key in block.ops.batched_reads:
+            if _stage(key) == stage:
+                index, targets = groups.get(key) or groups.setdefault(key, ([], []))
+                index.extend(block.index)
+                targets.append((block, name))
+    for key, (index, targets) in groups.items():
+        try:
+            src = _select(logits, index)
+            if key[0] == "logprobs":
+                step.logprobs.append((key, torch.log_softmax(src, dim=-1, dtype=torch.float32), index, targets))
+                continue
+            values, ids = _logits(src, *key[2:])
+            _assign(_HostBatch(_to_host(values), _to_host(ids) if ids is not None else None), targets)
+        except Exception as e:  # noqa: BLE001 - fails the traces reading it
+            _fail_targets(targets, e)
+
+
+def _launch_logprobs(step: _Step, drawn: torch.Tensor) -> None:
+    """[rows, 1 + k] logprobs of the drawn token then the top k, and their ids.
+    `drawn`: the step's sampled ids on the device, one per logits row."""
+    for (_, top_k), lp, index, targets in step.logprobs:
+        try:
+            rows = _on_device(index, drawn.device, torch.long)
+            ids = drawn.index_select(0, rows).to(device=lp.device, dtype=torch.long).unsqueeze(1)
+            if top_k:
+                ids = torch.cat([ids, torch.topk(lp, top_k).indices], dim=1)
+            _assign(_HostBatch(_to_host(lp.gather(1, ids)), _to_host(ids.to(torch.int32))), targets)
+        except Exception as e:  # noqa: BLE001 - fails the traces reading it
+            _fail_targets(targets, e)
+
+
+def _assign(batch: _HostBatch, targets: list[_Target]) -> None:
+    """Give each target its rows of the batch: a row one, a block one per row."""
+    offset = 0
+    for target, name in targets:
+        target.reads[name] = (batch, offset)
+        offset += len(target.index) if type(target) is _Block else 1
+
+
+def _fail_targets(targets: list[_Target], error: Exception) -> None:
+    for target, _ in targets:
+        target.error = target.error or f"{type(error).__name__}: {error}"
 
 
 def _logits(
-    rows: list[_Row], stage: str, top_k: int | None, token_ids: tuple[int, ...] | None
+    src: torch.Tensor, top_k: int | None, token_ids: tuple[int, ...] | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rows' logits at `stage`: top k, chosen ids, or whole rows; and their ids."""
-    src = _rows_of(rows, stage)
+    """These logits rows as read: top k, chosen ids, or whole rows (a copy: the
+    sampler may change the logits in place); float32, and their ids."""
     if top_k is not None:
         return _top_k(src, top_k)
     if token_ids is not None:
-        values = src.index_select(1, _on_device(list(token_ids), src.device, torch.long))
+        values = src.index_select(1, _on_device(list(token_ids), src.device, torch.long)).float()
         return values, torch.tensor(token_ids, dtype=torch.int32).expand(values.shape[0], -1).contiguous()
-    return src, None
+    return src.to(torch.float32, copy=True), None
 
 
 def _is_decoder_layer(path: str) -> bool:
@@ -642,16 +732,25 @@ class _Want:
 
 
 class _Outgoing:
-    """One step's message to one frontend: a record per traced row, and each batched
-    read once for all its rows (a column), which the records point into. Per row this
-    costs a few references, not a tensor conversion."""
+    """One step's message to one frontend: a record per traced row, a RowBlock per
+    block, and each batched read once for all its rows (a column), which the records
+    and blocks point into. Per row this costs a few references, not a tensor
+    conversion; per block row, a list entry."""
 
-    __slots__ = ("_index", "columns", "records")
+    __slots__ = ("_index", "blocks", "columns", "records")
 
     def __init__(self) -> None:
         self.records: list[StepRecord] = []
+        self.blocks: list[RowBlock] = []
         self.columns: list[_HostBatch] = []
         self._index: dict[int, int] = {}  # id(batch) -> column
+
+    def _column(self, batch: _HostBatch) -> int:
+        c = self._index.get(id(batch))
+        if c is None:
+            c = self._index[id(batch)] = len(self.columns)
+            self.columns.append(batch)
+        return c
 
     def add(self, key: str, row: _Row) -> None:
         values: dict[str, ReadResult] = {}
@@ -660,17 +759,18 @@ class _Outgoing:
             for name, read in row.kept.items():
                 if type(read) is tuple:
                     batch, j = read
-                    c = self._index.get(id(batch))
-                    if c is None:
-                        c = self._index[id(batch)] = len(self.columns)
-                        self.columns.append(batch)
-                    rows[name] = (c, j)
+                    rows[name] = (self._column(batch), j)
                 else:
                     values[name] = read.result(row.token)  # type: ignore[union-attr]
         self.records.append(StepRecord(key, row.step, row.token, values, row.stopped, row.error, rows))
 
+    def add_block(self, block: _Block, tokens: list[int]) -> None:
+        reads = [(name, self._column(batch), first) for name, (batch, first) in block.reads.items()]
+        keys = [seq.plan.key for seq in block.seqs]
+        self.blocks.append(RowBlock(keys, block.steps, tokens, reads, list(block.ops.samples)))
+
     def message(self) -> StepBatch:
-        return StepBatch(self.records, [batch.column() for batch in self.columns])
+        return StepBatch(self.records, [batch.column() for batch in self.columns], self.blocks)
 
 
 class PlanHooks:
@@ -682,7 +782,7 @@ class PlanHooks:
         self.senders: dict[int, Sender] = {}
         self.fault_injection = fault_injection
         self.sequences: dict[str, _Sequence | None] = {}
-        self._rows: list[_Row] | None = None
+        self._step: _Step | None = None
         self._tokenizer: Any = None
         self.lens: _Lens | None = None
         # Off the engine's thread only where the device runs ahead of the host.
@@ -702,39 +802,41 @@ class PlanHooks:
         def forward(logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kw: Any) -> Any:
             started = time.perf_counter() if times else 0.0
             try:
-                rows = self._traced_rows()
-                if rows:
-                    self._capture_raw(rows, logits)
+                step = self._traced_step()
+                if step:  # raw-stage reads: before vLLM's processors change the logits
+                    _launch_batched(step, logits, "raw")
             except Exception as e:  # noqa: BLE001 - vLLM's step must go on
                 self._fail_batch("before the draw", e)
-                rows = []
-            if not rows:
+                step = None
+            if not step:
                 return original_forward(logits, sampling_metadata, *args, **kw)
-            self._rows = rows
+            self._step = step
             if times:
                 spent = time.perf_counter() - started
             try:
                 out = original_forward(logits, sampling_metadata, *args, **kw)
             finally:
-                self._rows = None
+                self._step = None
             if times:
                 started = time.perf_counter()
             try:
-                self._after_sample(rows, out.sampled_token_ids)
+                self._after_sample(step, out.sampled_token_ids)
             except Exception as e:  # noqa: BLE001 - vLLM's step must go on
-                self._fail_batch("after the draw", e, rows)
+                self._fail_batch("after the draw", e, step)
             if times:
-                times.add(engine_s=spent + time.perf_counter() - started, steps=1, rows=len(rows))
+                times.add(engine_s=spent + time.perf_counter() - started, steps=1, rows=step.size())
             return out
 
         def apply_logits_processors(logits: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
             logits = original_apply(logits, *args, **kw)
-            if self._rows:
+            step = self._step
+            if step:
                 started = time.perf_counter() if times else 0.0
                 try:
-                    self._write_and_capture(self._rows, logits)
+                    self._write_and_capture(step.rows, logits)
+                    _launch_batched(step, logits, "processed")  # after the writes: what is drawn from
                 except Exception as e:  # noqa: BLE001 - vLLM's step must go on
-                    self._fail_batch("at the logits writes", e, self._rows)
+                    self._fail_batch("at the logits writes", e, step)
                 if times:
                     times.add(engine_s=time.perf_counter() - started)
             return logits
@@ -825,14 +927,14 @@ class PlanHooks:
 
     # -- per step --------------------------------------------------------------
 
-    def _fail_batch(self, where: str, error: Exception, rows: list[_Row] | None = None) -> None:
+    def _fail_batch(self, where: str, error: Exception, step: _Step | None = None) -> None:
         """A failure in the hooks' own bookkeeping (a tracewire bug, not one request's op,
         which fails only that request): vLLM's step goes on, and every traced request in
         the batch fails with the error, reported at its next step."""
         log.exception("tracewire hooks failed %s; failing the traces in this batch", where)
         message = f"tracewire hooks failed {where}: {type(error).__name__}: {error}"
-        for row in rows or ():
-            row.error = row.error or message
+        if step is not None:
+            step.fail(message)
         for req_id in self.runner.input_batch.req_ids:
             seq = self.sequences.get(req_id)
             if seq is not None and seq.error is None:
@@ -855,12 +957,15 @@ class PlanHooks:
         self.sequences[req_id] = seq
         return seq
 
-    def _traced_rows(self) -> list[_Row]:
+    def _traced_step(self) -> _Step:
+        """This step's traced rows: a block entry for each row that only reads (a few
+        list appends), a _Row for the others; idle rows only count the step."""
         batch = self.runner.input_batch
         req_ids = batch.req_ids
         discard = getattr(self.runner, "discard_request_mask", None)
         discard_np = discard.np[: len(req_ids)] if discard is not None else None
-        rows = []
+        rows: list[_Row] = []
+        blocks: dict[tuple[Any, ...], _Block] = {}
         known = self.sequences
         for i, req_id in enumerate(req_ids):
             # The common case (a request seen before, untraced) is one dict lookup.
@@ -870,20 +975,25 @@ class PlanHooks:
             if discard_np is not None and discard_np[i]:
                 continue  # mid-prefill: vLLM throws this sample away
             selected = seq.ops_at(seq.step)
-            if selected is _NO_OPS and seq.error is None and not seq.needs_text:
-                seq.step += 1  # nothing to do, record or remember at this step
-                continue
+            if seq.error is None and not seq.needs_text:
+                if selected.block_key is not None:
+                    key = (seq.plan.route, selected.block_key)
+                    block = blocks.get(key)
+                    if block is None:
+                        block = blocks[key] = _Block(selected, seq.plan.route)
+                    block.index.append(i)
+                    block.seqs.append(seq)
+                    block.steps.append(seq.step)
+                    seq.step += 1
+                    continue
+                if selected is _NO_OPS:
+                    seq.step += 1  # nothing to do, record or remember at this step
+                    continue
             row = _Row(i, seq, selected)
             if seq.error is not None:  # failed in a module hook: report it on this step
                 row.selected, row.error = _ERROR_OPS, seq.error
             rows.append(row)
-        return rows
-
-    def _capture_raw(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        wanted = [row for row in rows if row.selected.needs_raw]
-        if wanted:
-            for row, captured in zip(wanted, _capture(logits, wanted), strict=True):
-                row.raw = captured
+        return _Step(rows, list(blocks.values()))
 
     def _write_and_capture(self, rows: list[_Row], logits: torch.Tensor) -> None:
         for row in rows:
@@ -904,18 +1014,19 @@ class PlanHooks:
                     row.processed = None  # captured again below, after the writes
             except Exception as e:  # noqa: BLE001 - fails this request's trace only
                 row.error = f"{type(e).__name__}: {e}"
-        wanted = [r for r in rows if r.selected.needs_processed and r.processed is None]
+        wanted = [r for r in rows if r.selected.needs_processed and r.processed is None and r.error is None]
         if wanted:
             for row, captured in zip(wanted, _capture(logits, wanted), strict=True):
                 row.processed = captured
 
-    def _after_sample(self, rows: list[_Row], sampled: torch.Tensor) -> None:
-        """Launch the step's reads (every read selected now, its condition decided later)
-        and hand the step to the collector. No waiting for the device here."""
+    def _after_sample(self, step: _Step, sampled: torch.Tensor) -> None:
+        """Launch the rest of the step's reads (every read selected now, its condition
+        decided later) and hand the step to the collector. No waiting for the device."""
         drawn = sampled.view(sampled.shape[0], -1)[:, 0]
-        fired = [row for row in rows if row.error is None and row.selected.reads]
+        _launch_logprobs(step, drawn)
+        fired = [row for row in step.rows if row.error is None and row.selected.row_reads]
         try:
-            _launch_reads(fired, self.lens, drawn)
+            _launch_row_reads(fired, self.lens)
         except Exception as e:  # noqa: BLE001 - a batch failure fails the traces in it
             for row in fired:
                 row.error = f"{type(e).__name__}: {e}"
@@ -925,10 +1036,10 @@ class PlanHooks:
         if drawn.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        for row in rows:
+        for row in step.rows:
             row.step = row.seq.step
             row.seq.step += 1
-        self.collector.submit(_StepWork(rows, tokens, done))
+        self.collector.submit(_StepWork(step, tokens, done))
 
     def _finish(self, work: _StepWork) -> None:
         """On the collector thread: the step's values are on the host now; decide its
@@ -936,9 +1047,9 @@ class PlanHooks:
         started = time.perf_counter()
         work.wait()
         ready = time.perf_counter()
-        tokens = work.tokens.tolist()
+        tokens = work.tokens.numpy()
         batches: dict[int, _Outgoing] = {}
-        for row in work.rows:
+        for row in work.step.rows:
             seq = row.seq
             row.token = int(tokens[row.index])
             if row.selected.ops:
@@ -957,6 +1068,17 @@ class PlanHooks:
                 out.add(seq.plan.key, row)
             if seq.needs_text:
                 seq.tokens.append(row.token)
+        for block in work.step.blocks:
+            out = batches.get(block.route)
+            if out is None:
+                out = batches[block.route] = _Outgoing()
+            block_tokens = tokens[block.index].tolist()
+            if block.error is None:
+                out.add_block(block, block_tokens)
+                continue
+            for seq, step, token in zip(block.seqs, block.steps, block_tokens, strict=True):
+                seq.error, seq.error_reported = block.error, True
+                out.records.append(StepRecord(seq.plan.key, step, token, {}, error=block.error))
         for route, out in batches.items():
             sender = self.senders.get(route)
             if sender is not None:
