@@ -47,8 +47,8 @@ def test_block_records_are_the_records_of_their_rows():
     top_values = rng.standard_normal((5, 3)).astype(np.float32)
     top_ids = rng.integers(0, 1000, (5, 3)).astype(np.int32)
     columns = [ReadResult(RawTensor.from_numpy(top_values), RawTensor.from_numpy(top_ids))]
-    # Two sequences whose rows are 3 and 4 of the column (rows 0-2 belong to others).
-    block = RowBlock(["a", "b"], [5, 0], [11, 12], [("top", 0, 3)], ["drawn"])
+    # Two sequences whose rows are 3 and 1 of the column (the others belong to others).
+    block = RowBlock(["a", "b"], [5, 0], [11, 12], [("top", 0, [3, 1])], ["drawn"])
     wire = sidechannel._ENCODER.encode(StepBatch([], columns, [block]))
     batch = sidechannel._DECODER.decode(wire)
 
@@ -56,7 +56,7 @@ def test_block_records_are_the_records_of_their_rows():
     a, b = (decoded.record(j, batch.columns) for j in range(2))
     assert (a.key, a.step, a.token_id, b.key, b.step, b.token_id) == ("a", 5, 11, "b", 0, 12)
     np.testing.assert_array_equal(_array(a.values["top"].values), top_values[3])
-    np.testing.assert_array_equal(_array(b.values["top"].token_ids), top_ids[4])
+    np.testing.assert_array_equal(_array(b.values["top"].token_ids), top_ids[1])
     # A read of the drawn token is the token, as an int32 scalar.
     assert _array(b.values["drawn"].values).shape == () and int(_array(b.values["drawn"].values)) == 12
     assert a.error is None and not a.stopped and a.rows == {}

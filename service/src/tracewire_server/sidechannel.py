@@ -51,21 +51,21 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
 
 class RowBlock(msgspec.Struct, array_like=True, frozen=True):
     """The records of several sequences at one step, as arrays: record j is sequence
-    keys[j] at steps[j], which drew tokens[j]; its read `name` is row first + j of
-    `column` for each (name, column, first) in `reads`, and the drawn token for each
+    keys[j] at steps[j], which drew tokens[j]; its read `name` is row rows[j] of
+    `column` for each (name, column, rows) in `reads`, and the drawn token for each
     name in `samples`. No stops or errors (those travel as StepRecords)."""
 
     keys: list[str]
     steps: list[int]
     tokens: list[int]
-    reads: list[tuple[str, int, int]]
+    reads: list[tuple[str, int, list[int]]]
     samples: list[str] = msgspec.field(default_factory=list)
 
     def record(self, j: int, columns: list[ReadResult]) -> StepRecord:
         token = self.tokens[j]
         values = {name: token_read(token) for name in self.samples}
-        for name, c, first in self.reads:
-            values[name] = _column_row(columns[c], first + j)
+        for name, c, rows in self.reads:
+            values[name] = _column_row(columns[c], rows[j])
         return StepRecord(self.keys[j], self.steps[j], token, values)
 
 

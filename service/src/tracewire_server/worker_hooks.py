@@ -133,7 +133,7 @@ class _StepOps:
         plain = len(reads) == len(ops) and all(op.condition is None for op in ops)
         samples = tuple(op.name for op in row_reads if isinstance(op.action, P.ReadSample))
         blockable = bool(ops) and plain and len(samples) == len(row_reads)
-        return cls(
+        found = cls(
             ops,
             reads,
             tuple(op for op in ops if isinstance(op.action, P.LOGITS_WRITES)),
@@ -143,12 +143,22 @@ class _StepOps:
             plain,
             (batched, samples) if blockable else None,
         )
+        if found.block_key is None:
+            return found
+        # One object per block key, shared by every request with these reads: a step
+        # groups its rows into blocks by object identity, not by hashing the key per row.
+        if len(_BLOCK_OPS) > 4096:
+            _BLOCK_OPS.clear()
+        return _BLOCK_OPS.setdefault(found.block_key, found)
 
     @property
     def samples(self) -> tuple[str, ...]:
         """Names of the reads of the drawn token (of a block's ops)."""
         assert self.block_key is not None
         return self.block_key[1]
+
+
+_BLOCK_OPS: dict[tuple[Any, ...], _StepOps] = {}
 
 
 def _batch_key(action: P.Action) -> tuple[Any, ...] | None:
@@ -296,8 +306,8 @@ class _Block:
     index: list[int] = field(default_factory=list)  # rows in the logits, ascending
     seqs: list[_Sequence] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
-    # read name -> (its batch, the batch row of this block's first row)
-    reads: dict[str, tuple[_HostBatch, int]] = field(default_factory=dict)
+    # read name -> (its batch, the batch row of each of this block's rows)
+    reads: dict[str, tuple[_HostBatch, list[int]]] = field(default_factory=dict)
     error: str | None = None
 
 
@@ -307,8 +317,9 @@ class _Step:
 
     rows: list[_Row]
     blocks: list[_Block]
-    # Logprobs reads waiting for the draw: (key, logprobs [G, vocab], logits rows, targets).
-    logprobs: list[tuple[tuple[Any, ...], torch.Tensor, list[int], list[_Target]]] = field(default_factory=list)
+    # Logprobs reads waiting for the draw: (key, logprobs [G, vocab], and where their
+    # rows are, as _assign takes it: logits rows, first row, row map, targets).
+    logprobs: list[tuple[Any, ...]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.rows or self.blocks)
@@ -563,42 +574,45 @@ def _stage(key: tuple[Any, ...]) -> str:
     return "processed" if key[0] == "logprobs" else key[1]
 
 
-def _select(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """These rows of the logits: a view when they are one run (every request traced,
-    the common case under load), with no index to send to the device."""
-    first, n = index[0], len(index)
-    if index[-1] - first + 1 == n and index == list(range(first, first + n)):
-        return logits[first:first + n]
-    return logits.index_select(0, _on_device(index, logits.device, torch.long))
+def _union(targets: list[_Target]) -> list[int]:
+    """The logits rows the targets read, ascending, each once."""
+    if len(targets) == 1 and type(targets[0][0]) is _Block:
+        return targets[0][0].index  # the common case: ascending already
+    return sorted({r for target, _ in targets for r in (target.index if type(target) is _Block else (target.index,))})
 
 
 def _launch_batched(step: _Step, logits: torch.Tensor, stage: str) -> None:
     """Launch this stage's batched reads for the step's rows and blocks: one device
-    computation per read key over all their rows, straight from the logits as they
-    are now (nothing is copied first), each result on its way to the host. Logprobs
-    need the draw: their log_softmax is taken now and finished by _launch_logprobs."""
-    groups: dict[tuple[Any, ...], tuple[list[int], list[_Target]]] = {}
+    computation per read key over all the rows reading it, straight from the logits as
+    they are now (nothing is copied first), each result on its way to the host. When
+    those rows are one run (every request traced, the common case under load) they are
+    a view of the logits, with no index to send to the device. Logprobs need the
+    draw: their log_softmax is taken now and finished by _launch_logprobs."""
+    groups: dict[tuple[Any, ...], list[_Target]] = {}
     for row in step.rows:
         if row.error is None:
             for name, key in row.selected.batched_reads:
                 if _stage(key) == stage:
-                    index, targets = groups.get(key) or groups.setdefault(key, ([], []))
-                    index.append(row.index)
-                    targets.append((row, name))
+                    groups.setdefault(key, []).append((row, name))
     for block in step.blocks:
         for name, key in block.ops.batched_reads:
             if _stage(key) == stage:
-                index, targets = groups.get(key) or groups.setdefault(key, ([], []))
-                index.extend(block.index)
-                targets.append((block, name))
-    for key, (index, targets) in groups.items():
+                groups.setdefault(key, []).append((block, name))
+    for key, targets in groups.items():
         try:
-            src = _select(logits, index)
+            rows = _union(targets)
+            first = rows[0]
+            if rows[-1] - first + 1 == len(rows):  # ascending and unique: a run
+                src, where = logits[first:first + len(rows)], None
+            else:
+                src = logits.index_select(0, _on_device(rows, logits.device, torch.long))
+                where = {r: p for p, r in enumerate(rows)}
             if key[0] == "logprobs":
-                step.logprobs.append((key, torch.log_softmax(src, dim=-1, dtype=torch.float32), index, targets))
+                lp = torch.log_softmax(src, dim=-1, dtype=torch.float32)
+                step.logprobs.append((key, lp, rows, first, where, targets))
                 continue
             values, ids = _logits(src, *key[2:])
-            _assign(_HostBatch(_to_host(values), _to_host(ids) if ids is not None else None), targets)
+            _assign(_HostBatch(_to_host(values), _to_host(ids) if ids is not None else None), targets, first, where)
         except Exception as e:  # noqa: BLE001 - fails the traces reading it
             _fail_targets(targets, e)
 
@@ -606,23 +620,29 @@ def _launch_batched(step: _Step, logits: torch.Tensor, stage: str) -> None:
 def _launch_logprobs(step: _Step, drawn: torch.Tensor) -> None:
     """[rows, 1 + k] logprobs of the drawn token then the top k, and their ids.
     `drawn`: the step's sampled ids on the device, one per logits row."""
-    for (_, top_k), lp, index, targets in step.logprobs:
+    for (_, top_k), lp, rows, first, where, targets in step.logprobs:
         try:
-            rows = _on_device(index, drawn.device, torch.long)
-            ids = drawn.index_select(0, rows).to(device=lp.device, dtype=torch.long).unsqueeze(1)
+            if where is None:
+                ids = drawn[first:first + len(rows)]
+            else:
+                ids = drawn.index_select(0, _on_device(rows, drawn.device, torch.long))
+            ids = ids.to(device=lp.device, dtype=torch.long).unsqueeze(1)
             if top_k:
                 ids = torch.cat([ids, torch.topk(lp, top_k).indices], dim=1)
-            _assign(_HostBatch(_to_host(lp.gather(1, ids)), _to_host(ids.to(torch.int32))), targets)
+            _assign(_HostBatch(_to_host(lp.gather(1, ids)), _to_host(ids.to(torch.int32))), targets, first, where)
         except Exception as e:  # noqa: BLE001 - fails the traces reading it
             _fail_targets(targets, e)
 
 
-def _assign(batch: _HostBatch, targets: list[_Target]) -> None:
-    """Give each target its rows of the batch: a row one, a block one per row."""
-    offset = 0
+def _assign(batch: _HostBatch, targets: list[_Target], first: int, where: dict[int, int] | None) -> None:
+    """Give each target its rows of the batch, which holds logits rows `first`... (a
+    run) or the rows `where` maps to batch rows."""
     for target, name in targets:
-        target.reads[name] = (batch, offset)
-        offset += len(target.index) if type(target) is _Block else 1
+        if type(target) is _Block:
+            index = target.index
+            target.reads[name] = (batch, [r - first for r in index] if where is None else [where[r] for r in index])
+        else:
+            target.reads[name] = (batch, target.index - first if where is None else where[target.index])
 
 
 def _fail_targets(targets: list[_Target], error: Exception) -> None:
@@ -765,7 +785,7 @@ class _Outgoing:
         self.records.append(StepRecord(key, row.step, row.token, values, row.stopped, row.error, rows))
 
     def add_block(self, block: _Block, tokens: list[int]) -> None:
-        reads = [(name, self._column(batch), first) for name, (batch, first) in block.reads.items()]
+        reads = [(name, self._column(batch), rows) for name, (batch, rows) in block.reads.items()]
         keys = [seq.plan.key for seq in block.seqs]
         self.blocks.append(RowBlock(keys, block.steps, tokens, reads, list(block.ops.samples)))
 
@@ -965,7 +985,7 @@ class PlanHooks:
         discard = getattr(self.runner, "discard_request_mask", None)
         discard_np = discard.np[: len(req_ids)] if discard is not None else None
         rows: list[_Row] = []
-        blocks: dict[tuple[Any, ...], _Block] = {}
+        blocks: dict[tuple[int, int], _Block] = {}
         known = self.sequences
         for i, req_id in enumerate(req_ids):
             # The common case (a request seen before, untraced) is one dict lookup.
@@ -977,7 +997,7 @@ class PlanHooks:
             selected = seq.ops_at(seq.step)
             if seq.error is None and not seq.needs_text:
                 if selected.block_key is not None:
-                    key = (seq.plan.route, selected.block_key)
+                    key = (seq.plan.route, id(selected))  # alive: the block holds it
                     block = blocks.get(key)
                     if block is None:
                         block = blocks[key] = _Block(selected, seq.plan.route)
