@@ -15,17 +15,17 @@ import multiprocessing
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "service" / "src"))
+sys.path[:0] = [str(ROOT / "service" / "src"), str(ROOT / "tests")]
 
 from tracewire_server import plan as P  # noqa: E402
 from tracewire_server import sidechannel  # noqa: E402
 from tracewire_server import worker_hooks as W  # noqa: E402
+from worker_standin import Sampler, request, runner  # noqa: E402
 
 PLANS = {
     "top-20 every step": (P.Op("t", P.StepSet(), None, P.ReadLogits("processed", top_k=20)),),
@@ -48,34 +48,16 @@ def _drain(address: str, ready) -> None:
         pass
 
 
-class _Sampler:
-    def forward(self, logits: torch.Tensor, metadata: object) -> types.SimpleNamespace:
-        logits = self.apply_logits_processors(logits)
-        return types.SimpleNamespace(sampled_token_ids=logits.argmax(-1, keepdim=True))
-
-    def apply_logits_processors(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
-
-
 def measure(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: int, address: str) -> float:
     """Microseconds the hooks add per traced row per step (hooked minus bare sampler)."""
-    requests = {}
-    for i in range(rows):
-        blob = P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops))
-        params = types.SimpleNamespace(extra_args={P.EXTRA_ARGS_KEY: blob})
-        requests[f"r{i}"] = types.SimpleNamespace(sampling_params=params, prompt_token_ids=[1, 2])
-    runner = types.SimpleNamespace(
-        input_batch=types.SimpleNamespace(req_ids=list(requests)), requests=requests,
-        device=torch.device("cpu"), discard_request_mask=None,
-        model_config=types.SimpleNamespace(enforce_eager=False),
-    )
-    hooks = W.PlanHooks(runner, fault_injection=False)
+    requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops))) for i in range(rows)}
+    hooks = W.PlanHooks(runner(requests), fault_injection=False)
     hooks.senders[0] = sidechannel.Sender(address)
-    bare, hooked = _Sampler(), _Sampler()
+    bare, hooked = Sampler(), Sampler()
     hooks.install(hooked)
     logits = torch.randn(rows, vocab)
 
-    def run(sampler: _Sampler) -> float:
+    def run(sampler: Sampler) -> float:
         start = time.perf_counter()
         for _ in range(steps):
             sampler.forward(logits.clone(), None)

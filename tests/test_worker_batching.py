@@ -1,0 +1,110 @@
+"""The worker computes each batched read once for all the rows that read it, whatever
+mix of blocks (requests that only read), one-by-one rows (writes, conditions), frontends
+and untraced requests shares the batch; each record still gets exactly its own row.
+Driven with a stand-in runner so the batch layout is chosen here (the engine-backed
+trace tests check values against transformers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tracewire_server import plan as P
+from tracewire_server import worker_hooks as W
+from worker_standin import Sampler, Sender, records, request, runner
+
+VOCAB = 64
+ALWAYS = P.StepSet()
+
+
+def _op(name: str, action: P.Action, condition: P.Condition | None = None) -> P.Op:
+    return P.Op(name, ALWAYS, condition, action)
+
+
+def _array(raw) -> np.ndarray:
+    return np.frombuffer(raw.data, dtype=raw.dtype).reshape(raw.shape)
+
+
+def _top(row: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    top = torch.topk(row, k)
+    return top.values.numpy(), top.indices.numpy()
+
+
+# Route (frontend), ops; None: an untraced request.
+BATCH = {
+    "a": (0, (_op("raw", P.ReadLogits("raw", top_k=3)), _op("top", P.ReadLogits("processed", top_k=3)))),
+    "idle": None,
+    "b": (1, (_op("top", P.ReadLogits("processed", top_k=3)), _op("tok", P.ReadSample()))),
+    "cond": (0, (_op("top", P.ReadLogits("processed", top_k=3), P.SampledIn(frozenset(range(VOCAB)))),)),
+    "c": (0, (_op("top", P.ReadLogits("processed", top_k=3)),)),
+    "bias": (1, (_op("bias", P.BiasLogits({7: 100.0})), _op("top", P.ReadLogits("processed", top_k=3)))),
+    "lp": (0, (_op("lp", P.ReadLogprobs(top_k=2)), _op("ids", P.ReadLogits("processed", token_ids=(1, 5))))),
+    "d": (1, (_op("top", P.ReadLogits("processed", top_k=3)),)),
+}
+
+
+class _Doubling(Sampler):
+    """A processor that changes the logits in place, as vLLM's do: raw != processed."""
+
+    def apply_logits_processors(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.mul_(2.0)
+
+
+def test_each_record_gets_its_own_rows_of_shared_reads():
+    requests, keys = {}, {}
+    for name, spec in BATCH.items():
+        if spec is None:
+            requests[name] = request(b"")
+            requests[name].sampling_params.extra_args = {}
+            continue
+        route, ops = spec
+        keys[name] = f"key-{name}"
+        requests[name] = request(P.encode_plan(P.SequencePlan(key=keys[name], ops=ops, route=route)))
+    engine = runner(requests)
+    hooks = W.PlanHooks(engine, fault_injection=False)
+    senders = {0: Sender(), 1: Sender()}
+    hooks.senders.update(senders)
+    sampler = _Doubling()
+    hooks.install(sampler)
+
+    torch.manual_seed(0)
+    steps = dict.fromkeys(BATCH, 0)  # each request's own step count
+    for step in range(3):
+        # Step 1 leaves a request out: the traced rows are no longer one run.
+        engine.input_batch.req_ids = [k for k in BATCH if not (step == 1 and k == "c")]
+        order = engine.input_batch.req_ids
+        logits = torch.randn(len(order), VOCAB)
+        raw = logits.clone()
+        drawn = sampler.forward(logits, None).sampled_token_ids.flatten()
+        got = {r.key: r for route, sender in senders.items() for r in records(sender.batches[-1])}
+        assert sorted(got) == sorted(keys[k] for k in order if k in keys)
+
+        for name in order:
+            if name not in keys:
+                continue
+            i, record = order.index(name), got[keys[name]]
+            processed = raw[i] * 2.0
+            if name == "bias":
+                processed[7] += 100.0
+            assert (record.step, record.token_id, record.error) == (steps[name], int(drawn[i]), None)
+            steps[name] += 1
+            assert record.token_id == int(processed.argmax())
+            values = record.values
+            if "top" in values:
+                want_values, want_ids = _top(processed, 3)
+                np.testing.assert_allclose(_array(values["top"].values), want_values, rtol=1e-6)
+                np.testing.assert_array_equal(_array(values["top"].token_ids), want_ids)
+            if name == "a":
+                want_values, want_ids = _top(raw[i], 3)
+                np.testing.assert_allclose(_array(values["raw"].values), want_values, rtol=1e-6)
+                np.testing.assert_array_equal(_array(values["raw"].token_ids), want_ids)
+            if name == "b":
+                assert int(_array(values["tok"].values)) == record.token_id
+            if name == "lp":
+                lp = torch.log_softmax(processed, -1)
+                ids = [record.token_id, *torch.topk(lp, 2).indices.tolist()]
+                np.testing.assert_array_equal(_array(values["lp"].token_ids), ids)
+                np.testing.assert_allclose(_array(values["lp"].values), lp[ids].numpy(), rtol=1e-5)
+                np.testing.assert_allclose(_array(values["ids"].values), processed[[1, 5]].numpy(), rtol=1e-6)
+        # The reads that only read travel as blocks, one per frontend; the others as records.
+        blocked = {k for sender in senders.values() for b in sender.batches[-1].blocks for k in b.keys}
+        assert blocked == {keys[k] for k in ("a", "b", "c", "lp", "d") if k in order}
