@@ -105,6 +105,8 @@ def test_each_record_gets_its_own_rows_of_shared_reads():
                 np.testing.assert_array_equal(_array(values["lp"].token_ids), ids)
                 np.testing.assert_allclose(_array(values["lp"].values), lp[ids].numpy(), rtol=1e-5)
                 np.testing.assert_allclose(_array(values["ids"].values), processed[[1, 5]].numpy(), rtol=1e-6)
+        # Frontend 1 gets only its own three rows of the top-3 column shared with frontend 0.
+        assert [c.values.shape[0] for c in senders[1].batches[-1].columns] == [3]
         # The reads that only read travel as blocks, one per frontend; the others as records.
         blocked = {k for sender in senders.values() for b in sender.batches[-1].blocks for k in b.keys}
         assert blocked == {keys[k] for k in ("a", "b", "c", "lp", "d") if k in order}

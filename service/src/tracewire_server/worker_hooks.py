@@ -251,9 +251,15 @@ class _HostBatch:
             self._arrays = (self.values.numpy(), self.ids.numpy() if self.ids is not None else None)
         return self._arrays
 
-    def column(self) -> ReadResult:
-        """All rows at once, as sent: the server hands each trace its row."""
+    @property
+    def rows(self) -> int:
+        return int(self.values.shape[0])
+
+    def column(self, rows: list[int] | None = None) -> ReadResult:
+        """These rows (None: all) at once, as sent: the server hands each trace its row."""
         values, ids = self.arrays()
+        if rows is not None:
+            values, ids = values[rows], ids[rows] if ids is not None else None
         return ReadResult(RawTensor.from_numpy(values), RawTensor.from_numpy(ids) if ids is not None else None)
 
 
@@ -753,44 +759,71 @@ class _Want:
 
 class _Outgoing:
     """One step's message to one frontend: a record per traced row, a RowBlock per
-    block, and each batched read once for all its rows (a column), which the records
-    and blocks point into. Per row this costs a few references, not a tensor
-    conversion; per block row, a list entry."""
+    block, and each batched read once (a column), which the records and blocks point
+    into. Per row this costs a few references, not a tensor conversion; per block row,
+    a list entry. A column computed over several frontends' rows goes to each with only
+    the rows it reads (a full-vocabulary read is not sent whole to every frontend)."""
 
-    __slots__ = ("_index", "blocks", "columns", "records")
+    __slots__ = ("_blocks", "_records", "_used")
 
     def __init__(self) -> None:
-        self.records: list[StepRecord] = []
-        self.blocks: list[RowBlock] = []
-        self.columns: list[_HostBatch] = []
-        self._index: dict[int, int] = {}  # id(batch) -> column
+        # StepRecord fields, with the column rows still as (batch, batch row)
+        self._records: list[tuple[Any, ...]] = []
+        self._blocks: list[tuple[_Block, list[int]]] = []
+        self._used: dict[int, tuple[_HostBatch, list[int]]] = {}  # id(batch) -> (batch, rows read)
 
-    def _column(self, batch: _HostBatch) -> int:
-        c = self._index.get(id(batch))
-        if c is None:
-            c = self._index[id(batch)] = len(self.columns)
-            self.columns.append(batch)
-        return c
+    def _use(self, batch: _HostBatch, rows: list[int] | tuple[int]) -> None:
+        found = self._used.get(id(batch))
+        if found is None:
+            self._used[id(batch)] = (batch, list(rows))
+        else:
+            found[1].extend(rows)
 
     def add(self, key: str, row: _Row) -> None:
         values: dict[str, ReadResult] = {}
-        rows: dict[str, tuple[int, int]] = {}
+        refs: dict[str, tuple[_HostBatch, int]] = {}
         if row.error is None:
             for name, read in row.kept.items():
                 if type(read) is tuple:
-                    batch, j = read
-                    rows[name] = (self._column(batch), j)
+                    refs[name] = read
+                    self._use(read[0], (read[1],))
                 else:
                     values[name] = read.result(row.token)  # type: ignore[union-attr]
-        self.records.append(StepRecord(key, row.step, row.token, values, row.stopped, row.error, rows))
+        self._records.append((key, row.step, row.token, values, row.stopped, row.error, refs))
+
+    def add_failed(self, key: str, step: int, token: int, error: str) -> None:
+        self._records.append((key, step, token, {}, False, error, {}))
 
     def add_block(self, block: _Block, tokens: list[int]) -> None:
-        reads = [(name, self._column(batch), rows) for name, (batch, rows) in block.reads.items()]
-        keys = [seq.plan.key for seq in block.seqs]
-        self.blocks.append(RowBlock(keys, block.steps, tokens, reads, list(block.ops.samples)))
+        for batch, rows in block.reads.values():
+            self._use(batch, rows)
+        self._blocks.append((block, tokens))
 
     def message(self) -> StepBatch:
-        return StepBatch(self.records, [batch.column() for batch in self.columns], self.blocks)
+        columns: list[ReadResult] = []
+        # id(batch) -> (its column, batch row -> column row; None: the same)
+        place: dict[int, tuple[int, dict[int, int] | None]] = {}
+        for ident, (batch, used) in self._used.items():
+            rows = sorted(set(used))
+            whole = len(rows) == batch.rows
+            place[ident] = (len(columns), None if whole else {r: p for p, r in enumerate(rows)})
+            columns.append(batch.column(None if whole else rows))
+        records = []
+        for key, step, token, values, stopped, error, refs in self._records:
+            rows = {}
+            for name, (batch, j) in refs.items():
+                c, where = place[id(batch)]
+                rows[name] = (c, j if where is None else where[j])
+            records.append(StepRecord(key, step, token, values, stopped, error, rows))
+        blocks = []
+        for block, tokens in self._blocks:
+            reads = []
+            for name, (batch, batch_rows) in block.reads.items():
+                c, where = place[id(batch)]
+                reads.append((name, c, batch_rows if where is None else [where[r] for r in batch_rows]))
+            keys = [seq.plan.key for seq in block.seqs]
+            blocks.append(RowBlock(keys, block.steps, tokens, reads, list(block.ops.samples)))
+        return StepBatch(records, columns, blocks)
 
 
 class PlanHooks:
@@ -1098,7 +1131,7 @@ class PlanHooks:
                 continue
             for seq, step, token in zip(block.seqs, block.steps, block_tokens, strict=True):
                 seq.error, seq.error_reported = block.error, True
-                out.records.append(StepRecord(seq.plan.key, step, token, {}, error=block.error))
+                out.add_failed(seq.plan.key, step, token, block.error)
         for route, out in batches.items():
             sender = self.senders.get(route)
             if sender is not None:
