@@ -753,7 +753,7 @@ class _Want:
 
     seq: _Sequence
     name: str
-    rows: slice | list[int]
+    rows: list[int]
     positions: list[int]
 
 
@@ -968,11 +968,16 @@ class PlanHooks:
             if edits:
                 _edit_module_output(path, output, edits)  # in place: reads below see the edit
             if wants:
-                value = _module_output(path, output)
+                # Every request's rows in one gather (a copy: the activation buffer is
+                # reused by the next forward pass); each read keeps its slice of it.
+                value = _module_output(path, output).detach()
+                index = [r for want in wants for r in want.rows]
+                taken = value.index_select(0, _on_device(index, value.device, torch.long)).to(torch.float32)
+                offset = 0
                 for want in wants:
-                    # A copy: the activation buffer is reused by the next forward pass.
-                    rows = value[want.rows].detach().to(torch.float32, copy=True)
-                    want.seq.pending.setdefault(want.name, []).append((want.positions, rows))
+                    n = len(want.rows)
+                    want.seq.pending.setdefault(want.name, []).append((want.positions, taken[offset:offset + n]))
+                    offset += n
         except Exception as e:  # noqa: BLE001
             log.exception("module hook on %s failed", path)
             for seq in [w.seq for w in wants or ()] + [seq for _, _, seq in edits or ()]:
