@@ -43,6 +43,12 @@ ENGINE: dict[str, object] = dict(dtype="float32", max_model_len=512, max_num_seq
 GPU_ENGINE: dict[str, object] = dict(dtype="bfloat16", load_format="dummy", max_model_len=1024,
                                      max_num_seqs=256, gpu_memory_utilization=0.42)
 REQUEST_TIMEOUT_S = 300
+# vLLM's workers keep polling their input queue in a sched_yield loop for a second
+# after their last step (shm_broadcast's busy_loop_s) before they sleep. Both engines'
+# workers are pinned to the same core on a CPU machine, so a cell timed right after the
+# other engine's cell shared that core with a spinning worker for its first second:
+# each cell waits that out first.
+SETTLE_S = 1.5
 LATENCY_NS: dict[str, dict[int, list[int]]] = {}  # row -> concurrency -> samples
 
 
@@ -324,6 +330,7 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
             for c in levels:
                 for _ in range(repeats):
                     for name, cell in cells.items():
+                        await asyncio.sleep(SETTLE_S)
                         profile = _profile(server.pid, name, c, out_dir)
                         samples[name][c].append(await cell(c, rounds))
                         if profile:
