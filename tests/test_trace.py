@@ -41,9 +41,13 @@ def test_per_step_logits_equal_transformers(stub, hf):
 
 
 def test_step_results_stream_text_and_order(stub, hf):
+    started = time.time_ns()
     result = run(stub, trace(invoke(PROMPT), max_tokens=8, **GREEDY))
     steps_seen = result.seq()
     assert [s.step for s in steps_seen] == list(range(8))
+    # engine_time: when the server got each step's token, in order, within the call
+    times = [s.engine_time.ToNanoseconds() for s in steps_seen]
+    assert started <= times[0] and times == sorted(times) and times[-1] <= time.time_ns()
     out = result.invokes[0].outputs[0]
     assert "".join(s.text_delta for s in steps_seen) == out.text
     assert out.text == hf.tokenizer.decode(hf.greedy(hf.encode(PROMPT), 8),

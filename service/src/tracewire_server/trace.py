@@ -269,7 +269,8 @@ class TraceRun:
         result.token_id = token
         result.text_delta = text_delta
         result.stopped = record.stopped
-        result.engine_time.FromNanoseconds(now_ns)
+        # (the fields directly: protobuf's FromNanoseconds is Python, and this runs per token)
+        result.engine_time.seconds, result.engine_time.nanos = divmod(now_ns, 1_000_000_000)
         for name, value in record.values.items():
             target = result.values[name]
             value.values.fill(target.values)
