@@ -550,29 +550,45 @@ def _logit_lens_value(row: _Row, name: str, read: P.ReadLogitLens, lens: _Lens) 
 
 
 def _module_value(row: _Row, name: str, read: P.ReadModule) -> _HostRead:
+    """A module read of the prompt's positions, or their mean (new-token reads travel as
+    one column per module: _launch_row_reads)."""
     values, positions = _gathered(row, name, read.module, read.positions)
     if read.mean:
         return _HostRead(_HostBatch(_to_host(values.mean(0)), None))
-    if read.positions.new_token_only(row.seq.step):
-        return _HostRead(_HostBatch(_to_host(values[0]), None))  # [hidden]
     # [positions, hidden], with the prompt positions
     return _HostRead(_HostBatch(_to_host(values), None), positions=positions)
 
 
 def _launch_row_reads(rows: list[_Row], lens: _Lens | None) -> None:
     """Launch the reads computed per row (module and logit-lens reads, the drawn
-    sample), each on its way to the host."""
+    sample), each on its way to the host. A module's new-token reads for every row are
+    one [rows, hidden] column with one copy to the host, not a copy per row. A read that
+    fails fails its own row's trace."""
+    new_token: dict[str, list[tuple[_Row, str, torch.Tensor]]] = {}
     for row in rows:
-        for op in row.selected.row_reads:
-            a = op.action
-            if isinstance(a, P.ReadModule):
-                row.reads[op.name] = _module_value(row, op.name, a)
-            elif isinstance(a, P.ReadLogitLens):
-                assert lens is not None
-                row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
-            else:
-                assert isinstance(a, P.ReadSample)
-                row.reads[op.name] = _SAMPLE
+        try:
+            for op in row.selected.row_reads:
+                a = op.action
+                if isinstance(a, P.ReadModule):
+                    if not a.mean and a.positions.new_token_only(row.seq.step):
+                        values, _ = _gathered(row, op.name, a.module, a.positions)
+                        new_token.setdefault(a.module, []).append((row, op.name, values[0]))
+                    else:
+                        row.reads[op.name] = _module_value(row, op.name, a)
+                elif isinstance(a, P.ReadLogitLens):
+                    assert lens is not None
+                    row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
+                else:
+                    assert isinstance(a, P.ReadSample)
+                    row.reads[op.name] = _SAMPLE
+        except Exception as e:  # noqa: BLE001 - fails this request's trace only
+            row.error = f"{type(e).__name__}: {e}"
+    for members in new_token.values():
+        members = [m for m in members if m[0].error is None]
+        if members:
+            batch = _HostBatch(_to_host(torch.stack([values for _, _, values in members])), None)
+            for j, (row, name, _) in enumerate(members):
+                row.reads[name] = (batch, j)
 
 
 def _stage(key: tuple[Any, ...]) -> str:
