@@ -533,7 +533,8 @@ def _gathered(row: _Row, key: str, module: str, positions_of: P.Positions) -> tu
             f"read {key!r} of {module!r} saw {len(positions)} of {expected} positions "
             "(positions served from the prefix cache never run through the model)"
         )
-    return torch.cat([t for _, t in chunks]), positions
+    # (one chunk, the common case: its rows as they are, already our own copy)
+    return (chunks[0][1] if len(chunks) == 1 else torch.cat([t for _, t in chunks])), positions
 
 
 def _logit_lens_value(row: _Row, name: str, read: P.ReadLogitLens, lens: _Lens) -> _HostRead:
