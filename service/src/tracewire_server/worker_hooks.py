@@ -48,6 +48,7 @@ import re
 import sys
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,7 +111,6 @@ class _StepOps:
     plan and step pattern, not per row)."""
 
     ops: tuple[P.Op, ...]
-    reads: tuple[P.Op, ...]
     logits_writes: tuple[P.Op, ...]
     # A condition looks at the sampler's row: keep a copy of it for after the draw.
     needs_processed: bool
@@ -135,7 +135,6 @@ class _StepOps:
         blockable = bool(ops) and plain and len(samples) == len(row_reads)
         found = cls(
             ops,
-            reads,
             tuple(op for op in ops if isinstance(op.action, P.LOGITS_WRITES)),
             P.conditions_use_logits(ops),
             batched,
@@ -507,16 +506,22 @@ def _top_k(src: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(top_values), torch.from_numpy(np.take_along_axis(idx, order, 1).astype(np.int32))
 
 
+def _take_rows(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, bool]:
+    """These rows of the logits (ascending, each once), and whether that is a view: it
+    is when they are one run (every request traced, the common case under load), with
+    no index to send to the device; otherwise a gathered copy."""
+    first = rows[0]
+    if rows[-1] - first + 1 == len(rows):  # ascending and unique: a run
+        return logits[first:first + len(rows)], True
+    return logits.index_select(0, _on_device(rows, logits.device, torch.long)), False
+
+
 def _capture(logits: torch.Tensor, rows: list[_Row]) -> list[_Captured]:
-    """One copy of these rows' logits, float32, for conditions on them; each row gets a
-    handle into it. Rows come in logits order, so a run of rows is a slice."""
-    first, n = rows[0].index, len(rows)
-    if rows[-1].index - first + 1 == n:
-        batch = logits.detach()[first:first + n].to(torch.float32, copy=True)
-    else:
-        index = _on_device([r.index for r in rows], logits.device, torch.long)
-        batch = logits.detach().index_select(0, index).float()
-    return [_Captured(batch, j) for j in range(n)]
+    """One copy of these rows' logits (in logits order), float32, for conditions on
+    them; each row gets a handle into it."""
+    src, is_view = _take_rows(logits.detach(), [r.index for r in rows])
+    batch = src.to(torch.float32, copy=is_view)
+    return [_Captured(batch, j) for j in range(len(rows))]
 
 
 def _gathered(row: _Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:
@@ -607,10 +612,9 @@ def _union(targets: list[_Target]) -> list[int]:
 def _launch_batched(step: _Step, logits: torch.Tensor, stage: str) -> None:
     """Launch this stage's batched reads for the step's rows and blocks: one device
     computation per read key over all the rows reading it, straight from the logits as
-    they are now (nothing is copied first), each result on its way to the host. When
-    those rows are one run (every request traced, the common case under load) they are
-    a view of the logits, with no index to send to the device. Logprobs need the
-    draw: their log_softmax is taken now and finished by _launch_logprobs."""
+    they are now (nothing is copied first: _take_rows), each result on its way to the
+    host. Logprobs need the draw: their log_softmax is taken now and finished by
+    _launch_logprobs."""
     groups: dict[tuple[Any, ...], list[_Target]] = {}
     for row in step.rows:
         if row.error is None:
@@ -625,11 +629,8 @@ def _launch_batched(step: _Step, logits: torch.Tensor, stage: str) -> None:
         try:
             rows = _union(targets)
             first = rows[0]
-            if rows[-1] - first + 1 == len(rows):  # ascending and unique: a run
-                src, where = logits[first:first + len(rows)], None
-            else:
-                src = logits.index_select(0, _on_device(rows, logits.device, torch.long))
-                where = {r: p for p, r in enumerate(rows)}
+            src, is_view = _take_rows(logits, rows)
+            where = None if is_view else {r: p for p, r in enumerate(rows)}
             if key[0] == "logprobs":
                 lp = torch.log_softmax(src, dim=-1, dtype=torch.float32)
                 step.logprobs.append((key, lp, rows, first, where, targets))
@@ -1123,7 +1124,7 @@ class PlanHooks:
         work.wait()
         ready = time.perf_counter()
         tokens = work.tokens.numpy()
-        batches: dict[int, _Outgoing] = {}
+        batches: defaultdict[int, _Outgoing] = defaultdict(_Outgoing)  # by route
         for row in work.step.rows:
             seq = row.seq
             row.token = int(tokens[row.index])
@@ -1137,16 +1138,11 @@ class PlanHooks:
                         row.error = f"{type(e).__name__}: {e}"
                 if row.error is not None:
                     seq.error, seq.error_reported = row.error, True  # no more work for this request
-                out = batches.get(seq.plan.route)
-                if out is None:
-                    out = batches[seq.plan.route] = _Outgoing()
-                out.add(seq.plan.key, row)
+                batches[seq.plan.route].add(seq.plan.key, row)
             if seq.needs_text:
                 seq.tokens.append(row.token)
         for block in work.step.blocks:
-            out = batches.get(block.route)
-            if out is None:
-                out = batches[block.route] = _Outgoing()
+            out = batches[block.route]
             block_tokens = tokens[block.index].tolist()
             if block.error is None:
                 out.add_block(block, block_tokens)
