@@ -72,6 +72,8 @@ async def timed(concurrency: int, rounds: int, one) -> float:
 ROWS = ("trace, no interventions", "top-20 logits every step", "full logits every step",
         "forced token at step 0")
 LOGPROBS_ROW = "vLLM logprobs=20 (Generate)"
+# bench/bare_stream.py: vLLM and one gRPC message per token, no tracewire code (CPU mode).
+BARE_ROW = "bare gRPC token stream (no tracewire)"
 INTERVAL_ROW = "top-20 logits every step, 50 ms stream interval"
 GPU_ROWS = ("trace, no interventions", "top-20 logits every step", INTERVAL_ROW, "forced token at step 0")
 # --hidden: module hooks need eager engines (both engines run --enforce-eager then).
@@ -127,6 +129,26 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
     )
 
 
+def start_bare(model: str, log_path: Path, new_tokens: int) -> tuple[subprocess.Popen[bytes], int]:
+    """bench/bare_stream.py in a subprocess on the same engine settings."""
+    port = free_port()
+    args = [sys.executable, str(ROOT / "bench" / "bare_stream.py"), str(port), model, json.dumps(ENGINE),
+            str(new_tokens)]
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), port
+
+
+async def wait_for_bare(bare: subprocess.Popen[bytes], log_path: Path) -> None:
+    for _ in range(360):
+        if bare.poll() is not None:
+            tail = log_path.read_bytes()[-3000:].decode(errors="replace")
+            raise SystemExit(f"bench/bare_stream.py exited with {bare.returncode}; its log ends:\n{tail}")
+        if b"bare stream: serving" in log_path.read_bytes():
+            return
+        await asyncio.sleep(1)
+    raise SystemExit("bench/bare_stream.py did not start in 360 s")
+
+
 def start_server(model: str, log_path: Path, frontends: int) -> tuple[subprocess.Popen[bytes], int]:
     """The tracewire server in a subprocess, its output in `log_path`."""
     port = free_port()
@@ -166,10 +188,11 @@ async def wait_for_server(server: subprocess.Popen[bytes], log_path: Path, port:
     raise SystemExit(f"the tracewire server did not answer in 360 s; its log ends:\n{log_tail()}")
 
 
-async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], channels: int = 1):
+async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], channels: int = 1,
+                            bare_port: int = 0):
     """One request function per tracewire row, all through gRPC from this process, the
     requests spread over `channels` connections (a server with several frontends
-    balances connections, not calls)."""
+    balances connections, not calls); and the bare stream's on `bare_port`."""
     import grpc
     from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, service_pb2_grpc
 
@@ -188,6 +211,19 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], c
             return len(r.outputs[0].outputs[0].token_ids)
         return one
 
+    def bare(call_bare):
+        """Read exactly as `traced` reads a trace."""
+        async def one(i: int, concurrency: int) -> int:
+            steps = 0
+            latencies = LATENCY_NS.setdefault(BARE_ROW, {}).setdefault(concurrency, []) if concurrency else []
+            async for ev in call_bare(str(i % len(PROMPTS)).encode(), timeout=REQUEST_TIMEOUT_S):
+                now = time.time_ns()
+                for step in ev.steps.results:
+                    latencies.append(now - step.engine_time.ToNanoseconds())
+                steps += len(ev.steps.results)
+            return steps
+        return one
+
     def traced(kind: str):
         async def one(i: int, concurrency: int) -> int:
             steps = 0
@@ -202,19 +238,26 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], c
             return steps
         return one
 
-    fns = {"Generate": generate(sampling), **{kind: traced(kind) for kind in rows if kind != LOGPROBS_ROW}}
+    fns = {"Generate": generate(sampling),
+           **{kind: traced(kind) for kind in rows if kind not in (LOGPROBS_ROW, BARE_ROW)}}
     if LOGPROBS_ROW in rows:
         fns[LOGPROBS_ROW] = generate(with_logprobs)
+    if bare_port:
+        bare_channel = grpc.aio.insecure_channel(f"127.0.0.1:{bare_port}")
+        opened.append(bare_channel)
+        fns[BARE_ROW] = bare(bare_channel.unary_stream("/tracewire.bench.Bare/Stream",
+                                                       response_deserializer=service_pb2.TraceResponse.FromString))
     return opened, fns
 
 
-def _client_proc(conn, port: int, new_tokens: int, rows: tuple[str, ...], channels: int, hidden: int) -> None:
+def _client_proc(conn, port: int, new_tokens: int, rows: tuple[str, ...], channels: int, hidden: int,
+                 bare_port: int) -> None:
     """A load-generator process: runs its share of each cell when told to, on its own
     connections, and reports (tokens, start, end, latency samples)."""
     HIDDEN_SIZE[0] = hidden
 
     async def main() -> None:
-        opened, fns = await tracewire_clients(port, new_tokens, rows, channels)
+        opened, fns = await tracewire_clients(port, new_tokens, rows, channels, bare_port)
         while (cell := await asyncio.to_thread(conn.recv)) is not None:
             name, first, share, rounds, concurrency = cell
             one = fns[name]
@@ -244,7 +287,8 @@ class ClientProcesses:
     client's own per-message Python is not what the bench measures. Each process
     opens its own connections (a server with several frontends balances those)."""
 
-    def __init__(self, procs: int, port: int, new_tokens: int, rows: tuple[str, ...], channels: int) -> None:
+    def __init__(self, procs: int, port: int, new_tokens: int, rows: tuple[str, ...], channels: int,
+                 bare_port: int) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
@@ -252,7 +296,7 @@ class ClientProcesses:
         for _ in range(procs):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_client_proc, daemon=True,
-                               args=(child, port, new_tokens, rows, channels, HIDDEN_SIZE[0]))
+                               args=(child, port, new_tokens, rows, channels, HIDDEN_SIZE[0], bare_port))
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -309,23 +353,28 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     log_path = Path(out_dir) / "server.log"
     server, port = start_server(model, log_path, frontends)
+    bare, bare_port = start_bare(model, Path(out_dir) / "bare.log", new_tokens) if BARE_ROW in rows_kinds else (None, 0)
     try:
         HIDDEN_SIZE[0] = await wait_for_server(server, log_path, port)
         log(f"tracewire server up after {time.perf_counter() - began:.0f} s")
+        if bare is not None:
+            await wait_for_bare(bare, Path(out_dir) / "bare.log")
+            log(f"bare stream up after {time.perf_counter() - began:.0f} s")
         # One connection per frontend and client process is not enough to spread the
         # load evenly (the kernel picks the frontend per connection): a few more.
         channels = 1 if frontends == 1 else 4 * frontends
         clients = None
         if client_procs > 1:
-            clients = ClientProcesses(client_procs, port, new_tokens, rows_kinds, channels)
+            clients = ClientProcesses(client_procs, port, new_tokens, rows_kinds, channels, bare_port)
             opened: list = []
             cells = {name: clients.cell(name) for name in ("Generate", *rows_kinds)}
         else:
-            opened, fns = await tracewire_clients(port, new_tokens, rows_kinds, channels)
+            opened, fns = await tracewire_clients(port, new_tokens, rows_kinds, channels, bare_port)
             cells = {name: _in_process(fn) for name, fn in fns.items()}
         llm, raw = await raw_engine(model, new_tokens)
         log(f"raw engine up after {time.perf_counter() - began:.0f} s")
-        cells = {"raw vLLM AsyncLLM": _in_process(raw), **cells}
+        # raw, the bare stream (when measured), then tracewire's rows
+        cells = {"raw vLLM AsyncLLM": _in_process(raw), **dict(sorted(cells.items(), key=lambda kv: kv[0] != BARE_ROW))}
         samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in cells}
         try:
             for c in levels:
@@ -346,8 +395,10 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
                 clients.close()
         return {k: {c: statistics.median(v) for c, v in by_c.items()} for k, by_c in samples.items()}
     finally:
-        server.terminate()
-        server.wait(120)
+        for proc in (server, bare):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(120)
 
 
 def _in_process(one):
@@ -415,7 +466,7 @@ def main() -> int:
 
     if args.hidden:
         ENGINE["enforce_eager"] = True
-    kinds = HIDDEN_ROWS if args.hidden else (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else ROWS)
+    kinds = HIDDEN_ROWS if args.hidden else (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else (BARE_ROW, *ROWS))
     rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
                                args.frontends, args.client_procs))
     raw = rows["raw vLLM AsyncLLM"]

@@ -1,13 +1,19 @@
 """Incremental detokenization: the text each new token adds.
 
-The same prefix/read-offset scheme vLLM uses, so a token that ends inside a
-multi-byte character adds "" and the character arrives with the token that
-completes it. Each step decodes only a short window, not the whole sequence.
+The prefix/read-offset scheme vLLM uses, so a token that ends inside a multi-byte
+character adds "" and the character arrives with the token that completes it.
+`DecodeStreamTracker` runs it in the Rust tokenizer (one call per token), primed
+with the prompt as vLLM primes its own detokenizer, so the deltas join into the
+text vLLM returns; `TextTracker` is the same scheme in Python over any decode
+function, for tokenizers without a Rust backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 
 class TextTracker:
@@ -27,3 +33,19 @@ class TextTracker:
             self._prefix_text = self._decode(self.ids[self._prefix : self._read])
             return delta
         return ""
+
+
+class DecodeStreamTracker:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer  # a tokenizers.Tokenizer
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        try:
+            return self._stream.step(self._tokenizer, token_id) or ""
+        except Exception:  # noqa: BLE001
+            # The stream's state breaks on some non-monotonic byte output (as vLLM's
+            # does: vllm#17448); vLLM starts a fresh one there, and so do we.
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
+            return self._stream.step(self._tokenizer, token_id) or ""

@@ -12,11 +12,12 @@ import itertools
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import vllm_compat
+from .detokenize import DecodeStreamTracker, TextTracker
 from .errors import InvalidArgument, Unavailable
 from .limits import ModelLimits
 from .prompts import EnginePrompt
@@ -171,6 +172,13 @@ class Engine:
         if backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
             return None
         return backend
+
+    def text_tracker(self, prompt_ids: Sequence[int], skip_special_tokens: bool) -> TextTracker | DecodeStreamTracker:
+        """Per generated token (`.add(id)`), the text it adds to the output."""
+        fast = self._fast_decoder
+        if fast is None:
+            return TextTracker(lambda ids: self.decode(ids, skip_special_tokens=skip_special_tokens))
+        return DecodeStreamTracker(fast, prompt_ids, skip_special_tokens)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [str(self.tokenizer.decode([t])) for t in token_ids]

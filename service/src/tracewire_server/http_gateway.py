@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Generator, Mapping, Sequence
@@ -88,8 +89,14 @@ class _GrpcContext:
     Aborts raise ConnectError: connectrpc writes it as the Connect / gRPC-Web error.
     """
 
-    def __init__(self, ctx: RequestContext[Any, Any]) -> None:
+    def __init__(self, ctx: RequestContext[Any, Any],
+                 write: Callable[[Any], Awaitable[None]] | None = None) -> None:
         self._ctx = ctx
+        self._write = write
+
+    async def write(self, message: Any) -> None:
+        assert self._write is not None, "write() is for server-streaming methods"
+        await self._write(message)
 
     async def abort(
         self,
@@ -144,12 +151,39 @@ def _unary(handler: Handler) -> Callable[[Any, RequestContext[Any, Any]], Awaita
 
 
 def _server_stream(handler: Handler) -> Callable[[Any, RequestContext[Any, Any]], AsyncIterator[Any]]:
-    def call(request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
-        # The servicer's own generator: connectrpc closes it when the client goes away or
-        # the deadline passes, and its cleanup aborts the engine requests.
-        return cast(AsyncIterator[Any], handler(request, _GrpcContext(ctx)))
+    if inspect.isasyncgenfunction(handler):
+        def call(request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
+            # The servicer's own generator: connectrpc closes it when the client goes away
+            # or the deadline passes, and its cleanup aborts the engine requests.
+            return cast(AsyncIterator[Any], handler(request, _GrpcContext(ctx)))
 
-    return call
+        return call
+
+    async def written(request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
+        # A servicer that streams through context.write runs as a task whose writes this
+        # generator yields; connectrpc closing the generator cancels the task, and with
+        # it the engine requests. One message in hand at a time: a slow client holds the
+        # servicer's writes back exactly as grpc.aio does.
+        messages: asyncio.Queue[Any] = asyncio.Queue(1)
+        task = asyncio.ensure_future(handler(request, _GrpcContext(ctx, messages.put)))
+        try:
+            while True:
+                get = asyncio.ensure_future(messages.get())
+                await asyncio.wait((get, task), return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    yield get.result()
+                    continue
+                get.cancel()
+                if not messages.empty():  # its last write, put just before it returned
+                    yield messages.get_nowait()
+                task.result()  # the servicer's error, if any (its abort's ConnectError)
+                return
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    return written
 
 
 _IDEMPOTENCY = {

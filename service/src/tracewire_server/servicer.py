@@ -45,7 +45,8 @@ def _unexpected(method: str, error: Exception) -> TracewireError:
 def unary(
     fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
-    """Map errors of a unary handler to status codes."""
+    """Map errors of a handler to status codes: a unary one, or a server-streaming one
+    that writes its messages with context.write (no async generator per message)."""
 
     @functools.wraps(fn)
     async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
@@ -205,10 +206,11 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    @streaming
-    async def Trace(
+    @unary
+    async def Trace(  # type: ignore[override]
         self, request: service_pb2.TraceRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[service_pb2.TraceResponse]:
+    ) -> None:
+        # Streams through context.write (grpc.aio: a coroutine handler that returns None).
         engine = self._ready()
         self._check_model(engine, request.model)
         compiled = compile_trace(
@@ -220,9 +222,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             fault_injection=self.options.fault_injection,
             route=engine.route,
         )
-        run = TraceRun(engine, engine.receiver, compiled, self.options.buffer_bytes)
-        async for event in run.events():
-            yield event
+        await TraceRun(engine, engine.receiver, compiled, self.options.buffer_bytes).send(context.write)
 
     @unary
     async def Tokenize(

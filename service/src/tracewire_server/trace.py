@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,6 @@ from tracewire.v1 import output_pb2, service_pb2, trace_pb2
 
 from . import outputs
 from .compiler import CompiledInvoke, CompiledTrace, EngineSequence
-from .detokenize import TextTracker
 from .engine import Engine
 from .errors import Internal, ResourceExhausted, TracewireError
 from .sidechannel import Receiver, StepRecord
@@ -122,7 +121,9 @@ class TraceRun:
     def __post_init__(self) -> None:
         self._outbox = _Outbox(self.buffer_cap_bytes, self.trace.stream_interval_s)
 
-    async def events(self) -> AsyncIterator[service_pb2.TraceResponse]:
+    async def send(self, write: Callable[[service_pb2.TraceResponse], Awaitable[None]]) -> None:
+        """Run the trace, handing each event to `write` (the call's context.write: one
+        await per message, no async generators stacked between the steps and gRPC)."""
         started = time.monotonic()
         tasks = [asyncio.create_task(self._invoke(inv)) for inv in self.trace.invokes]
         done_invokes = 0
@@ -132,16 +133,16 @@ class TraceRun:
                 if self._failure is not None:  # do not make the client read a backlog first
                     raise self._failure
                 if isinstance(item, service_pb2.TraceResponse):
-                    yield item
+                    await write(item)
                 elif isinstance(item, trace_pb2.InvokeResult):
                     done_invokes += 1
-                    yield service_pb2.TraceResponse(invoke_result=item)
+                    await write(service_pb2.TraceResponse(invoke_result=item))
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         prompt_tokens = sum(len(inv.prompt.token_ids) for inv in self.trace.invokes)
-        yield service_pb2.TraceResponse(
+        await write(service_pb2.TraceResponse(
             end=trace_pb2.TraceEnd(
                 warnings=self._warnings,
                 usage=trace_pb2.Usage(
@@ -151,7 +152,7 @@ class TraceRun:
                     read_bytes=self._read_bytes,
                 ),
             )
-        )
+        ))
 
     async def _invoke(self, inv: CompiledInvoke) -> None:
         try:
@@ -178,11 +179,13 @@ class TraceRun:
             records = asyncio.Queue()
             self.receiver.register(seq.plan.key, records.put_nowait)
         skip_special = seq.sampling.get("skip_special_tokens", True)
-        text = TextTracker(lambda ids: self.engine.decode(ids, skip_special_tokens=skip_special))
+        text = self.engine.text_tracker(inv.prompt.token_ids, skip_special)
         completion = output_pb2.CompletionOutput(index=seq.sequence_index)
+        token_ids: list[int] = []  # into the completion at the end: this loop runs per token
         vllm_text: list[str] = []
         first: Any = None
         stopped_at: int | None = None
+        plan = seq.plan
         try:
             stream = self.engine.generate(inv.prompt, seq.sampling, stream=True)
             async with contextlib.aclosing(stream):
@@ -191,14 +194,16 @@ class TraceRun:
                     first = first or out
                     c = out.outputs[0]
                     for k, token in enumerate(c.token_ids):
-                        step = len(completion.token_ids)
-                        record = await self._record(records, seq, step, token)
-                        completion.token_ids.append(token)
+                        step = len(token_ids)
+                        # The worker records a step only when an op is selected at it.
+                        record = (await self._record(records, seq, step, token)
+                                  if records is not None and plan is not None and plan.active_at(step) else None)
+                        token_ids.append(token)
                         if c.logprobs is not None:
                             completion.logprobs.extend(outputs.positions([c.logprobs[k]]))
                         self._generated += 1
                         self._step_result(seq, step, token, text.add(token), record, now_ns)
-                        if record.stopped:
+                        if record is not None and record.stopped:
                             stopped_at = step
                             break
                     if stopped_at is not None:
@@ -210,28 +215,24 @@ class TraceRun:
                         completion.finish_reason = outputs.finish_reason(c.finish_reason)
                         outputs.set_stop_reason(completion, c.stop_reason)
         finally:
-            if seq.plan is not None:
-                self.receiver.unregister(seq.plan.key)
+            if plan is not None:
+                self.receiver.unregister(plan.key)
+        completion.token_ids.extend(token_ids)
         if stopped_at is not None:
-            completion.text = self.engine.decode(
-                list(completion.token_ids), skip_special_tokens=skip_special
-            )
+            completion.text = self.engine.decode(token_ids, skip_special_tokens=skip_special)
             completion.finish_reason = output_pb2.FINISH_REASON_STOP
             if len(completion.logprobs):
                 completion.cumulative_logprob = sum(
                     next(e.logprob for e in pos.entries if e.token_id == t)
-                    for t, pos in zip(completion.token_ids, completion.logprobs, strict=True)
+                    for t, pos in zip(token_ids, completion.logprobs, strict=True)
                 )
         else:
             completion.text = "".join(vllm_text)
         return _SequenceResult(completion, len(completion.token_ids), first)
 
     async def _record(
-        self, records: asyncio.Queue[StepRecord] | None, seq: EngineSequence, step: int, token: int
+        self, records: asyncio.Queue[StepRecord], seq: EngineSequence, step: int, token: int
     ) -> StepRecord:
-        if records is None or not (seq.plan and seq.plan.active_at(step)):
-            # The worker records a step only when an op is selected at it.
-            return StepRecord(key="", step=step, token_id=token, values={})
         try:
             # The record usually arrived before vLLM's token: skip wait_for's timer then.
             record = records.get_nowait() if not records.empty() else await asyncio.wait_for(
@@ -256,11 +257,14 @@ class TraceRun:
         return record
 
     def _step_result(
-        self, seq: EngineSequence, step: int, token: int, text_delta: str, record: StepRecord, now_ns: int
+        self, seq: EngineSequence, step: int, token: int, text_delta: str, record: StepRecord | None, now_ns: int
     ) -> None:
-        if not (self.trace.stream_every_step or record.values or record.stopped):
+        """`record`: the worker's for this step, None at a step it did not record."""
+        values = record.values if record is not None else {}
+        stopped = record is not None and record.stopped
+        if not (self.trace.stream_every_step or values or stopped):
             return
-        size_hint = sum(len(v.values.data) for v in record.values.values())
+        size_hint = sum(len(v.values.data) for v in values.values())
         # Built in place inside the outgoing message: no intermediate copies.
         result = self._outbox.new_step(size_hint)
         result.invoke_index = seq.invoke_index
@@ -268,10 +272,10 @@ class TraceRun:
         result.step = step
         result.token_id = token
         result.text_delta = text_delta
-        result.stopped = record.stopped
+        result.stopped = stopped
         # (the fields directly: protobuf's FromNanoseconds is Python, and this runs per token)
         result.engine_time.seconds, result.engine_time.nanos = divmod(now_ns, 1_000_000_000)
-        for name, value in record.values.items():
+        for name, value in values.items():
             target = result.values[name]
             value.values.fill(target.values)
             if value.token_ids is not None:
