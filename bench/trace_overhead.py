@@ -50,6 +50,7 @@ REQUEST_TIMEOUT_S = 300
 # each cell waits that out first.
 SETTLE_S = 1.5
 LATENCY_NS: dict[str, dict[int, list[int]]] = {}  # row -> concurrency -> samples
+FRONTEND_US: dict[str, dict[int, list[float]]] = {}  # row -> concurrency -> µs per token, per repeat
 
 
 def free_port() -> int:
@@ -58,15 +59,63 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def timed(concurrency: int, rounds: int, one) -> float:
+class CpuMeter:
+    """CPU time the process serving a row spent over a cell's measured window: `pid`
+    and its descendants except vLLM's engine processes (VLLM::*), i.e. the frontend(s).
+    Per generated token, it is what serving costs beside the engine, and far steadier
+    on a noisy machine than tokens/s. Linux (/proc) only; pid None measures nothing."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self.seconds = 0.0
+        self.tokens = 0
+        self._start = 0.0
+
+    def start(self) -> None:
+        self._start = self._cpu_s()
+
+    def stop(self, tokens: int) -> None:
+        self.seconds, self.tokens = self._cpu_s() - self._start, tokens
+
+    def us_per_token(self) -> float | None:
+        return 1e6 * self.seconds / self.tokens if self.pid and self.tokens else None
+
+    def _cpu_s(self) -> float:
+        if not self.pid:
+            return 0.0
+        stats = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    text = (entry / "stat").read_text()
+                except OSError:  # gone meanwhile
+                    continue
+                comm, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+                stats[int(entry.name)] = (int(fields[1]), comm, int(fields[11]) + int(fields[12]))
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in stats.items():
+            children.setdefault(ppid, []).append(pid)
+        ticks, todo = 0, [self.pid]
+        while todo:
+            pid = todo.pop()
+            if pid in stats and not stats[pid][1].startswith("VLLM::"):
+                ticks += stats[pid][2]
+            todo += children.get(pid, [])
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def timed(concurrency: int, rounds: int, one, meter: CpuMeter) -> float:
     """Tokens/s with `concurrency` requests in flight, `rounds` requests per slot."""
     async def slot(i: int) -> int:
         return sum([await one(i * rounds + r, concurrency) for r in range(rounds)])
 
     await asyncio.gather(*(one(i, 0) for i in range(min(concurrency, 4))))  # warm-up (not sampled)
+    meter.start()
     start = time.perf_counter()
     tokens = sum(await asyncio.gather(*(slot(i) for i in range(concurrency))))
-    return tokens / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    meter.stop(tokens)
+    return tokens / elapsed
 
 
 ROWS = ("trace, no interventions", "top-20 logits every step", "full logits every step",
@@ -302,7 +351,7 @@ class ClientProcesses:
             self.procs.append(proc)
 
     def cell(self, name: str):
-        async def run(concurrency: int, rounds: int) -> float:
+        async def run(concurrency: int, rounds: int, meter: CpuMeter) -> float:
             k = len(self.conns)
             shares = [concurrency // k + (1 if i < concurrency % k else 0) for i in range(k)]
             active = [(conn, sum(shares[:i]), share)
@@ -311,9 +360,11 @@ class ClientProcesses:
                 conn.send((name, first, share, rounds, concurrency))
             for conn, _, _ in active:
                 assert await asyncio.to_thread(conn.recv) == "ready"
+            meter.start()
             for conn, _, _ in active:
                 conn.send("go")
             results = [await asyncio.to_thread(conn.recv) for conn, _, _ in active]
+            meter.stop(sum(r[0] for r in results))
             LATENCY_NS.setdefault(name, {}).setdefault(concurrency, []).extend(
                 sample for r in results for sample in r[3])
             return sum(r[0] for r in results) / (max(r[2] for r in results) - min(r[1] for r in results))
@@ -345,8 +396,8 @@ def _profile(server_pid: int, row: str, concurrency: int, out_dir: str) -> list[
 _profile.done = False  # type: ignore[attr-defined]
 
 
-async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int, rows_kinds: tuple[str, ...],
-                  out_dir: str = ".", frontends: int = 1, client_procs: int = 1):
+async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_tokens: int,
+                  rows_kinds: tuple[str, ...], out_dir: str = ".", frontends: int = 1, client_procs: int = 1):
     """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
     the median of `repeats` per cell."""
     began = time.perf_counter()
@@ -376,17 +427,26 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
         # raw, the bare stream (when measured), then tracewire's rows
         cells = {"raw vLLM AsyncLLM": _in_process(raw), **dict(sorted(cells.items(), key=lambda kv: kv[0] != BARE_ROW))}
         samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in cells}
+        # The raw engine shares this process with the tracewire rows' client: no meter.
+        serving = {"raw vLLM AsyncLLM": None, BARE_ROW: bare.pid if bare is not None else None}
+        for c in levels:
+            for name in cells:
+                FRONTEND_US.setdefault(name, {})[c] = []
         try:
             for c in levels:
                 for _ in range(repeats):
                     for name, cell in cells.items():
                         await asyncio.sleep(SETTLE_S)
                         profile = _profile(server.pid, name, c, out_dir)
-                        samples[name][c].append(await cell(c, rounds))
+                        meter = CpuMeter(serving.get(name, server.pid))
+                        samples[name][c].append(await cell(c, rounds[c], meter))
+                        if (us := meter.us_per_token()) is not None:
+                            FRONTEND_US[name][c].append(us)
                         if profile:
                             for p in profile:
                                 p.wait()
-                        log(f"c={c} {name}: {samples[name][c][-1]:.0f} tok/s")
+                        us = f", frontend {FRONTEND_US[name][c][-1]:.0f} µs CPU/token" if FRONTEND_US[name][c] else ""
+                        log(f"c={c} {name}: {samples[name][c][-1]:.0f} tok/s{us}")
         finally:
             llm.shutdown()
             for channel in opened:
@@ -402,8 +462,8 @@ async def measure(model: str, levels, rounds: int, repeats: int, new_tokens: int
 
 
 def _in_process(one):
-    async def run(concurrency: int, rounds: int) -> float:
-        return await timed(concurrency, rounds, one)
+    async def run(concurrency: int, rounds: int, meter: CpuMeter) -> float:
+        return await timed(concurrency, rounds, one, meter)
     return run
 
 
@@ -441,6 +501,9 @@ def main() -> int:
     parser.add_argument("--client-procs", type=int, default=1,
                         help="load-generator processes for the tracewire rows (1: this process)")
     parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency slot")
+    parser.add_argument("--min-tokens", type=int, default=1024,
+                        help="more rounds at low concurrency until a cell generates at least this many "
+                        "tokens (a c=1 cell of 2 requests lasts about a second: too short to read)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 64 (GPU mode: 128)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per cell (median)")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
@@ -467,7 +530,8 @@ def main() -> int:
     if args.hidden:
         ENGINE["enforce_eager"] = True
     kinds = HIDDEN_ROWS if args.hidden else (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else (BARE_ROW, *ROWS))
-    rows = asyncio.run(measure(args.model, levels, args.rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
+    rounds = {c: max(args.rounds, -(-args.min_tokens // (c * args.new_tokens))) for c in levels}
+    rows = asyncio.run(measure(args.model, levels, rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
                                args.frontends, args.client_procs))
     raw = rows["raw vLLM AsyncLLM"]
 
@@ -482,10 +546,14 @@ def main() -> int:
                     "gpu": _gpu_name()},
         "vllm_version": vllm.__version__,
         "model": args.shape or args.model, "engine": ENGINE, "new_tokens": args.new_tokens,
-        "rounds": args.rounds, "repeats": args.repeats, "method": "rows interleaved, median of repeats",
+        "rounds": rounds, "repeats": args.repeats, "method": "rows interleaved, median of repeats",
         "frontends": args.frontends, "client_procs": args.client_procs,
         "tokens_per_second": rows,
         "ratio_to_raw": {k: {c: v[c] / raw[c] for c in levels} for k, v in rows.items()},
+        "frontend_cpu_us_per_token": {
+            k: {c: statistics.median(v) for c, v in by_c.items() if v} for k, by_c in FRONTEND_US.items()
+            if any(by_c.values())
+        },
         "streaming_latency_ms": {
             k: {c: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "samples": len(v)}
                 for c, v in by_c.items()}
@@ -511,6 +579,11 @@ def main() -> int:
     for name, stats in result["streaming_latency_ms"].items():
         cells = " | ".join(f"{stats[c]['p50']:.2f} / {stats[c]['p99']:.2f}" if c in stats else "-" for c in levels)
         print(f"| {name} | {cells} |")
+    print()
+    print("| frontend CPU per generated token (µs) | " + " | ".join(f"c={c}" for c in levels) + " |")
+    print("|" + "---|" * (len(levels) + 1))
+    for name, by_c in result["frontend_cpu_us_per_token"].items():
+        print(f"| {name} | " + " | ".join(f"{by_c[c]:.0f}" if c in by_c else "-" for c in levels) + " |")
     print(f"written to {path}")
     return 0
 
