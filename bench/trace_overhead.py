@@ -260,31 +260,20 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], c
             return len(r.outputs[0].outputs[0].token_ids)
         return one
 
+    def latencies(row: str, concurrency: int) -> list[int]:
+        return LATENCY_NS.setdefault(row, {}).setdefault(concurrency, []) if concurrency else []
+
     def bare(call_bare):
-        """Read exactly as `traced` reads a trace."""
         async def one(i: int, concurrency: int) -> int:
-            steps = 0
-            latencies = LATENCY_NS.setdefault(BARE_ROW, {}).setdefault(concurrency, []) if concurrency else []
-            async for ev in call_bare(str(i % len(PROMPTS)).encode(), timeout=REQUEST_TIMEOUT_S):
-                now = time.time_ns()
-                for step in ev.steps.results:
-                    latencies.append(now - step.engine_time.ToNanoseconds())
-                steps += len(ev.steps.results)
-            return steps
+            call = call_bare(str(i % len(PROMPTS)).encode(), timeout=REQUEST_TIMEOUT_S)
+            return await read_steps(call, latencies(BARE_ROW, concurrency))
         return one
 
     def traced(kind: str):
         async def one(i: int, concurrency: int) -> int:
-            steps = 0
-            latencies = LATENCY_NS.setdefault(kind, {}).setdefault(concurrency, []) if concurrency else []
             call = stubs[i % len(stubs)].Trace(trace_request(kind, PROMPTS[i % len(PROMPTS)], new_tokens),
                                                 timeout=REQUEST_TIMEOUT_S)
-            async for ev in call:
-                now = time.time_ns()
-                for step in ev.steps.results:
-                    latencies.append(now - step.engine_time.ToNanoseconds())
-                steps += len(ev.steps.results)
-            return steps
+            return await read_steps(call, latencies(kind, concurrency))
         return one
 
     fns = {"Generate": generate(sampling),
@@ -297,6 +286,18 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], c
         fns[BARE_ROW] = bare(bare_channel.unary_stream("/tracewire.bench.Bare/Stream",
                                                        response_deserializer=service_pb2.TraceResponse.FromString))
     return opened, fns
+
+
+async def read_steps(call, latencies: list[int]) -> int:
+    """The steps a stream of TraceResponses carries (the bare stream and Trace alike), and
+    each one's time from the server receiving its token to this client holding it."""
+    steps = 0
+    async for ev in call:
+        now = time.time_ns()
+        for step in ev.steps.results:
+            latencies.append(now - step.engine_time.ToNanoseconds())
+        steps += len(ev.steps.results)
+    return steps
 
 
 def _client_proc(conn, port: int, new_tokens: int, rows: tuple[str, ...], channels: int, hidden: int,
