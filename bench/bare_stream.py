@@ -23,23 +23,17 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_overhead import PROMPTS  # noqa: E402
+from trace_overhead import async_llm  # noqa: E402
 
-METHOD = "/tracewire.bench.Bare/Stream"  # request: the prompt's index, as ASCII digits
+SERVICE, NAME = "tracewire.bench.Bare", "Stream"
+METHOD = f"/{SERVICE}/{NAME}"  # request: the prompt's index, as ASCII digits
 
 
 async def serve(port: int, model: str, engine: dict[str, object], new_tokens: int) -> None:
     from tracewire.v1 import service_pb2
-    from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine))
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
-    tok = llm.get_tokenizer()
-    ids = [tok.encode(p) for p in PROMPTS]
+    llm, params, ids = async_llm(model, engine, new_tokens, output_kind=RequestOutputKind.DELTA)
     served = 0
 
     async def stream(request: bytes, context: grpc.aio.ServicerContext):
@@ -60,7 +54,7 @@ async def serve(port: int, model: str, engine: dict[str, object], new_tokens: in
 
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "tracewire.bench.Bare", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}),))
+        SERVICE, {NAME: grpc.unary_stream_rpc_method_handler(stream)}),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     stop = asyncio.Event()

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -129,16 +130,22 @@ GPU_ROWS = ("trace, no interventions", "top-20 logits every step", INTERVAL_ROW,
 HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step")
 
 
-async def raw_engine(model: str, new_tokens: int):
-    """vLLM's AsyncLLM in this process: the baseline, no tracewire code at all."""
+def async_llm(model: str, engine: dict[str, object], new_tokens: int, **params: Any):
+    """vLLM's AsyncLLM on these settings, the bench's greedy sampling params (plus
+    `params`) and PROMPTS as token ids: the raw row's engine and the bare stream's."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **ENGINE))
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine))
+    sampling = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, **params)
     tok = llm.get_tokenizer()
-    ids = [tok.encode(p) for p in PROMPTS]
+    return llm, sampling, [tok.encode(p) for p in PROMPTS]
+
+
+async def raw_engine(model: str, new_tokens: int):
+    """vLLM's AsyncLLM in this process: the baseline, no tracewire code at all."""
+    llm, params, ids = async_llm(model, ENGINE, new_tokens)
 
     async def one(i: int, concurrency: int) -> int:
         final = None
@@ -283,8 +290,9 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], c
     if bare_port:
         bare_channel = grpc.aio.insecure_channel(f"127.0.0.1:{bare_port}")
         opened.append(bare_channel)
-        fns[BARE_ROW] = bare(bare_channel.unary_stream("/tracewire.bench.Bare/Stream",
-                                                       response_deserializer=service_pb2.TraceResponse.FromString))
+        from bare_stream import METHOD
+        fns[BARE_ROW] = bare(bare_channel.unary_stream(
+            METHOD, response_deserializer=service_pb2.TraceResponse.FromString))
     return opened, fns
 
 
