@@ -15,7 +15,7 @@ _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-ti
 
 
 def parse_args(argv: list[str]) -> ServerConfig:
-    from .engine import default_cpu_environment
+    from .engine import default_cpu_environment, use_compiled_steering
     from .vllm_compat import AsyncEngineArgs, FlexibleArgumentParser
 
     default_cpu_environment()
@@ -77,6 +77,14 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "with RESOURCE_EXHAUSTED",
     )
     group.add_argument(
+        "--compiled-steering",
+        action="store_true",
+        help="serve decoder-layer writes (add / replace / zero on layers.N) on a compiled, "
+        "CUDA-graph engine: the writes become part of the compiled graph, which then runs one "
+        "small gather-and-add per decoder layer in every forward pass. Without it a compiled "
+        "engine refuses module interventions (--enforce-eager serves them all)",
+    )
+    group.add_argument(
         "--enable-fault-injection",
         action="store_true",
         help="testing only: interventions named '__fault__:<message>' raise in the engine hooks",
@@ -88,6 +96,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
     if args.frontends < 1:
         parser.error("--frontends must be >= 1")
     engine_args = AsyncEngineArgs.from_cli_args(args)
+    if args.compiled_steering:
+        use_compiled_steering(engine_args)
     return ServerConfig(
         host=args.host,
         port=args.port,

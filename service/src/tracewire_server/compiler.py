@@ -314,6 +314,26 @@ class _Compiler:
             raise FailedPrecondition(
                 f"{field}: module hooks do not run inside compiled / CUDA-graph steps; this server "
                 "runs its engine compiled. Start it with --enforce-eager to serve module interventions"
+                + ("" if self.limits.compiled_steering else
+                   " (or --compiled-steering for add / replace / zero writes on decoder layers)")
+            )
+
+    def require_writable(self, module: str, edit: str | None, field: str) -> None:
+        """Eager engines write any module; compiled ones with --compiled-steering only
+        what their graph tables express."""
+        if self.limits.module_interventions:
+            return
+        if not self.limits.compiled_steering:
+            self.require_eager(field)
+        if not P.is_decoder_layer(module):
+            raise FailedPrecondition(
+                f"{field}.module: this server's compiled engine writes decoder layers (layers.N) only, "
+                f"not {module!r}; start it with --enforce-eager to write other modules"
+            )
+        if edit not in P.COMPILED_EDITS:
+            raise FailedPrecondition(
+                f"{field}.op: this server's compiled engine serves {', '.join(P.COMPILED_EDITS)} "
+                f"writes, not {edit!r}; start it with --enforce-eager for it"
             )
 
     def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:
@@ -331,8 +351,8 @@ class _Compiler:
         return P.ReadLogitLens(tuple(layers), positions, top_k)
 
     def write_module(self, w: ipb.WriteModule, field: str) -> P.Action:
-        self.require_eager(field)
         self.module_path(w.module, f"{field}.module")
+        self.require_writable(w.module, w.WhichOneof("op"), field)
         positions = self.positions(w.positions, f"{field}.positions") if w.HasField("positions") else P.Positions()
         scale = w.scale if w.HasField("scale") else 1.0
         if not math.isfinite(scale):

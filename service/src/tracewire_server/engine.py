@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import vllm_compat
+from . import steering, vllm_compat
 from .detokenize import DecodeStreamTracker, TextTracker
 from .errors import InvalidArgument, Unavailable
 from .limits import ModelLimits
@@ -140,6 +140,7 @@ class Engine:
             num_layers=description.num_layers,
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
+            compiled_steering=steering_tables(engine_args) and not llm.model_config.enforce_eager,
         )
         try:
             await _install_worker_hooks(llm, receiver.address, fault_injection, route)
@@ -229,6 +230,26 @@ def use_worker_hooks(engine_args: Any) -> None:
             f"{engine_args.worker_extension_cls!r} cannot be combined with it"
         )
     engine_args.worker_extension_cls = WORKER_EXTENSION
+
+
+def use_compiled_steering(engine_args: Any) -> None:
+    """`--compiled-steering`: build decoder-layer writes into the compiled graph. The
+    model loads through steering.py's loader (wrapping the configured load format),
+    which attaches the graph's tables before vLLM compiles the model. Eager engines
+    need none of it: their module hooks serve every write."""
+    if engine_args.enforce_eager or steering_tables(engine_args):
+        return
+    engine_args.load_format, engine_args.model_loader_extra_config = steering.wrap_load_format(
+        engine_args.load_format, engine_args.model_loader_extra_config
+    )
+    # vLLM's compile cache is keyed by a config hash that leaves the load format out:
+    # without a key of our own, an engine with tables and one without would share
+    # (and load) each other's compiled graphs.
+    engine_args.additional_config = {**(engine_args.additional_config or {}), "tracewire_steering_tables": 1}
+
+
+def steering_tables(engine_args: Any) -> bool:
+    return bool(engine_args.load_format == steering.LOAD_FORMAT)
 
 
 def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:

@@ -15,3 +15,6 @@ class ModelLimits:
     modules: frozenset[str] = frozenset()  # module paths reads may address
     # Module hooks only fire outside compiled graphs: the engine must run eager.
     module_interventions: bool = False
+    # A compiled engine started with --compiled-steering serves the writes its graph
+    # tables can express: add / replace / zero on a decoder layer (steering.py).
+    compiled_steering: bool = False

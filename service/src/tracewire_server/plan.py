@@ -172,6 +172,18 @@ class MaskLogits(msgspec.Struct, frozen=True, tag="mask_logits"):
 
 
 ModuleEdit = Literal["add", "replace", "zero", "mean"]
+# What a compiled engine's steering tables express (stream' = a * stream + b, steering.py);
+# a mean depends on the rows it averages: eager engines only.
+COMPILED_EDITS: tuple[ModuleEdit, ...] = ("add", "replace", "zero")
+
+
+def is_decoder_layer(path: str) -> bool:
+    """`layers.N`: a decoder layer's output, the residual stream after it."""
+    return path.startswith("layers.") and path.count(".") == 1
+
+
+def layer_number(path: str) -> int:
+    return int(path.split(".")[1])
 
 
 class WriteModule(msgspec.Struct, frozen=True, tag="write_module"):

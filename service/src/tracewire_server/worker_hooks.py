@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from . import plan as P
+from . import steering
 from .collector import StepCollector
 from .sidechannel import ReadResult, RowBlock, Sender, StepBatch, StepRecord, token_read
 from .tensors import RawTensor
@@ -687,17 +688,13 @@ def _logits(
     return src.to(torch.float32, copy=True), None
 
 
-def _is_decoder_layer(path: str) -> bool:
-    return path.startswith("layers.") and path.count(".") == 1
-
-
 def _module_output(path: str, output: Any) -> torch.Tensor:
     """The value a module read sees: for decoder layers the residual stream after the
     layer (vLLM's layers return (hidden, residual) with the add deferred to the next
     norm: the stream is their sum); for the final norm its normed output."""
     if isinstance(output, tuple):
         hidden, residual = output[0], output[1] if len(output) > 1 else None
-        if _is_decoder_layer(path) and residual is not None:
+        if P.is_decoder_layer(path) and residual is not None:
             return hidden + residual
         return hidden
     return output
@@ -706,7 +703,7 @@ def _module_output(path: str, output: Any) -> torch.Tensor:
 def _edit_module_output(path: str, output: Any, edits: list[tuple[list[int], P.WriteModule, _Sequence]]) -> None:
     """Apply module writes in place. For decoder layers the edit is to the residual stream
     (hidden + residual): only `hidden` changes, so the stream becomes what was asked."""
-    is_layer = isinstance(output, tuple) and _is_decoder_layer(path)
+    is_layer = isinstance(output, tuple) and P.is_decoder_layer(path)
     target = output[0] if isinstance(output, tuple) else output
     residual = output[1] if is_layer and output[1] is not None else None
     if all(edit.edit == "add" for _, edit, _ in edits):
@@ -856,6 +853,8 @@ class PlanHooks:
         self._step: _Step | None = None
         self._tokenizer: Any = None
         self.lens: _Lens | None = None
+        self.steering: steering.SlotPlanner | None = None  # compiled engines with --compiled-steering
+        self.module_writers: set[str] = set()  # live requests whose plans write modules
         # Off the engine's thread only where the device runs ahead of the host.
         threaded = runner.device.type == "cuda" if hasattr(runner, "device") else True
         self.collector: StepCollector[_StepWork] = StepCollector(self._finish, threaded=threaded)
@@ -926,6 +925,46 @@ class PlanHooks:
             module.register_forward_hook(
                 lambda module, args, output, path=path: self._module_hook(path, output)
             )
+
+    def install_compiled_steering(self, runner: Any, tables: steering.SteeringTables) -> None:
+        """Fill the compiled graph's steering tables before each forward pass (wraps the
+        runner's `_model_forward`, which runs on the host before the graph is replayed)."""
+        self._wants, self._edits = {}, {}
+        self.steering = steering.SlotPlanner(tables)
+        original = runner._model_forward
+
+        def model_forward(*args: Any, **kw: Any) -> Any:
+            self._steer_safely()
+            return original(*args, **kw)
+
+        runner._model_forward = model_forward
+
+    def _steer_safely(self) -> None:
+        planner = self.steering
+        assert planner is not None
+        edits: dict[int, list[steering.Edit]] = {}
+        try:
+            if self._writes_modules():
+                self._plan_forward()
+                for path, path_edits in self._edits.items():
+                    edits[P.layer_number(path)] = path_edits
+            for seq, error in planner.prepare(edits, lambda seq, edit: _vector(seq, edit, planner.tables.vectors)):
+                seq.error = seq.error or error
+        except Exception as e:  # noqa: BLE001 - never break vLLM's forward pass
+            log.exception("steering tables failed; failing this pass's steered traces")
+            for path_edits in edits.values():
+                for _, _, seq in path_edits:
+                    seq.error = seq.error or f"{type(e).__name__} filling the steering tables: {e}"
+
+    def _writes_modules(self) -> bool:
+        """Whether a request in this batch has module writes: requests without cost a
+        set difference per forward pass."""
+        req_ids = self.runner.input_batch.req_ids
+        for req_id in set(req_ids).difference(self.sequences):
+            self._sequence(req_id)  # first pass of a request: its plan is read here
+        if self.module_writers:
+            self.module_writers.intersection_update(self.runner.requests)
+        return bool(self.module_writers)
 
     def _plan_forward_safely(self) -> None:
         try:
@@ -1027,9 +1066,12 @@ class PlanHooks:
         if blob is not None:
             plan = P.decode_plan(blob)
             seq = _Sequence(plan, needs_text=plan.needs_text(), prompt_ids=list(state.prompt_token_ids or ()))
+            if any(isinstance(op.action, P.WriteModule) for op in plan.ops):
+                self.module_writers.add(req_id)
         if len(self.sequences) > 2 * len(self.runner.requests) + 64:
             live = self.runner.requests.keys()
             self.sequences = {k: v for k, v in self.sequences.items() if k in live}
+            self.module_writers.intersection_update(live)
         self.sequences[req_id] = seq
         return seq
 
@@ -1212,4 +1254,6 @@ def _install_hooks(runner: Any, fault_injection: bool) -> PlanHooks:
     hooks.install(runner.sampler)
     if runner.model_config.enforce_eager:  # hooks cannot fire inside compiled graphs
         hooks.install_module_hooks(runner.model)
+    elif (tables := steering.find(runner.get_model())) is not None:
+        hooks.install_compiled_steering(runner, tables)
     return hooks

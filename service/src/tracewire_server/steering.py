@@ -1,0 +1,231 @@
+"""Decoder-layer writes built into compiled graphs and CUDA graphs (`--compiled-steering`).
+
+Python forward hooks cannot fire inside a compiled / CUDA-graph forward pass, and
+vLLM compiles (and captures) the model while the engine starts, before tracewire's
+per-request hooks are installed. So the writes are made part of the graph itself,
+as data-driven code that every forward pass runs:
+
+    stream' = a[slot] * stream + b[slot]          after each decoder layer
+
+with persistent device tables: `slots[token, layer]` picks each flat token row's
+slot, and slot 0 (every row without a write) is a = 1, b = 0, which leaves the
+bf16 / fp32 stream bit for bit as it was. An add is (1, s*v), a replace (0, v), a
+zero (0, 0). The graph reads the tables; the host only changes their contents
+between forward passes (`SlotPlanner`), so graph replay picks up each step's
+writes with no recapture.
+
+The tables are attached while the model loads: `--compiled-steering` swaps the
+engine's load format for this module's loader, which loads the model with the
+configured format and then registers one forward hook per decoder layer. Dynamo
+traces those hooks into the compiled graph on the first (profiling) forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.model_executor.model_loader import get_model_loader, register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from . import plan as P
+
+LOAD_FORMAT = "tracewire_steering"
+# model_loader_extra_config keys: the format (and its own extra config) that loads the weights.
+INNER_FORMAT = "tracewire_inner_load_format"
+INNER_EXTRA = "tracewire_inner_extra_config"
+
+
+def wrap_load_format(load_format: str, extra: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """Engine-arg values that load with `load_format` through the steering loader."""
+    return LOAD_FORMAT, {INNER_FORMAT: str(load_format), INNER_EXTRA: dict(extra or {})}
+
+
+class SteeringTables(torch.nn.Module):
+    """The per-layer write tables the compiled graph reads (buffers: fixed addresses)."""
+
+    def __init__(self, layers: list[int], slots: int, max_tokens: int, hidden: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layers = layers  # decoder layer numbers on this rank, in table order
+        self.register_buffer("scales", torch.ones(len(layers), slots, 1, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("vectors", torch.zeros(len(layers), slots, hidden, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("slots", torch.zeros(max_tokens, len(layers), dtype=torch.long, device=device),
+                             persistent=False)
+
+    def apply(self, table: int, output: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        # vLLM's decoder layers return (hidden, residual) with the add deferred to the
+        # next norm; the stream is their sum. Only `hidden` changes:
+        # a*(h + r) + b - r = a*h + (a - 1)*r + b.
+        hidden, residual = output
+        slot = self.slots[: hidden.shape[0], table]
+        a = self.scales[table].index_select(0, slot)
+        b = self.vectors[table].index_select(0, slot)
+        return hidden * a + (a - 1) * residual + b, residual
+
+
+def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables:
+    """Register the tables on `model` (before its first forward pass compiles it)."""
+    inner = model.model  # type: ignore[attr-defined]
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", len(inner.layers))  # pipeline parallel: this rank's layers
+    layers = list(range(start, end))
+    sched = vllm_config.scheduler_config
+    sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or [0]
+    max_tokens = max(int(sched.max_num_batched_tokens), max(sizes))
+    weight = next(model.parameters())
+    tables = SteeringTables(layers, slots=int(sched.max_num_seqs) + 1, max_tokens=max_tokens,
+                            hidden=int(vllm_config.model_config.get_hidden_size()),
+                            dtype=weight.dtype, device=weight.device)
+    inner.tracewire_steering = tables
+    for table, layer in enumerate(layers):
+        inner.layers[layer].register_forward_hook(
+            lambda module, args, output, table=table: tables.apply(table, output)
+        )
+    return tables
+
+
+def find(model: Any) -> SteeringTables | None:
+    return getattr(getattr(model, "model", None), "tracewire_steering", None)
+
+
+@register_model_loader(LOAD_FORMAT)
+class SteerableLoader(BaseModelLoader):
+    """Loads with the configured format, then attaches the steering tables."""
+
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        extra = dict(load_config.model_loader_extra_config or {})
+        self.inner = get_model_loader(dataclasses.replace(
+            load_config, load_format=extra.get(INNER_FORMAT, "auto"),
+            model_loader_extra_config=extra.get(INNER_EXTRA) or {},
+        ))
+
+    def download_model(self, model_config: Any) -> None:
+        self.inner.download_model(model_config)
+
+    def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+        self.inner.load_weights(model, model_config)
+
+    def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
+        model = self.inner.load_model(vllm_config, model_config, prefix=prefix)
+        attach(model, vllm_config)
+        return model
+
+
+# -- the host side: filling the tables for each forward pass ---------------------
+
+# A decoder-layer write applied to these flat token rows of one forward pass, for
+# `owner` (the worker's per-request state; slots are keyed by its identity).
+Edit = tuple[list[int], P.WriteModule, Any]
+SlotKey = tuple[int, tuple[int, ...]]
+
+
+@dataclass
+class _Slot:
+    index: int
+    used: bool  # by the forward pass being prepared
+
+
+class SlotPlanner:
+    """Keeps the tables' contents in step with each forward pass's writes.
+
+    A slot holds one request's composed writes at one layer. It is written once and
+    kept while the request goes on writing the same way, so steady steering costs one
+    small host-to-device copy of the slot indices per forward pass. The indices go
+    through a ring of pinned buffers: the copy of one pass may still be pending on the
+    device when the host prepares the next.
+    """
+
+    RING = 3
+
+    def __init__(self, tables: SteeringTables) -> None:
+        self.tables = tables
+        self.table_of = {layer: t for t, layer in enumerate(tables.layers)}
+        max_tokens, num_tables = tables.slots.shape
+        pin = tables.slots.device.type == "cuda"
+        self.host = [torch.zeros(max_tokens, num_tables, dtype=torch.long, pin_memory=pin) for _ in range(self.RING)]
+        self.events: list[Any] = [None] * self.RING
+        self.turn = 0
+        self.host_rows = [0] * self.RING  # rows of each host buffer that may be nonzero
+        self.device_rows = 0  # rows of tables.slots that may be nonzero
+        num_slots = tables.vectors.shape[1]
+        self.assigned: list[dict[SlotKey, _Slot]] = [{} for _ in range(num_tables)]
+        self.free: list[list[int]] = [list(range(num_slots - 1, 0, -1)) for _ in range(num_tables)]
+
+    def prepare(
+        self, edits: dict[int, list[Edit]], vector: Callable[[Any, P.WriteModule], torch.Tensor]
+    ) -> list[tuple[Any, str]]:
+        """Fill the tables for the next forward pass: `edits` by decoder layer number;
+        `vector(owner, edit)` gives an edit's vector on the device (scaled for adds).
+        Returns the owners whose writes found no free slot, with why; the others' are
+        in place."""
+        if not edits and self.device_rows == 0:
+            return []  # nothing written now or in the last pass: every row is on slot 0
+        host = self._next_host()
+        rows, full = 0, []
+        for layer, layer_edits in edits.items():
+            table = self.table_of[layer]
+            by_row: dict[tuple[int, int], tuple[Any, list[P.WriteModule]]] = {}
+            for edit_rows, edit, owner in layer_edits:
+                for row in edit_rows:
+                    by_row.setdefault((id(owner), row), (owner, []))[1].append(edit)
+            for (_, row), (owner, row_edits) in by_row.items():
+                slot = self._slot(table, owner, row_edits, vector)
+                if slot is None:
+                    full.append((owner, f"more than {self.tables.vectors.shape[1] - 1} different "
+                                        f"writes at layer {layer} in one forward pass"))
+                    continue
+                host[row, table] = slot
+                rows = max(rows, row + 1)
+        for table in range(len(self.assigned)):
+            self._release_unused(table)
+        self.host_rows[self.turn] = rows
+        count = max(rows, self.device_rows)  # also clears what the last pass left
+        self.tables.slots[:count].copy_(host[:count], non_blocking=True)
+        self.device_rows = rows
+        if host.is_pinned():
+            self.events[self.turn] = event = torch.cuda.Event()
+            event.record()
+        return full
+
+    def _next_host(self) -> torch.Tensor:
+        self.turn = (self.turn + 1) % self.RING
+        event = self.events[self.turn]
+        if event is not None:
+            event.synchronize()  # its copy was queued RING passes ago: long done
+        host = self.host[self.turn]
+        host[: self.host_rows[self.turn]].zero_()
+        return host
+
+    def _slot(self, table: int, owner: Any, edits: list[P.WriteModule],
+              vector: Callable[[Any, P.WriteModule], torch.Tensor]) -> int | None:
+        key = (id(owner), tuple(map(id, edits)))
+        slot = self.assigned[table].get(key)
+        if slot is None:
+            if not self.free[table]:
+                return None
+            slot = self.assigned[table][key] = _Slot(self.free[table].pop(), used=True)
+            a, b = 1.0, torch.zeros_like(self.tables.vectors[table, 0])
+            for edit in edits:  # composed in plan order
+                if edit.edit == "add":
+                    b = b + vector(owner, edit)
+                elif edit.edit == "replace":
+                    a, b = 0.0, vector(owner, edit)
+                else:  # zero
+                    a, b = 0.0, torch.zeros_like(b)
+            self.tables.scales[table, slot.index].fill_(a)
+            self.tables.vectors[table, slot.index].copy_(b)
+        slot.used = True
+        return slot.index
+
+    def _release_unused(self, table: int) -> None:
+        assigned = self.assigned[table]
+        for key in [k for k, s in assigned.items() if not s.used]:
+            self.free[table].append(assigned.pop(key).index)
+        for slot in assigned.values():
+            slot.used = False

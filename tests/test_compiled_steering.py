@@ -1,0 +1,155 @@
+"""Decoder-layer writes on a compiled engine (--compiled-steering), against transformers.
+
+The server here runs vLLM compiled (torch.compile on the CPU; on a GPU also CUDA
+graphs), with the writes built into the compiled graph as tables (steering.py). The
+same edits applied by forward hooks in transformers are the reference; the eager
+engine's module hooks (test_hidden_states.py) must give the same.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import tracewire as tw
+from conftest import start_server
+from test_hidden_states import GREEDY, PROMPT, hf_steered, steer
+from trace_requests import f32, invoke, iv, run, steps, trace
+from tracewire.v1 import intervention_pb2 as I
+from tracewire.v1 import service_pb2_grpc
+
+RAW = I.ReadLogits(stage=I.LOGITS_STAGE_RAW, full=I.FullRow())
+
+
+@pytest.fixture(scope="module")
+def steerable(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("steerable"), "--compiled-steering")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def sstub(steerable):
+    with grpc.insecure_channel(steerable.target) as channel:
+        yield service_pb2_grpc.TraceServiceStub(channel)
+
+
+def test_the_engine_is_compiled(steerable):
+    log = steerable.log()
+    assert "enforce_eager=False" in log and "load_format=tracewire_steering" in log
+
+
+def test_steering_every_step_matches_transformers(sstub, hf):
+    vector = np.random.default_rng(0).normal(size=hf.model.config.hidden_size).astype(np.float32)
+    ids = hf.encode(PROMPT)
+    result = run(sstub, trace(invoke(PROMPT, iv(write_module=steer(vector, scale=4.0)), iv("raw", read_logits=RAW)),
+                              max_tokens=6, **GREEDY))
+    tokens = result.tokens()
+    assert tokens != hf.greedy(ids, 6)  # the vector changes the continuation
+    seq = list(ids)
+    for step in range(6):
+        ref = hf_steered(hf, seq, 1, lambda rows: rows + 4.0 * torch.from_numpy(vector), len(ids) - 1)
+        np.testing.assert_allclose(result.values("raw")[step], ref.numpy(), atol=2e-3, rtol=1e-4)
+        assert tokens[step] == int(ref.argmax())
+        seq.append(tokens[step])
+
+
+def test_replace_and_zero_at_prompt_positions(sstub, hf):
+    hidden = hf.model.config.hidden_size
+    ids = hf.encode(PROMPT)
+    vector = np.random.default_rng(1).normal(size=hidden).astype(np.float32)
+    at = I.Positions(prompt_list=I.PositionList(positions=[1, 2]))
+    replace = I.WriteModule(module="layers.2", positions=at, replace=f32(vector))
+    zero = I.WriteModule(module="layers.0", positions=I.Positions(prompt_list=I.PositionList(positions=[3])),
+                         zero=I.ZeroAblation())
+    writes = [iv(write_module=replace), iv(write_module=zero)]
+    result = run(sstub, trace(invoke(PROMPT, *writes, iv("raw", read_logits=RAW)), max_tokens=1, **GREEDY))
+
+    def edit(rows_of):
+        def hook(module, args, output):
+            hidden_states = (output[0] if isinstance(output, tuple) else output).clone()
+            for pos, value in rows_of.items():
+                hidden_states[0, pos] = value
+            return (hidden_states, *output[1:]) if isinstance(output, tuple) else hidden_states
+        return hook
+
+    handles = [hf.model.model.layers[2].register_forward_hook(edit({1: torch.from_numpy(vector),
+                                                                    2: torch.from_numpy(vector)})),
+               hf.model.model.layers[0].register_forward_hook(edit({3: torch.zeros(hidden)}))]
+    try:
+        with torch.no_grad():
+            ref = hf.model(torch.tensor([ids])).logits[0, -1].float()
+    finally:
+        for h in handles:
+            h.remove()
+    np.testing.assert_allclose(result.values("raw")[0], ref.numpy(), atol=2e-3, rtol=1e-4)
+    assert not np.allclose(result.values("raw")[0], hf.next_logits(ids).numpy(), atol=1e-2)
+
+
+def test_concurrent_steering_and_plain_requests_keep_to_their_rows(steerable, sstub, hf):
+    rng = np.random.default_rng(3)
+    vectors = [rng.normal(size=256).astype(np.float32) * s for s in (3.0, -3.0, 6.0)]
+    # two writes on one layer compose in plan order: adding v and then -v is no write
+    both = trace(invoke(PROMPT, iv(write_module=steer(vectors[0])), iv(write_module=steer(vectors[0], scale=-1.0))),
+                 max_tokens=8, **GREEDY)
+    requests = [trace(invoke(PROMPT, iv(write_module=steer(v))), max_tokens=8, **GREEDY) for v in vectors] + [both]
+    solo = [run(sstub, r).tokens() for r in requests]
+    assert len({tuple(t) for t in solo[:3]}) == 3
+    assert solo[3] == hf.greedy(hf.encode(PROMPT), 8) != solo[0]
+    client = tw.Client(steerable.target, timeout=120)
+    story = "Once upon a time"
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        plain = [pool.submit(client.generate, story, max_tokens=12, **GREEDY) for _ in range(3)]
+        together = list(pool.map(lambda r: run(sstub, r).tokens(), requests * 2))
+        outs = [f.result()[0] for f in plain]
+    assert together == solo * 2
+    assert all(o.outputs[0].token_ids == hf.greedy(hf.encode(story), 12) for o in outs)
+
+
+def test_steering_from_a_later_step_only(sstub, hf):
+    """Tables are cleared between forward passes: only the positions of the selected
+    steps are steered (their keys and values stay steered in the cache, as in eager)."""
+    vector = torch.from_numpy(np.random.default_rng(4).normal(size=256).astype(np.float32) * 8.0)
+    late = iv(sel=steps(start=3, stop=5), write_module=steer(vector.numpy()))
+    tokens = run(sstub, trace(invoke(PROMPT, late), max_tokens=8, **GREEDY)).tokens()
+    ids = hf.encode(PROMPT)
+    steered = {len(ids) - 1 + 3, len(ids) - 1 + 4}  # the position each selected step computes
+
+    def hook(module, args, output):
+        hidden = (output[0] if isinstance(output, tuple) else output).clone()
+        for pos in steered:
+            if pos < hidden.shape[1]:
+                hidden[0, pos] += vector
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    handle = hf.model.model.layers[1].register_forward_hook(hook)
+    try:
+        expected = hf.greedy(ids, 8)
+    finally:
+        handle.remove()
+    assert tokens == expected
+    assert tokens[:3] == hf.greedy(ids, 3) and tokens != hf.greedy(ids, 8)
+
+
+def test_what_the_compiled_tables_cannot_do_is_refused(sstub, stub):
+    zero = np.zeros(256, np.float32)
+    cases = [
+        (iv("h", read_module=I.ReadModule(module="layers.0")), "read_module", "--enforce-eager"),
+        (iv(write_module=steer(zero, module="layers.1.mlp")), "write_module.module", "layers.N"),
+        (iv(write_module=I.WriteModule(module="layers.1", positions=I.Positions(all_prompt=I.AllPrompt()),
+                                       mean=I.MeanAblation())), "write_module.op", "'mean'"),
+        (iv("l", read_logit_lens=I.ReadLogitLens(layers=[1])), "read_logit_lens", "--enforce-eager"),
+    ]
+    for intervention, field, says in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            run(sstub, trace(invoke(PROMPT, intervention)))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, field
+        assert f"interventions[0].{field}" in info.value.details() and says in info.value.details()
+    # the session server is compiled without the tables: it names both ways out
+    with pytest.raises(grpc.RpcError) as info:
+        run(stub, trace(invoke(PROMPT, iv(write_module=steer(zero)))))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--enforce-eager" in info.value.details() and "--compiled-steering" in info.value.details()
