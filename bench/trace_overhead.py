@@ -128,6 +128,11 @@ INTERVAL_ROW = "top-20 logits every step, 50 ms stream interval"
 GPU_ROWS = ("trace, no interventions", "top-20 logits every step", INTERVAL_ROW, "forced token at step 0")
 # --hidden: module hooks need eager engines (both engines run --enforce-eager then).
 HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step")
+# --compiled-steering: both engines compiled (CUDA graphs on a GPU), the server with its
+# steering tables; layer reads need eager engines, so only the write is measured.
+COMPILED_STEERING_ROWS = ("trace, no interventions", "steering write every step")
+SERVER_FLAGS: list[str] = []  # tracewire's own options for the server (not the raw engine's)
+BENCHMARK = {"trace": "trace-overhead", "hidden": "hidden-overhead", "compiled-steering": "compiled-steering-overhead"}
 
 
 def async_llm(model: str, engine: dict[str, object], new_tokens: int, **params: Any):
@@ -209,7 +214,7 @@ def start_server(model: str, log_path: Path, frontends: int) -> tuple[subprocess
     """The tracewire server in a subprocess, its output in `log_path`."""
     port = free_port()
     args = [sys.executable, "-m", "tracewire_server", "--model", model, "--port", str(port),
-            "--frontends", str(frontends)]
+            "--frontends", str(frontends), *SERVER_FLAGS]
     for key, value in ENGINE.items():  # the same engine settings as the raw engine
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -503,8 +508,12 @@ def main() -> int:
                         "concurrency 1,16,64,256, 128 new tokens")
     parser.add_argument("--concurrency", default=None, help="default 1,16,64 (GPU mode: 1,16,64,256)")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
-    parser.add_argument("--hidden", action="store_true",
-                        help="hidden-state rows (layer read, steering write) on eager engines")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--hidden", action="store_true",
+                      help="hidden-state rows (layer read, steering write) on eager engines")
+    mode.add_argument("--compiled-steering", action="store_true",
+                      help="the steering row on compiled engines (CUDA graphs on a GPU): the server "
+                      "runs with --compiled-steering")
     parser.add_argument("--frontends", type=int, default=1,
                         help="the server's --frontends (processes sharing its engine core)")
     parser.add_argument("--client-procs", type=int, default=1,
@@ -538,7 +547,12 @@ def main() -> int:
 
     if args.hidden:
         ENGINE["enforce_eager"] = True
-    kinds = HIDDEN_ROWS if args.hidden else (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else (BARE_ROW, *ROWS))
+    if args.compiled_steering:
+        SERVER_FLAGS.append("--compiled-steering")
+        kinds = COMPILED_STEERING_ROWS
+    else:
+        kinds = HIDDEN_ROWS if args.hidden else (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else (BARE_ROW, *ROWS))
+    kind = "compiled-steering" if args.compiled_steering else "hidden" if args.hidden else "trace"
     rounds = {c: max(args.rounds, -(-args.min_tokens // (c * args.new_tokens))) for c in levels}
     rows = asyncio.run(measure(args.model, levels, rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
                                args.frontends, args.client_procs))
@@ -548,7 +562,7 @@ def main() -> int:
 
     now = dt.datetime.now(dt.UTC)
     result = {
-        "benchmark": "hidden-overhead" if args.hidden else "trace-overhead",
+        "benchmark": BENCHMARK[kind],
         "date": now.isoformat(timespec="seconds"),
         "machine": {"host": platform.node(), "platform": platform.platform(),
                     "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
@@ -571,8 +585,7 @@ def main() -> int:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kind = ("hidden" if args.hidden else "trace") + (f"-{args.shape}" if args.shape else "")
-    path = out_dir / f"{kind}-overhead-{now:%Y%m%d-%H%M}-{platform.node()}.json"
+    path = out_dir / f"{kind}{f'-{args.shape}' if args.shape else ''}-overhead-{now:%Y%m%d-%H%M}-{platform.node()}.json"
     path.write_text(json.dumps(result, indent=2))
 
     header = "| row | " + " | ".join(f"c={c} tok/s (x raw)" for c in levels) + " |"
