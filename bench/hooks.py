@@ -15,15 +15,17 @@ import multiprocessing
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service" / "src"), str(ROOT / "tests")]
 
 from tracewire_server import plan as P  # noqa: E402
-from tracewire_server import sidechannel  # noqa: E402
+from tracewire_server import sidechannel, steering  # noqa: E402
 from tracewire_server import worker_hooks as W  # noqa: E402
 from worker_standin import Sampler, request, runner  # noqa: E402
 
@@ -69,6 +71,43 @@ def measure(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: int, address: s
     return statistics.median(samples)
 
 
+STEER = P.Op("", P.StepSet(), None, P.WriteModule("layers.1", P.Positions(), "add",
+                                                 np.full(256, 0.01, "<f4").tobytes()))
+
+
+def measure_steering(rows: int, steps: int, address: str) -> float:
+    """The same for a steering write every step on a compiled engine: the steering
+    tables filled before each forward pass (steering.py), plus the sampler hooks."""
+    requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=(STEER,)))) for i in range(rows)}
+    for state in requests.values():
+        state.output_token_ids = []
+    engine = runner(requests)
+    engine.query_start_loc = types.SimpleNamespace(np=np.arange(rows + 1))  # one decode row each
+    engine.input_batch.num_computed_tokens_cpu = np.full(rows, 2)  # after the 2-token prompt
+    engine._model_forward = lambda: None
+    hooks = W.PlanHooks(engine, fault_injection=False)
+    hooks.senders[0] = sidechannel.Sender(address)
+    tables = steering.SteeringTables([0, 1, 2, 3], slots=rows + 1, max_tokens=rows, hidden=256,
+                                     dtype=torch.float32, device=torch.device("cpu"))
+    hooks.install_compiled_steering(engine, tables)
+    bare, hooked = Sampler(), Sampler()
+    hooks.install(hooked)
+    logits = torch.randn(rows, 2048)
+
+    def run(sampler: Sampler, forward) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            forward()
+            sampler.forward(logits.clone(), None)
+        return time.perf_counter() - start
+
+    run(hooked, engine._model_forward)
+    samples = [(run(hooked, engine._model_forward) - run(bare, lambda: None)) / (steps * rows) * 1e6
+               for _ in range(5)]
+    hooks.senders[0].close()
+    return statistics.median(samples)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="64,256")
@@ -86,6 +125,8 @@ def main() -> int:
     for name, ops in PLANS.items():
         cells = [measure(ops, r, args.vocab, args.steps, address) for r in levels]
         print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    cells = [measure_steering(r, args.steps, address) for r in levels]
+    print("| steering write every step (compiled tables) | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     reader.kill()
     return 0
 

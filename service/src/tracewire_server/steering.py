@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,7 +77,10 @@ def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables:
     sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or [0]
     max_tokens = max(int(sched.max_num_batched_tokens), max(sizes))
     weight = next(model.parameters())
-    tables = SteeringTables(layers, slots=int(sched.max_num_seqs) + 1, max_tokens=max_tokens,
+    # Slot 0, and two per request the scheduler may hold (running, or preempted and
+    # waiting with its slots kept; a request uses more than one only for writes that
+    # differ between its rows in one pass).
+    tables = SteeringTables(layers, slots=2 * int(sched.max_num_seqs) + 1, max_tokens=max_tokens,
                             hidden=int(vllm_config.model_config.get_hidden_size()),
                             dtype=weight.dtype, device=weight.device)
     inner.tracewire_steering = tables
@@ -119,23 +121,12 @@ class SteerableLoader(BaseModelLoader):
 
 # -- the host side: filling the tables for each forward pass ---------------------
 
-# A decoder-layer write applied to these flat token rows of one forward pass, for
-# `owner` (the worker's per-request state; slots are keyed by its identity).
-Edit = tuple[list[int], P.WriteModule, Any]
-SlotKey = tuple[int, tuple[int, ...]]
-
-
-@dataclass
-class _Slot:
-    index: int
-    used: bool  # by the forward pass being prepared
-
 
 class SlotPlanner:
     """Keeps the tables' contents in step with each forward pass's writes.
 
-    A slot holds one request's composed writes at one layer. It is written once and
-    kept while the request goes on writing the same way, so steady steering costs one
+    A slot holds one request's composed writes (some of its plan's ops) at one layer.
+    It is written once and kept until the request ends, so steady steering costs one
     small host-to-device copy of the slot indices per forward pass. The indices go
     through a ring of pinned buffers: the copy of one pass may still be pending on the
     device when the host prepares the next.
@@ -153,79 +144,57 @@ class SlotPlanner:
         self.turn = 0
         self.host_rows = [0] * self.RING  # rows of each host buffer that may be nonzero
         self.device_rows = 0  # rows of tables.slots that may be nonzero
-        num_slots = tables.vectors.shape[1]
-        self.assigned: list[dict[SlotKey, _Slot]] = [{} for _ in range(num_tables)]
-        self.free: list[list[int]] = [list(range(num_slots - 1, 0, -1)) for _ in range(num_tables)]
+        self.assigned: list[dict[tuple[str, tuple[int, ...]], int]] = [{} for _ in range(num_tables)]
+        self.free: list[list[int]] = [list(range(tables.vectors.shape[1] - 1, 0, -1)) for _ in range(num_tables)]
+        self.owned: dict[str, list[tuple[int, tuple[str, tuple[int, ...]]]]] = {}
 
-    def prepare(
-        self, edits: dict[int, list[Edit]], vector: Callable[[Any, P.WriteModule], torch.Tensor]
-    ) -> list[tuple[Any, str]]:
-        """Fill the tables for the next forward pass: `edits` by decoder layer number;
-        `vector(owner, edit)` gives an edit's vector on the device (scaled for adds).
-        Returns the owners whose writes found no free slot, with why; the others' are
-        in place."""
-        if not edits and self.device_rows == 0:
-            return []  # nothing written now or in the last pass: every row is on slot 0
-        host = self._next_host()
-        rows, full = 0, []
-        for layer, layer_edits in edits.items():
-            table = self.table_of[layer]
-            by_row: dict[tuple[int, int], tuple[Any, list[P.WriteModule]]] = {}
-            for edit_rows, edit, owner in layer_edits:
-                for row in edit_rows:
-                    by_row.setdefault((id(owner), row), (owner, []))[1].append(edit)
-            for (_, row), (owner, row_edits) in by_row.items():
-                slot = self._slot(table, owner, row_edits, vector)
-                if slot is None:
-                    full.append((owner, f"more than {self.tables.vectors.shape[1] - 1} different "
-                                        f"writes at layer {layer} in one forward pass"))
-                    continue
-                host[row, table] = slot
-                rows = max(rows, row + 1)
-        for table in range(len(self.assigned)):
-            self._release_unused(table)
-        self.host_rows[self.turn] = rows
-        count = max(rows, self.device_rows)  # also clears what the last pass left
-        self.tables.slots[:count].copy_(host[:count], non_blocking=True)
-        self.device_rows = rows
-        if host.is_pinned():
-            self.events[self.turn] = event = torch.cuda.Event()
-            event.record()
-        return full
+    def slot(self, table: int, owner: str, ops: tuple[int, ...], edits: list[P.WriteModule],
+             vector: Callable[[P.WriteModule], torch.Tensor]) -> int | None:
+        """The slot of `owner`'s ops `ops` (its `edits`, composed in plan order) at this
+        table; None when every slot is taken. `vector(edit)`: the edit's vector on the
+        device (scaled, for adds)."""
+        key = (owner, ops)
+        found = self.assigned[table].get(key)
+        if found is not None:
+            return found
+        if not self.free[table]:
+            return None
+        slot = self.assigned[table][key] = self.free[table].pop()
+        self.owned.setdefault(owner, []).append((table, key))
+        a, b = 1.0, torch.zeros_like(self.tables.vectors[table, 0])
+        for edit in edits:
+            if edit.edit == "add":
+                b = b + vector(edit)
+            elif edit.edit == "replace":
+                a, b = 0.0, vector(edit)
+            else:  # zero
+                a, b = 0.0, torch.zeros_like(b)
+        self.tables.scales[table, slot].fill_(a)
+        self.tables.vectors[table, slot].copy_(b)
+        return slot
 
-    def _next_host(self) -> torch.Tensor:
+    def release(self, owner: str) -> None:
+        """The request ended: its slots are free again."""
+        for table, key in self.owned.pop(owner, ()):
+            self.free[table].append(self.assigned[table].pop(key))
+
+    def fill(self, rows: list[int], tables: list[int], slots: list[int]) -> None:
+        """Point these flat token rows at these slots for the next forward pass (every
+        other row at slot 0)."""
+        if not rows and self.device_rows == 0:
+            return  # nothing written now or in the last pass: every row is on slot 0
         self.turn = (self.turn + 1) % self.RING
         event = self.events[self.turn]
         if event is not None:
             event.synchronize()  # its copy was queued RING passes ago: long done
         host = self.host[self.turn]
-        host[: self.host_rows[self.turn]].zero_()
-        return host
-
-    def _slot(self, table: int, owner: Any, edits: list[P.WriteModule],
-              vector: Callable[[Any, P.WriteModule], torch.Tensor]) -> int | None:
-        key = (id(owner), tuple(map(id, edits)))
-        slot = self.assigned[table].get(key)
-        if slot is None:
-            if not self.free[table]:
-                return None
-            slot = self.assigned[table][key] = _Slot(self.free[table].pop(), used=True)
-            a, b = 1.0, torch.zeros_like(self.tables.vectors[table, 0])
-            for edit in edits:  # composed in plan order
-                if edit.edit == "add":
-                    b = b + vector(owner, edit)
-                elif edit.edit == "replace":
-                    a, b = 0.0, vector(owner, edit)
-                else:  # zero
-                    a, b = 0.0, torch.zeros_like(b)
-            self.tables.scales[table, slot.index].fill_(a)
-            self.tables.vectors[table, slot.index].copy_(b)
-        slot.used = True
-        return slot.index
-
-    def _release_unused(self, table: int) -> None:
-        assigned = self.assigned[table]
-        for key in [k for k, s in assigned.items() if not s.used]:
-            self.free[table].append(assigned.pop(key).index)
-        for slot in assigned.values():
-            slot.used = False
+        view = host.numpy()
+        view[: self.host_rows[self.turn]] = 0
+        view[rows, tables] = slots
+        used = self.host_rows[self.turn] = max(rows, default=-1) + 1
+        count = max(used, self.device_rows)  # also clears what the last pass left
+        self.tables.slots[:count].copy_(host[:count], non_blocking=True)
+        self.device_rows = used
+        if host.is_pinned():
+            self.events[self.turn] = torch.cuda.Event()
+            self.events[self.turn].record()

@@ -131,7 +131,10 @@ class _StepOps:
         keyed = [(op, _batch_key(op.action)) for op in reads]
         batched = tuple((op.name, key) for op, key in keyed if key is not None)
         row_reads = tuple(op for op, key in keyed if key is None)
-        plain = len(reads) == len(ops) and all(op.condition is None for op in ops)
+        # Module writes are done before the draw (in the forward pass): at the sampler
+        # they are nothing to decide.
+        drawn = tuple(op for op in ops if not isinstance(op.action, P.WriteModule))
+        plain = len(reads) == len(drawn) and all(op.condition is None for op in drawn)
         samples = tuple(op.name for op in row_reads if isinstance(op.action, P.ReadSample))
         blockable = bool(ops) and plain and len(samples) == len(row_reads)
         found = cls(
@@ -179,6 +182,9 @@ def _always(op: P.Op) -> bool:
     return op.steps == P.StepSet() and op.selects(1)
 
 
+_UNKNOWN: Any = object()
+
+
 @dataclass
 class _Sequence:
     """Per-request state the worker keeps across steps."""
@@ -199,6 +205,9 @@ class _Sequence:
     constant: _StepOps | None = None  # the ops of every step, when they never change
     last_step: int | None = None  # after it no op is selected (None: open-ended)
     _sorted: dict[tuple[int, ...], _StepOps] = field(default_factory=dict)
+    # Compiled steering: (table, slot) of the writes this request makes at every new
+    # token, when that is all it writes; None: planned per pass (_UNKNOWN: not yet seen).
+    steady: Any = _UNKNOWN
 
     def __post_init__(self) -> None:
         if all(_always(op) for op in self.plan.ops):
@@ -761,6 +770,33 @@ def _modules(model: Any) -> dict[str, torch.nn.Module]:
     return found
 
 
+@dataclass(slots=True)
+class _Span:
+    """One request's rows in a forward pass's flat [tokens, hidden] activations."""
+
+    first: int  # its first row
+    last: int  # one past its last row
+    pos0: int  # the token position of its first row
+    prompt_len: int
+    samples: bool  # this pass computes its next token (not a chunk of its prompt)
+
+    @classmethod
+    def of(cls, state: Any, first: int, last: int, pos0: int) -> _Span:
+        prompt_len = len(state.prompt_token_ids or ())
+        samples = pos0 + (last - first) >= prompt_len + len(state.output_token_ids)
+        return cls(first, last, pos0, prompt_len, samples)
+
+    def rows(self, positions: P.Positions, step: int) -> tuple[list[int], list[int]]:
+        """The rows, and their token positions, that `positions` selects at `step`."""
+        wanted: list[int] = []
+        if step == 0 and positions.kind != "new_token":
+            here = range(self.pos0, self.pos0 + self.last - self.first)  # positions this pass computes
+            wanted = [p for p in positions.prompt_positions(self.prompt_len) if p in here]
+        elif self.samples and positions.kind in ("new_token", "all"):
+            wanted = [self.pos0 + self.last - self.first - 1]
+        return [self.first + p - self.pos0 for p in wanted], wanted
+
+
 @dataclass(frozen=True)
 class _Want:
     """One module read to serve from this forward pass: these rows of the flat
@@ -942,29 +978,110 @@ class PlanHooks:
     def _steer_safely(self) -> None:
         planner = self.steering
         assert planner is not None
-        edits: dict[int, list[steering.Edit]] = {}
+        rows: list[int] = []
+        tables: list[int] = []
+        slots: list[int] = []
         try:
-            if self._writes_modules():
-                self._plan_forward()
-                for path, path_edits in self._edits.items():
-                    edits[P.layer_number(path)] = path_edits
-            for seq, error in planner.prepare(edits, lambda seq, edit: _vector(seq, edit, planner.tables.vectors)):
-                seq.error = seq.error or error
+            if self._writes_modules(planner):
+                self._plan_steering(planner, rows, tables, slots)
+            planner.fill(rows, tables, slots)
         except Exception as e:  # noqa: BLE001 - never break vLLM's forward pass
-            log.exception("steering tables failed; failing this pass's steered traces")
-            for path_edits in edits.values():
-                for _, _, seq in path_edits:
+            log.exception("filling the steering tables failed; failing the batch's steering traces")
+            for req_id in self.module_writers:
+                seq = self.sequences.get(req_id)
+                if seq is not None:
                     seq.error = seq.error or f"{type(e).__name__} filling the steering tables: {e}"
+            planner.fill([], [], [])  # nobody steered this pass, rather than stale slots
 
-    def _writes_modules(self) -> bool:
+    def _writes_modules(self, planner: steering.SlotPlanner) -> bool:
         """Whether a request in this batch has module writes: requests without cost a
-        set difference per forward pass."""
-        req_ids = self.runner.input_batch.req_ids
-        for req_id in set(req_ids).difference(self.sequences):
-            self._sequence(req_id)  # first pass of a request: its plan is read here
+        set difference per forward pass. Ended requests give back their slots."""
+        for req_id in set(self.runner.input_batch.req_ids).difference(self.sequences):
+            self._sequence(req_id)  # a request's first pass: its plan is read here
         if self.module_writers:
-            self.module_writers.intersection_update(self.runner.requests)
+            for req_id in self.module_writers.difference(self.runner.requests):
+                self.module_writers.discard(req_id)
+                planner.release(req_id)
         return bool(self.module_writers)
+
+    def _plan_steering(self, planner: steering.SlotPlanner, rows: list[int], tables: list[int],
+                       slots: list[int]) -> None:
+        """This pass's writes as (flat token row, table, slot) triples."""
+        batch = self.runner.input_batch
+        req_ids = batch.req_ids
+        starts = self.runner.query_start_loc.np[: len(req_ids) + 1].tolist()
+        computed = batch.num_computed_tokens_cpu[: len(req_ids)].tolist()
+        requests = self.runner.requests
+        writers = self.module_writers
+        for i, req_id in enumerate(req_ids):
+            if req_id not in writers:
+                continue
+            seq = self.sequences.get(req_id)
+            if seq is None or seq.error is not None:
+                continue
+            state = requests[req_id]
+            first, last, pos0 = starts[i], starts[i + 1], computed[i]
+            if seq.steady is _UNKNOWN:
+                seq.steady = self._steady_slots(planner, req_id, seq)
+            if seq.steady is not None:  # the same writes at every new token (inlined: per row)
+                if pos0 + last - first >= len(seq.prompt_ids) + len(state.output_token_ids):
+                    for table, slot in seq.steady:
+                        rows.append(last - 1)
+                        tables.append(table)
+                        slots.append(slot)
+                continue
+            span = _Span.of(state, first, last, pos0)
+            by_row: dict[tuple[int, int], list[int]] = {}  # (table, row) -> op indices
+            for k, op in enumerate(seq.plan.ops):
+                if not isinstance(op.action, P.WriteModule) or not op.selects(seq.step):
+                    continue
+                op_rows = span.rows(op.action.positions, seq.step)[0]
+                if op_rows and self._write_holds(op, seq):
+                    table = planner.table_of[P.layer_number(op.action.module)]
+                    for row in op_rows:
+                        by_row.setdefault((table, row), []).append(k)
+            for (table, row), ks in by_row.items():
+                slot = self._slot(planner, req_id, seq, table, ks)
+                if slot is None:
+                    break
+                rows.append(row)
+                tables.append(table)
+                slots.append(slot)
+
+    def _steady_slots(self, planner: steering.SlotPlanner, req_id: str, seq: _Sequence) -> list[tuple[int, int]] | None:
+        """(table, slot) of each layer this request writes, when it writes the same way
+        at every new token and nowhere else (steering); None otherwise."""
+        writes = [k for k, op in enumerate(seq.plan.ops) if isinstance(op.action, P.WriteModule)]
+        steady = seq.constant is not None and all(
+            seq.plan.ops[k].condition is None and seq.plan.ops[k].action.positions.kind == "new_token"  # type: ignore[union-attr]
+            for k in writes
+        )
+        if not steady:
+            return None
+        by_table: dict[int, list[int]] = {}
+        for k in writes:
+            module = seq.plan.ops[k].action.module  # type: ignore[union-attr]
+            by_table.setdefault(planner.table_of[P.layer_number(module)], []).append(k)
+        found = []
+        for table, ks in by_table.items():
+            slot = self._slot(planner, req_id, seq, table, ks)
+            if slot is None:
+                return []
+            found.append((table, slot))
+        return found
+
+    def _slot(
+        self, planner: steering.SlotPlanner, req_id: str, seq: _Sequence, table: int, ks: list[int]
+    ) -> int | None:
+        edits = [seq.plan.ops[k].action for k in ks]
+        slot = planner.slot(table, req_id, tuple(ks), edits,  # type: ignore[arg-type]
+                            lambda edit: _vector(seq, edit, planner.tables.vectors))
+        if slot is None:
+            seq.error = seq.error or (
+                f"more than {planner.tables.vectors.shape[1] - 1} different writes at layer "
+                f"{planner.tables.layers[table]} at once: too many steering requests for the tables"
+            )
+        return slot
 
     def _plan_forward_safely(self) -> None:
         try:
@@ -978,37 +1095,24 @@ class PlanHooks:
         self._wants = {}
         self._edits: dict[str, list[tuple[list[int], P.WriteModule, _Sequence]]] = {}
         batch = self.runner.input_batch
-        req_ids = batch.req_ids
         starts = self.runner.query_start_loc.np
         computed = batch.num_computed_tokens_cpu
-        for i, req_id in enumerate(req_ids):
+        for i, req_id in enumerate(batch.req_ids):
             seq = self._sequence(req_id)
             if seq is None or seq.error is not None:
                 continue
             ops = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.HIDDEN_OPS)]
             if not ops:
                 continue
-            state = self.runner.requests[req_id]
-            first, last = int(starts[i]), int(starts[i + 1])  # rows of this request
-            pos0 = int(computed[i])  # position of its first row
-            prompt_len = len(state.prompt_token_ids or ())
-            samples_now = pos0 + (last - first) >= prompt_len + len(state.output_token_ids)
+            span = _Span.of(self.runner.requests[req_id], int(starts[i]), int(starts[i + 1]), int(computed[i]))
             for op in ops:
                 action = op.action
                 assert isinstance(action, P.HIDDEN_OPS)
-                wanted: list[int] = []
-                if seq.step == 0 and action.positions.kind != "new_token":
-                    here = range(pos0, pos0 + last - first)  # positions this pass computes
-                    wanted = [p for p in action.positions.prompt_positions(prompt_len) if p in here]
-                elif samples_now and (action.positions.kind in ("new_token", "all")):
-                    wanted = [pos0 + last - first - 1]
-                if not wanted:
+                rows, wanted = span.rows(action.positions, seq.step)
+                if not rows:
                     continue
-                rows = [first + p - pos0 for p in wanted]
                 if isinstance(action, P.WriteModule):
-                    if op.condition is not None:
-                        self.collector.drain()  # the text so far includes every finished step
-                    if op.condition is None or _holds(op.condition, _Context(self, _Row(-1, seq, ()), drawn=False)):
+                    if self._write_holds(op, seq):
                         self._edits.setdefault(action.module, []).append((rows, action, seq))
                     continue
                 sources = (
@@ -1016,6 +1120,14 @@ class PlanHooks:
                 )
                 for key, path in sources:
                     self._wants.setdefault(path, []).append(_Want(seq, key, rows, wanted))
+
+    def _write_holds(self, op: P.Op, seq: _Sequence) -> bool:
+        """A module write's condition, decided before the forward pass (from the text and
+        tokens of the steps before it)."""
+        if op.condition is None:
+            return True
+        self.collector.drain()  # the text so far includes every finished step
+        return _holds(op.condition, _Context(self, _Row(-1, seq, ()), drawn=False))
 
     def _module_hook(self, path: str, output: Any) -> None:
         """Never raises into vLLM's forward pass: a failure fails the traces involved."""
