@@ -153,3 +153,15 @@ def test_what_the_compiled_tables_cannot_do_is_refused(sstub, stub):
         run(stub, trace(invoke(PROMPT, iv(write_module=steer(zero)))))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enforce-eager" in info.value.details() and "--compiled-steering" in info.value.details()
+
+
+def test_slots_come_back_when_traces_end(sstub, hf):
+    """More steering traces than the tables have slots (2 x --max-num-seqs + 1 = 65
+    here), eight at a time: every one runs, and the last one still steers."""
+    vector = np.random.default_rng(5).normal(size=256).astype(np.float32) * 4.0
+    request = trace(invoke(PROMPT, iv(write_module=steer(vector))), max_tokens=2, **GREEDY)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: run(sstub, request).tokens(), range(100)))
+    ids = hf.encode(PROMPT)
+    first = int(hf_steered(hf, ids, 1, lambda rows: rows + torch.from_numpy(vector), len(ids) - 1).argmax())
+    assert {tuple(r) for r in results} == {tuple(results[0])} and results[0][0] == first

@@ -998,11 +998,16 @@ class PlanHooks:
         set difference per forward pass. Ended requests give back their slots."""
         for req_id in set(self.runner.input_batch.req_ids).difference(self.sequences):
             self._sequence(req_id)  # a request's first pass: its plan is read here
+        self._forget_ended_writers()
+        return bool(self.module_writers)
+
+    def _forget_ended_writers(self) -> None:
+        """Requests that ended give back their steering slots."""
         if self.module_writers:
             for req_id in self.module_writers.difference(self.runner.requests):
                 self.module_writers.discard(req_id)
-                planner.release(req_id)
-        return bool(self.module_writers)
+                if self.steering is not None:
+                    self.steering.release(req_id)
 
     def _plan_steering(self, planner: steering.SlotPlanner, rows: list[int], tables: list[int],
                        slots: list[int]) -> None:
@@ -1183,7 +1188,7 @@ class PlanHooks:
         if len(self.sequences) > 2 * len(self.runner.requests) + 64:
             live = self.runner.requests.keys()
             self.sequences = {k: v for k, v in self.sequences.items() if k in live}
-            self.module_writers.intersection_update(live)
+            self._forget_ended_writers()
         self.sequences[req_id] = seq
         return seq
 
