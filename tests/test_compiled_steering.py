@@ -165,3 +165,26 @@ def test_slots_come_back_when_traces_end(sstub, hf):
     ids = hf.encode(PROMPT)
     first = int(hf_steered(hf, ids, 1, lambda rows: rows + torch.from_numpy(vector), len(ids) - 1).argmax())
     assert {tuple(r) for r in results} == {tuple(results[0])} and results[0][0] == first
+
+
+def test_steering_gated_by_the_text_so_far(sstub, hf):
+    """A text condition is decided before each forward pass: steering starts at the step
+    after the text first contains the first three tokens' text (step 3)."""
+    vector = torch.from_numpy(np.random.default_rng(6).normal(size=256).astype(np.float32) * 8.0)
+    ids = hf.encode(PROMPT)
+    prefix = hf.tokenizer.decode(hf.greedy(ids, 3), skip_special_tokens=True)
+    assert prefix.strip() and prefix != hf.tokenizer.decode(hf.greedy(ids, 2), skip_special_tokens=True)
+    gated = iv(when=I.Condition(text_contains=prefix), write_module=steer(vector.numpy()))
+    tokens = run(sstub, trace(invoke(PROMPT, gated), max_tokens=8, **GREEDY)).tokens()
+
+    def hook(module, args, output):
+        hidden = (output[0] if isinstance(output, tuple) else output).clone()
+        hidden[0, len(ids) - 1 + 3:] += vector  # the positions of steps 3 onwards
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    handle = hf.model.model.layers[1].register_forward_hook(hook)
+    try:
+        expected = hf.greedy(ids, 8)
+    finally:
+        handle.remove()
+    assert tokens == expected != hf.greedy(ids, 8)
