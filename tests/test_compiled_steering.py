@@ -168,18 +168,19 @@ def test_slots_come_back_when_traces_end(sstub, hf):
 
 
 def test_steering_gated_by_the_text_so_far(sstub, hf):
-    """A text condition is decided before each forward pass: steering starts at the step
-    after the text first contains the first three tokens' text (step 3)."""
+    """A text condition is decided before each forward pass: steering starts at step k,
+    the first whose text so far contains the text of the first k plain tokens."""
     vector = torch.from_numpy(np.random.default_rng(6).normal(size=256).astype(np.float32) * 8.0)
     ids = hf.encode(PROMPT)
-    prefix = hf.tokenizer.decode(hf.greedy(ids, 3), skip_special_tokens=True)
-    assert prefix.strip() and prefix != hf.tokenizer.decode(hf.greedy(ids, 2), skip_special_tokens=True)
-    gated = iv(when=I.Condition(text_contains=prefix), write_module=steer(vector.numpy()))
+    plain = hf.greedy(ids, 8)
+    texts = [hf.tokenizer.decode(plain[:k], skip_special_tokens=True) for k in range(8)]
+    k = next(k for k in range(3, 8) if len(texts[k]) > len(texts[k - 1]))  # a token that adds text
+    gated = iv(when=I.Condition(text_contains=texts[k]), write_module=steer(vector.numpy()))
     tokens = run(sstub, trace(invoke(PROMPT, gated), max_tokens=8, **GREEDY)).tokens()
 
     def hook(module, args, output):
         hidden = (output[0] if isinstance(output, tuple) else output).clone()
-        hidden[0, len(ids) - 1 + 3:] += vector  # the positions of steps 3 onwards
+        hidden[0, len(ids) - 1 + k:] += vector  # the positions of steps k onwards
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
     handle = hf.model.model.layers[1].register_forward_hook(hook)
@@ -187,4 +188,4 @@ def test_steering_gated_by_the_text_so_far(sstub, hf):
         expected = hf.greedy(ids, 8)
     finally:
         handle.remove()
-    assert tokens == expected != hf.greedy(ids, 8)
+    assert tokens == expected != plain

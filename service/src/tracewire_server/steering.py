@@ -56,20 +56,27 @@ class SteeringTables(torch.nn.Module):
         self.register_buffer("slots", torch.zeros(max_tokens, len(layers), dtype=torch.long, device=device),
                              persistent=False)
 
-    def apply(self, table: int, output: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(self, table: int, output: Any) -> Any:
+        slot = self.slots[: (output[0] if isinstance(output, tuple) else output).shape[0], table]
+        a = self.scales[table].index_select(0, slot)
+        b = self.vectors[table].index_select(0, slot)
+        if not isinstance(output, tuple):  # the layer returns the stream itself
+            return output * a + b
         # vLLM's decoder layers return (hidden, residual) with the add deferred to the
         # next norm; the stream is their sum. Only `hidden` changes:
         # a*(h + r) + b - r = a*h + (a - 1)*r + b.
-        hidden, residual = output
-        slot = self.slots[: hidden.shape[0], table]
-        a = self.scales[table].index_select(0, slot)
-        b = self.vectors[table].index_select(0, slot)
-        return hidden * a + (a - 1) * residual + b, residual
+        hidden, residual = output[0], output[1] if len(output) > 1 else None
+        if residual is None:
+            return (hidden * a + b, *output[1:])
+        return (hidden * a + (a - 1) * residual + b, *output[1:])
 
 
 def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables:
     """Register the tables on `model` (before its first forward pass compiles it)."""
-    inner = model.model  # type: ignore[attr-defined]
+    inner = getattr(model, "model", None)
+    if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+        raise RuntimeError(f"--compiled-steering needs a decoder model with model.layers; "
+                           f"{type(model).__name__} has none")
     start = getattr(inner, "start_layer", 0)
     end = getattr(inner, "end_layer", len(inner.layers))  # pipeline parallel: this rank's layers
     layers = list(range(start, end))

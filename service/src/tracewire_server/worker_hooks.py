@@ -1041,8 +1041,8 @@ class PlanHooks:
                 if not isinstance(op.action, P.WriteModule) or not op.selects(seq.step):
                     continue
                 op_rows = span.rows(op.action.positions, seq.step)[0]
-                if op_rows and self._write_holds(op, seq):
-                    table = planner.table_of[P.layer_number(op.action.module)]
+                table = planner.table_of.get(P.layer_number(op.action.module))
+                if table is not None and op_rows and self._write_holds(op, seq):
                     for row in op_rows:
                         by_row.setdefault((table, row), []).append(k)
             for (table, row), ks in by_row.items():
@@ -1066,7 +1066,9 @@ class PlanHooks:
         by_table: dict[int, list[int]] = {}
         for k in writes:
             module = seq.plan.ops[k].action.module  # type: ignore[union-attr]
-            by_table.setdefault(planner.table_of[P.layer_number(module)], []).append(k)
+            table = planner.table_of.get(P.layer_number(module))
+            if table is not None:  # else another pipeline stage holds that layer
+                by_table.setdefault(table, []).append(k)
         found = []
         for table, ks in by_table.items():
             slot = self._slot(planner, req_id, seq, table, ks)
