@@ -24,9 +24,27 @@ from tracewire.v1 import service_pb2_grpc
 RAW = I.ReadLogits(stage=I.LOGITS_STAGE_RAW, full=I.FullRow())
 
 
+def hf_greedy_adding(hf, ids, n, vector, positions):
+    """transformers' greedy continuation with `vector` added to layers.1's output at these
+    token positions (in every forward pass that computes them)."""
+    def hook(module, args, output):
+        hidden = (output[0] if isinstance(output, tuple) else output).clone()
+        for pos in positions:
+            if pos < hidden.shape[1]:
+                hidden[0, pos] += vector
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    handle = hf.model.model.layers[1].register_forward_hook(hook)
+    try:
+        return hf.greedy(ids, n)
+    finally:
+        handle.remove()
+
+
 @pytest.fixture(scope="module")
 def steerable(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("steerable"), "--compiled-steering")
+    # tables on the layers the tests write (the tiny model has 4): layers.3 has none
+    server = start_server(tmp_path_factory.mktemp("steerable"), "--compiled-steering", "0,1,2")
     yield server
     server.stop()
 
@@ -35,11 +53,6 @@ def steerable(tmp_path_factory):
 def sstub(steerable):
     with grpc.insecure_channel(steerable.target) as channel:
         yield service_pb2_grpc.TraceServiceStub(channel)
-
-
-def test_the_engine_is_compiled(steerable):
-    log = steerable.log()
-    assert "enforce_eager=False" in log and "load_format=tracewire_steering" in log
 
 
 def test_steering_every_step_matches_transformers(sstub, hf):
@@ -118,27 +131,17 @@ def test_steering_from_a_later_step_only(sstub, hf):
     ids = hf.encode(PROMPT)
     steered = {len(ids) - 1 + 3, len(ids) - 1 + 4}  # the position each selected step computes
 
-    def hook(module, args, output):
-        hidden = (output[0] if isinstance(output, tuple) else output).clone()
-        for pos in steered:
-            if pos < hidden.shape[1]:
-                hidden[0, pos] += vector
-        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-
-    handle = hf.model.model.layers[1].register_forward_hook(hook)
-    try:
-        expected = hf.greedy(ids, 8)
-    finally:
-        handle.remove()
-    assert tokens == expected
+    assert tokens == hf_greedy_adding(hf, ids, 8, vector, steered)
     assert tokens[:3] == hf.greedy(ids, 3) and tokens != hf.greedy(ids, 8)
 
 
 def test_what_the_compiled_tables_cannot_do_is_refused(sstub, stub):
     zero = np.zeros(256, np.float32)
     cases = [
-        (iv("h", read_module=I.ReadModule(module="layers.0")), "read_module", "--enforce-eager"),
+        # the engine runs compiled: module hooks would never fire
+        (iv("h", read_module=I.ReadModule(module="layers.0")), "read_module", "runs its engine compiled"),
         (iv(write_module=steer(zero, module="layers.1.mlp")), "write_module.module", "layers.N"),
+        (iv(write_module=steer(zero, module="layers.3")), "write_module.module", "layers 0, 1, 2 only"),
         (iv(write_module=I.WriteModule(module="layers.1", positions=I.Positions(all_prompt=I.AllPrompt()),
                                        mean=I.MeanAblation())), "write_module.op", "'mean'"),
         (iv("l", read_logit_lens=I.ReadLogitLens(layers=[1])), "read_logit_lens", "--enforce-eager"),
@@ -178,14 +181,5 @@ def test_steering_gated_by_the_text_so_far(sstub, hf):
     gated = iv(when=I.Condition(text_contains=texts[k]), write_module=steer(vector.numpy()))
     tokens = run(sstub, trace(invoke(PROMPT, gated), max_tokens=8, **GREEDY)).tokens()
 
-    def hook(module, args, output):
-        hidden = (output[0] if isinstance(output, tuple) else output).clone()
-        hidden[0, len(ids) - 1 + k:] += vector  # the positions of steps k onwards
-        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-
-    handle = hf.model.model.layers[1].register_forward_hook(hook)
-    try:
-        expected = hf.greedy(ids, 8)
-    finally:
-        handle.remove()
-    assert tokens == expected != plain
+    from_k = set(range(len(ids) - 1 + k, len(ids) + 8))  # the positions of steps k onwards
+    assert tokens == hf_greedy_adding(hf, ids, 8, vector, from_k) != plain

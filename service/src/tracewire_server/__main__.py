@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import sys
@@ -78,11 +79,14 @@ def parse_args(argv: list[str]) -> ServerConfig:
     )
     group.add_argument(
         "--compiled-steering",
-        action="store_true",
+        nargs="?",
+        const="all",
+        metavar="LAYERS",
         help="serve decoder-layer writes (add / replace / zero on layers.N) on a compiled, "
         "CUDA-graph engine: the writes become part of the compiled graph, which then runs one "
-        "small gather-and-add per decoder layer in every forward pass. Without it a compiled "
-        "engine refuses module interventions (--enforce-eager serves them all)",
+        "small gather-and-add per steerable layer in every forward pass. LAYERS: 'all' (the "
+        "default) or the layer numbers, e.g. 12,16,20, to pay only on those. Without it a "
+        "compiled engine refuses module interventions (--enforce-eager serves them all)",
     )
     group.add_argument(
         "--enable-fault-injection",
@@ -97,7 +101,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         parser.error("--frontends must be >= 1")
     engine_args = AsyncEngineArgs.from_cli_args(args)
     if args.compiled_steering:
-        use_compiled_steering(engine_args)
+        use_compiled_steering(engine_args, _layer_list(parser, args.compiled_steering))
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -113,6 +117,18 @@ def parse_args(argv: list[str]) -> ServerConfig:
         cors_origins=tuple(args.cors_origin),
         frontends=args.frontends,
     )
+
+
+def _layer_list(parser: argparse.ArgumentParser, value: str) -> list[int] | None:
+    if value == "all":
+        return None
+    try:
+        layers = sorted({int(part) for part in value.split(",")})
+    except ValueError:
+        parser.error(f"--compiled-steering: 'all' or layer numbers like 12,16,20, not {value!r}")
+    if layers[0] < 0:
+        parser.error(f"--compiled-steering: layer numbers count from 0, not {layers[0]}")
+    return layers
 
 
 def main(argv: list[str] | None = None) -> int:

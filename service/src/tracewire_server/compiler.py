@@ -314,7 +314,7 @@ class _Compiler:
             raise FailedPrecondition(
                 f"{field}: module hooks do not run inside compiled / CUDA-graph steps; this server "
                 "runs its engine compiled. Start it with --enforce-eager to serve module interventions"
-                + ("" if self.limits.compiled_steering else
+                + ("" if self.limits.steerable_layers else
                    " (or --compiled-steering for add / replace / zero writes on decoder layers)")
             )
 
@@ -323,12 +323,18 @@ class _Compiler:
         what their graph tables express."""
         if self.limits.module_interventions:
             return
-        if not self.limits.compiled_steering:
+        if not self.limits.steerable_layers:
             self.require_eager(field)
         if not P.is_decoder_layer(module):
             raise FailedPrecondition(
                 f"{field}.module: this server's compiled engine writes decoder layers (layers.N) only, "
                 f"not {module!r}; start it with --enforce-eager to write other modules"
+            )
+        if P.layer_number(module) not in self.limits.steerable_layers:
+            layers = ", ".join(map(str, sorted(self.limits.steerable_layers)))
+            raise FailedPrecondition(
+                f"{field}.module: this server has steering tables on layers {layers} only, not on "
+                f"{module!r} (--compiled-steering LAYERS)"
             )
         if edit not in P.COMPILED_EDITS:
             raise FailedPrecondition(

@@ -140,7 +140,7 @@ class Engine:
             num_layers=description.num_layers,
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
-            compiled_steering=steering_tables(engine_args) and not llm.model_config.enforce_eager,
+            steerable_layers=steerable_layers(engine_args, description.num_layers),
         )
         try:
             await _install_worker_hooks(llm, receiver.address, fault_injection, route)
@@ -232,24 +232,30 @@ def use_worker_hooks(engine_args: Any) -> None:
     engine_args.worker_extension_cls = WORKER_EXTENSION
 
 
-def use_compiled_steering(engine_args: Any) -> None:
-    """`--compiled-steering`: build decoder-layer writes into the compiled graph. The
-    model loads through steering.py's loader (wrapping the configured load format),
-    which attaches the graph's tables before vLLM compiles the model. Eager engines
-    need none of it: their module hooks serve every write."""
-    if engine_args.enforce_eager or steering_tables(engine_args):
+def use_compiled_steering(engine_args: Any, layers: list[int] | None = None) -> None:
+    """`--compiled-steering [LAYERS]`: build decoder-layer writes into the compiled
+    graph, on `layers` (None: all). The model loads through steering.py's loader
+    (wrapping the configured load format), which attaches the graph's tables before
+    vLLM compiles the model. Eager engines need none of it: their module hooks serve
+    every write."""
+    if engine_args.enforce_eager or engine_args.load_format == steering.LOAD_FORMAT:
         return
     engine_args.load_format, engine_args.model_loader_extra_config = steering.wrap_load_format(
-        engine_args.load_format, engine_args.model_loader_extra_config
+        engine_args.load_format, engine_args.model_loader_extra_config, layers
     )
     # vLLM's compile cache is keyed by a config hash that leaves the load format out:
-    # without a key of our own, an engine with tables and one without would share
-    # (and load) each other's compiled graphs.
-    engine_args.additional_config = {**(engine_args.additional_config or {}), "tracewire_steering_tables": 1}
+    # without a key of our own, engines with other tables (or none) would share (and
+    # load) each other's compiled graphs.
+    engine_args.additional_config = {**(engine_args.additional_config or {}),
+                                     "tracewire_steering_tables": layers or "all"}
 
 
-def steering_tables(engine_args: Any) -> bool:
-    return bool(engine_args.load_format == steering.LOAD_FORMAT)
+def steerable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
+    """The decoder layers a compiled engine has steering tables on."""
+    if engine_args.load_format != steering.LOAD_FORMAT:
+        return frozenset()
+    layers = (engine_args.model_loader_extra_config or {}).get(steering.LAYERS)
+    return frozenset(range(num_layers) if layers is None else layers)
 
 
 def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:

@@ -16,5 +16,5 @@ class ModelLimits:
     # Module hooks only fire outside compiled graphs: the engine must run eager.
     module_interventions: bool = False
     # A compiled engine started with --compiled-steering serves the writes its graph
-    # tables can express: add / replace / zero on a decoder layer (steering.py).
-    compiled_steering: bool = False
+    # tables can express: add / replace / zero on these decoder layers (steering.py).
+    steerable_layers: frozenset[int] = frozenset()

@@ -16,8 +16,9 @@ writes with no recapture.
 
 The tables are attached while the model loads: `--compiled-steering` swaps the
 engine's load format for this module's loader, which loads the model with the
-configured format and then registers one forward hook per decoder layer. Dynamo
-traces those hooks into the compiled graph on the first (profiling) forward pass.
+configured format and then registers one forward hook per steerable decoder layer
+(all, or those `--compiled-steering LAYERS` names). Dynamo traces those hooks into
+the compiled graph on the first (profiling) forward pass.
 """
 
 from __future__ import annotations
@@ -36,11 +37,15 @@ LOAD_FORMAT = "tracewire_steering"
 # model_loader_extra_config keys: the format (and its own extra config) that loads the weights.
 INNER_FORMAT = "tracewire_inner_load_format"
 INNER_EXTRA = "tracewire_inner_extra_config"
+LAYERS = "tracewire_steering_layers"  # the decoder layers that get tables (None: all)
 
 
-def wrap_load_format(load_format: str, extra: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
-    """Engine-arg values that load with `load_format` through the steering loader."""
-    return LOAD_FORMAT, {INNER_FORMAT: str(load_format), INNER_EXTRA: dict(extra or {})}
+def wrap_load_format(
+    load_format: str, extra: dict[str, Any] | None, layers: list[int] | None
+) -> tuple[str, dict[str, Any]]:
+    """Engine-arg values that load with `load_format` through the steering loader, with
+    tables on `layers` (None: every decoder layer)."""
+    return LOAD_FORMAT, {INNER_FORMAT: str(load_format), INNER_EXTRA: dict(extra or {}), LAYERS: layers}
 
 
 class SteeringTables(torch.nn.Module):
@@ -71,15 +76,18 @@ class SteeringTables(torch.nn.Module):
         return (hidden * a + (a - 1) * residual + b, *output[1:])
 
 
-def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables:
-    """Register the tables on `model` (before its first forward pass compiles it)."""
+def attach(model: torch.nn.Module, vllm_config: Any, only: list[int] | None = None) -> SteeringTables:
+    """Register the tables on `model`'s decoder layers, or those of them listed in `only`
+    (before its first forward pass compiles it)."""
     inner = getattr(model, "model", None)
     if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
         raise RuntimeError(f"--compiled-steering needs a decoder model with model.layers; "
                            f"{type(model).__name__} has none")
     start = getattr(inner, "start_layer", 0)
     end = getattr(inner, "end_layer", len(inner.layers))  # pipeline parallel: this rank's layers
-    layers = list(range(start, end))
+    if only is not None and (missing := sorted(set(only) - set(range(len(inner.layers))))):
+        raise ValueError(f"--compiled-steering lists layers {missing}; the model has layers 0-{len(inner.layers) - 1}")
+    layers = [layer for layer in range(start, end) if only is None or layer in only]
     sched = vllm_config.scheduler_config
     sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or [0]
     max_tokens = max(int(sched.max_num_batched_tokens), max(sizes))
@@ -122,7 +130,7 @@ class SteerableLoader(BaseModelLoader):
 
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
         model = self.inner.load_model(vllm_config, model_config, prefix=prefix)
-        attach(model, vllm_config)
+        attach(model, vllm_config, (self.load_config.model_loader_extra_config or {}).get(LAYERS))
         return model
 
 

@@ -965,7 +965,6 @@ class PlanHooks:
     def install_compiled_steering(self, runner: Any, tables: steering.SteeringTables) -> None:
         """Fill the compiled graph's steering tables before each forward pass (wraps the
         runner's `_model_forward`, which runs on the host before the graph is replayed)."""
-        self._wants, self._edits = {}, {}
         self.steering = steering.SlotPlanner(tables)
         original = runner._model_forward
 
