@@ -132,6 +132,7 @@ lint: setup
 bench: setup
 	$(PY) bench/trace_overhead.py
 	$(PY) bench/trace_overhead.py --hidden
+	$(PY) bench/trace_overhead.py --compiled-steering
 
 # On the device machine (no venv there), after the vLLM carry: see bench/gpu.sh.
 SHAPE ?= qwen3-8b
