@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -55,18 +56,26 @@ def measure(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: int, address: s
     requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops))) for i in range(rows)}
     hooks = W.PlanHooks(runner(requests), fault_injection=False)
     hooks.senders[0] = sidechannel.Sender(address)
+    return _hooked_minus_bare(hooks, rows, vocab, steps)
+
+
+def _hooked_minus_bare(hooks: W.PlanHooks, rows: int, vocab: int, steps: int,
+                       before_draw: Callable[[], None] = lambda: None) -> float:
+    """Median µs per row per step of `before_draw` (the forward pass's host work) and a
+    sampler with `hooks` installed, less a bare sampler's."""
     bare, hooked = Sampler(), Sampler()
     hooks.install(hooked)
     logits = torch.randn(rows, vocab)
 
-    def run(sampler: Sampler) -> float:
+    def run(sampler: Sampler, before: Callable[[], None]) -> float:
         start = time.perf_counter()
         for _ in range(steps):
+            before()
             sampler.forward(logits.clone(), None)
         return time.perf_counter() - start
 
-    run(hooked)  # warm-up: plans decoded, caches filled
-    samples = [(run(hooked) - run(bare)) / (steps * rows) * 1e6 for _ in range(5)]
+    run(hooked, before_draw)  # warm-up: plans decoded, caches filled
+    samples = [(run(hooked, before_draw) - run(bare, lambda: None)) / (steps * rows) * 1e6 for _ in range(5)]
     hooks.senders[0].close()
     return statistics.median(samples)
 
@@ -75,7 +84,7 @@ STEER = P.Op("", P.StepSet(), None, P.WriteModule("layers.1", P.Positions(), "ad
                                                  np.full(256, 0.01, "<f4").tobytes()))
 
 
-def measure_steering(rows: int, steps: int, address: str) -> float:
+def measure_steering(rows: int, vocab: int, steps: int, address: str) -> float:
     """The same for a steering write every step on a compiled engine: the steering
     tables filled before each forward pass (steering.py), plus the sampler hooks."""
     requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=(STEER,)))) for i in range(rows)}
@@ -90,22 +99,7 @@ def measure_steering(rows: int, steps: int, address: str) -> float:
     tables = steering.SteeringTables([0, 1, 2, 3], slots=rows + 1, max_tokens=rows, hidden=256,
                                      dtype=torch.float32, device=torch.device("cpu"))
     hooks.install_compiled_steering(engine, tables)
-    bare, hooked = Sampler(), Sampler()
-    hooks.install(hooked)
-    logits = torch.randn(rows, 2048)
-
-    def run(sampler: Sampler, forward) -> float:
-        start = time.perf_counter()
-        for _ in range(steps):
-            forward()
-            sampler.forward(logits.clone(), None)
-        return time.perf_counter() - start
-
-    run(hooked, engine._model_forward)
-    samples = [(run(hooked, engine._model_forward) - run(bare, lambda: None)) / (steps * rows) * 1e6
-               for _ in range(5)]
-    hooks.senders[0].close()
-    return statistics.median(samples)
+    return _hooked_minus_bare(hooks, rows, vocab, steps, engine._model_forward)
 
 
 def main() -> int:
@@ -125,7 +119,7 @@ def main() -> int:
     for name, ops in PLANS.items():
         cells = [measure(ops, r, args.vocab, args.steps, address) for r in levels]
         print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
-    cells = [measure_steering(r, args.steps, address) for r in levels]
+    cells = [measure_steering(r, args.vocab, args.steps, address) for r in levels]
     print("| steering write every step (compiled tables) | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     reader.kill()
     return 0

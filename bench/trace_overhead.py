@@ -132,7 +132,6 @@ HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering wri
 # steering tables; layer reads need eager engines, so only the write is measured.
 COMPILED_STEERING_ROWS = ("trace, no interventions", "steering write every step")
 SERVER_FLAGS: list[str] = []  # tracewire's own options for the server (not the raw engine's)
-BENCHMARK = {"trace": "trace-overhead", "hidden": "hidden-overhead", "compiled-steering": "compiled-steering-overhead"}
 
 
 def async_llm(model: str, engine: dict[str, object], new_tokens: int, **params: Any):
@@ -547,12 +546,12 @@ def main() -> int:
 
     if args.hidden:
         ENGINE["enforce_eager"] = True
-    if args.compiled_steering:
+        kind, kinds = "hidden", HIDDEN_ROWS
+    elif args.compiled_steering:
         SERVER_FLAGS.append("--compiled-steering")
-        kinds = COMPILED_STEERING_ROWS
+        kind, kinds = "compiled-steering", COMPILED_STEERING_ROWS
     else:
-        kinds = HIDDEN_ROWS if args.hidden else (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else (BARE_ROW, *ROWS))
-    kind = "compiled-steering" if args.compiled_steering else "hidden" if args.hidden else "trace"
+        kind, kinds = "trace", (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else (BARE_ROW, *ROWS))
     rounds = {c: max(args.rounds, -(-args.min_tokens // (c * args.new_tokens))) for c in levels}
     rows = asyncio.run(measure(args.model, levels, rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
                                args.frontends, args.client_procs))
@@ -562,7 +561,7 @@ def main() -> int:
 
     now = dt.datetime.now(dt.UTC)
     result = {
-        "benchmark": BENCHMARK[kind],
+        "benchmark": f"{kind}-overhead",
         "date": now.isoformat(timespec="seconds"),
         "machine": {"host": platform.node(), "platform": platform.platform(),
                     "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
