@@ -241,21 +241,17 @@ def use_compiled_steering(engine_args: Any, layers: list[int] | None = None) -> 
     if engine_args.enforce_eager or engine_args.load_format == steering.LOAD_FORMAT:
         return
     engine_args.load_format, engine_args.model_loader_extra_config = steering.wrap_load_format(
-        engine_args.load_format, engine_args.model_loader_extra_config, layers
+        engine_args.load_format, engine_args.model_loader_extra_config
     )
-    # vLLM's compile cache is keyed by a config hash that leaves the load format out:
-    # without a key of our own, engines with other tables (or none) would share (and
-    # load) each other's compiled graphs.
-    engine_args.additional_config = {**(engine_args.additional_config or {}),
-                                     "tracewire_steering_tables": layers or "all"}
+    engine_args.additional_config = {**(engine_args.additional_config or {}), steering.LAYERS: layers or "all"}
 
 
 def steerable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
     """The decoder layers a compiled engine has steering tables on."""
-    if engine_args.load_format != steering.LOAD_FORMAT:
+    layers = steering.layers_of(engine_args.additional_config)
+    if engine_args.load_format != steering.LOAD_FORMAT or layers is None:
         return frozenset()
-    layers = (engine_args.model_loader_extra_config or {}).get(steering.LAYERS)
-    return frozenset(range(num_layers) if layers is None else layers)
+    return frozenset(range(num_layers) if layers == "all" else layers)
 
 
 def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:

@@ -37,15 +37,20 @@ LOAD_FORMAT = "tracewire_steering"
 # model_loader_extra_config keys: the format (and its own extra config) that loads the weights.
 INNER_FORMAT = "tracewire_inner_load_format"
 INNER_EXTRA = "tracewire_inner_extra_config"
-LAYERS = "tracewire_steering_layers"  # the decoder layers that get tables (None: all)
+# vllm_config.additional_config key: the decoder layers that get tables, or "all". Also
+# what keeps vLLM's compile cache apart: its key leaves the load format out, and engines
+# with other tables (or none) would otherwise load each other's compiled graphs.
+LAYERS = "tracewire_steering_tables"
 
 
-def wrap_load_format(
-    load_format: str, extra: dict[str, Any] | None, layers: list[int] | None
-) -> tuple[str, dict[str, Any]]:
-    """Engine-arg values that load with `load_format` through the steering loader, with
-    tables on `layers` (None: every decoder layer)."""
-    return LOAD_FORMAT, {INNER_FORMAT: str(load_format), INNER_EXTRA: dict(extra or {}), LAYERS: layers}
+def wrap_load_format(load_format: str, extra: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """Engine-arg values that load with `load_format` through the steering loader."""
+    return LOAD_FORMAT, {INNER_FORMAT: str(load_format), INNER_EXTRA: dict(extra or {})}
+
+
+def layers_of(additional_config: dict[str, Any] | None) -> list[int] | str | None:
+    """The layers an engine's config gives tables: a list, "all", or None (no tables)."""
+    return (additional_config or {}).get(LAYERS)
 
 
 class SteeringTables(torch.nn.Module):
@@ -76,9 +81,11 @@ class SteeringTables(torch.nn.Module):
         return (hidden * a + (a - 1) * residual + b, *output[1:])
 
 
-def attach(model: torch.nn.Module, vllm_config: Any, only: list[int] | None = None) -> SteeringTables:
-    """Register the tables on `model`'s decoder layers, or those of them listed in `only`
+def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables:
+    """Register the tables on `model`'s decoder layers, all or those the config lists
     (before its first forward pass compiles it)."""
+    listed = layers_of(vllm_config.additional_config)
+    only = listed if isinstance(listed, list) else None
     inner = getattr(model, "model", None)
     if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
         raise RuntimeError(f"--compiled-steering needs a decoder model with model.layers; "
@@ -130,7 +137,7 @@ class SteerableLoader(BaseModelLoader):
 
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
         model = self.inner.load_model(vllm_config, model_config, prefix=prefix)
-        attach(model, vllm_config, (self.load_config.model_loader_extra_config or {}).get(LAYERS))
+        attach(model, vllm_config)
         return model
 
 
