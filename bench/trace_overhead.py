@@ -52,6 +52,8 @@ REQUEST_TIMEOUT_S = 300
 SETTLE_S = 1.5
 LATENCY_NS: dict[str, dict[int, list[int]]] = {}  # row -> concurrency -> samples
 FRONTEND_US: dict[str, dict[int, list[float]]] = {}  # row -> concurrency -> µs per token, per repeat
+# row -> concurrency -> CpuMeter.cores(), per repeat
+CPU_CORES: dict[str, dict[int, list[dict[str, dict[str, float]]]]] = {}
 
 
 def free_port() -> int:
@@ -64,45 +66,82 @@ class CpuMeter:
     """CPU time the process serving a row spent over a cell's measured window: `pid`
     and its descendants except vLLM's engine processes (VLLM::*), i.e. the frontend(s).
     Per generated token, it is what serving costs beside the engine, and far steadier
-    on a noisy machine than tokens/s. Linux (/proc) only; pid None measures nothing."""
+    on a noisy machine than tokens/s. Also kept per process, engine processes included,
+    with each one's busiest thread and thread count: where a row's extra CPU goes (a
+    thread that spins shows as one core). Where vLLM cannot name its engine processes
+    (no setproctitle) they count as frontends: the per-process view tells them apart.
+    Linux (/proc) only; pid None measures nothing."""
 
     def __init__(self, pid: int | None) -> None:
         self.pid = pid
         self.seconds = 0.0
         self.tokens = 0
-        self._start = 0.0
+        self.wall = 0.0
+        self.by_process: dict[str, tuple[float, float, int]] = {}  # name:pid -> (seconds, busiest thread's, threads)
+        self._start: dict[int, tuple[str, int, dict[int, int]]] = {}
+        self._started = 0.0
 
     def start(self) -> None:
-        self._start = self._cpu_s()
+        self._start, self._started = self._ticks(), time.perf_counter()
 
     def stop(self, tokens: int) -> None:
-        self.seconds, self.tokens = self._cpu_s() - self._start, tokens
+        end, hz = self._ticks(), os.sysconf("SC_CLK_TCK")
+        self.tokens, self.wall = tokens, time.perf_counter() - self._started
+        self.seconds, self.by_process = 0.0, {}
+        for pid, (comm, ticks, threads) in end.items():
+            _, before, before_threads = self._start.get(pid, (comm, 0, {}))
+            spent = (ticks - before) / hz
+            busiest = max((t - before_threads.get(tid, 0) for tid, t in threads.items()), default=0) / hz
+            if not comm.startswith("VLLM::"):
+                self.seconds += spent
+            self.by_process[f"{comm}:{pid}"] = (spent, busiest, len(threads))
 
     def us_per_token(self) -> float | None:
         return 1e6 * self.seconds / self.tokens if self.pid and self.tokens else None
 
-    def _cpu_s(self) -> float:
+    def cores(self, top: int = 8) -> dict[str, dict[str, float]]:
+        """The `top` busiest processes: cores busy on average over the window, their
+        busiest thread's, their thread count."""
+        if not self.wall:
+            return {}
+        ranked = sorted(self.by_process.items(), key=lambda kv: -kv[1][0])[:top]
+        return {name: {"cores": round(s / self.wall, 3), "busiest_thread": round(t / self.wall, 3), "threads": n}
+                for name, (s, t, n) in ranked}
+
+    def _ticks(self) -> dict[int, tuple[str, int, dict[int, int]]]:
+        """pid -> (name, user+system ticks, ticks per thread) for `pid` and its descendants."""
         if not self.pid:
-            return 0.0
+            return {}
         stats = {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 try:
-                    text = (entry / "stat").read_text()
-                except OSError:  # gone meanwhile
+                    stats[int(entry.name)] = _stat(entry / "stat")
+                except (OSError, ValueError):  # gone meanwhile
                     continue
-                comm, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
-                stats[int(entry.name)] = (int(fields[1]), comm, int(fields[11]) + int(fields[12]))
         children: dict[int, list[int]] = {}
         for pid, (ppid, _, _) in stats.items():
             children.setdefault(ppid, []).append(pid)
-        ticks, todo = 0, [self.pid]
+        found, todo = {}, [self.pid]
         while todo:
             pid = todo.pop()
-            if pid in stats and not stats[pid][1].startswith("VLLM::"):
-                ticks += stats[pid][2]
+            if pid in stats:
+                threads = {}
+                for task in Path(f"/proc/{pid}/task").glob("*"):
+                    try:
+                        threads[int(task.name)] = _stat(task / "stat")[2]
+                    except (OSError, ValueError):
+                        continue
+                found[pid] = (stats[pid][1], stats[pid][2], threads)
             todo += children.get(pid, [])
-        return ticks / os.sysconf("SC_CLK_TCK")
+        return found
+
+
+def _stat(path: Path) -> tuple[int, str, int]:
+    """(parent pid, name, user+system ticks) from a /proc stat file."""
+    text = path.read_text()
+    comm, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+    return int(fields[1]), comm, int(fields[11]) + int(fields[12])
 
 
 async def timed(concurrency: int, rounds: int, one, meter: CpuMeter) -> float:
@@ -129,8 +168,9 @@ GPU_ROWS = ("trace, no interventions", "top-20 logits every step", INTERVAL_ROW,
 # --hidden: module hooks need eager engines (both engines run --enforce-eager then).
 HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step")
 # --compiled-steering: both engines compiled (CUDA graphs on a GPU), the server with its
-# steering tables; layer reads need eager engines, so only the write is measured.
-COMPILED_STEERING_ROWS = ("trace, no interventions", "steering write every step")
+# steering tables; layer reads need eager engines, so only the write is measured (and
+# top-20, which the tables cost as they cost every request).
+COMPILED_STEERING_ROWS = ("trace, no interventions", "top-20 logits every step", "steering write every step")
 SERVER_FLAGS: list[str] = []  # tracewire's own options for the server (not the raw engine's)
 
 
@@ -455,6 +495,8 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
                         samples[name][c].append(await cell(c, rounds[c], meter))
                         if (us := meter.us_per_token()) is not None:
                             FRONTEND_US[name][c].append(us)
+                            CPU_CORES.setdefault(name, {}).setdefault(c, []).append(meter.cores())
+                            log(f"  cores busy: {json.dumps(meter.cores())}")
                         if profile:
                             for p in profile:
                                 p.wait()
@@ -576,6 +618,7 @@ def main() -> int:
             k: {c: statistics.median(v) for c, v in by_c.items() if v} for k, by_c in FRONTEND_US.items()
             if any(by_c.values())
         },
+        "server_cpu_cores_by_process": CPU_CORES,
         "streaming_latency_ms": {
             k: {c: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "samples": len(v)}
                 for c, v in by_c.items()}

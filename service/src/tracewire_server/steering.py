@@ -218,5 +218,5 @@ class SlotPlanner:
         self.tables.slots[:count].copy_(host[:count], non_blocking=True)
         self.device_rows = used
         if host.is_pinned():
-            self.events[self.turn] = torch.cuda.Event()
+            self.events[self.turn] = torch.cuda.Event(blocking=True)  # a wait sleeps, never spins
             self.events[self.turn].record()

@@ -1270,7 +1270,11 @@ class PlanHooks:
         tokens = _to_host(drawn) if drawn.device.type != "cpu" else drawn.clone()
         done = None
         if drawn.device.type == "cuda":
-            done = torch.cuda.Event()
+            # Blocking: the collector sleeps until the step is done. A default event's
+            # synchronize() spins, and a spinning collector holds a whole core for as
+            # long as traced requests run, a core the frontends and vLLM's own threads
+            # need under load.
+            done = torch.cuda.Event(blocking=True)
             done.record()
         for row in step.rows:
             row.step = row.seq.step
