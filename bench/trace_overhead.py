@@ -53,6 +53,7 @@ SETTLE_S = 1.5
 LATENCY_NS: dict[str, dict[int, list[int]]] = {}  # row -> concurrency -> samples
 FRONTEND_US: dict[str, dict[int, list[float]]] = {}  # row -> concurrency -> µs per token, per repeat
 # row -> concurrency -> CpuMeter.cores(), per repeat
+CHECKS: dict[str, dict[str, object]] = {}  # what a row's engine did, checked before timing it
 CPU_CORES: dict[str, dict[int, list[dict[str, dict[str, float]]]]] = {}
 
 
@@ -227,6 +228,48 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
         invokes=[trace_pb2.Invoke(prompt=prompt_pb2.Prompt(text=prompt), interventions=ivs)],
         options=trace_pb2.TraceOptions(stream_interval_ms=50 if kind == INTERVAL_ROW else 0),
     )
+
+
+async def steering_check(port: int, new_tokens: int = 24) -> dict[str, object]:
+    """Whether the steering row does what it says on this engine (the GPU runs it with
+    CUDA graphs and async scheduling, which the CPU tests do not): greedy tokens of one
+    prompt plain, steered at every step (the planner's steady path), steered through a
+    step range covering the same steps (its per-pass path: must agree), steered from
+    step 4 on (the first 4 tokens must be the plain ones), and with a zero vector (must
+    equal plain). Reported in the results, not asserted: dummy weights may be too flat
+    for a vector to move the argmax."""
+    import grpc
+    import numpy as np
+    from tracewire.v1 import intervention_pb2 as I
+    from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, service_pb2_grpc, tensor_pb2, trace_pb2
+
+    sampling = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    prompt = prompt_pb2.Prompt(text=PROMPTS[0])
+    vector = np.random.default_rng(0).normal(0.0, 0.05, HIDDEN_SIZE[0]).astype("<f4")
+
+    def steer(values, steps=None):
+        add = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[values.size], data=values.tobytes())
+        return trace_pb2.Invoke(prompt=prompt, interventions=[I.Intervention(
+            steps=steps, write_module=I.WriteModule(module="layers.1", add=add))])
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = service_pb2_grpc.TraceServiceStub(channel)
+
+        async def traced(invoke) -> list[int]:
+            ends = [ev async for ev in stub.Trace(service_pb2.TraceRequest(sampling_params=sampling,
+                                                                          invokes=[invoke]), timeout=120)
+                    if ev.HasField("invoke_result")]
+            return list(ends[0].invoke_result.output.outputs[0].token_ids)
+
+        plain = list((await stub.Generate(service_pb2.GenerateRequest(prompts=[prompt], sampling_params=sampling),
+                                          timeout=120)).outputs[0].outputs[0].token_ids)
+        steady = await traced(steer(vector))
+        per_pass = await traced(steer(vector, I.StepSelector(range=I.StepRange(start=0, stop=new_tokens))))
+        late = await traced(steer(vector, I.StepSelector(range=I.StepRange(start=4))))
+        zero = await traced(steer(np.zeros_like(vector)))
+    return {"steered_differs_from_plain": steady != plain, "steady_equals_per_pass": steady == per_pass,
+            "from_step_4_keeps_first_4": late[:4] == plain[:4], "zero_vector_equals_plain": zero == plain,
+            "tokens": {"plain": plain, "steered": steady, "per_pass": per_pass, "from_step_4": late, "zero": zero}}
 
 
 def start_bare(model: str, log_path: Path, new_tokens: int) -> tuple[subprocess.Popen[bytes], int]:
@@ -461,6 +504,9 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
     try:
         HIDDEN_SIZE[0] = await wait_for_server(server, log_path, port)
         log(f"tracewire server up after {time.perf_counter() - began:.0f} s")
+        if "steering write every step" in rows_kinds:
+            CHECKS["steering"] = await steering_check(port)
+            log(f"steering check: {json.dumps({k: v for k, v in CHECKS['steering'].items() if k != 'tokens'})}")
         if bare is not None:
             await wait_for_bare(bare, Path(out_dir) / "bare.log")
             log(f"bare stream up after {time.perf_counter() - began:.0f} s")
@@ -619,6 +665,7 @@ def main() -> int:
             if any(by_c.values())
         },
         "server_cpu_cores_by_process": CPU_CORES,
+        "checks": CHECKS,
         "streaming_latency_ms": {
             k: {c: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "samples": len(v)}
                 for c, v in by_c.items()}

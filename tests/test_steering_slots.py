@@ -24,22 +24,44 @@ def _steer(layer: int, value: float) -> P.Op:
     return P.Op("", P.StepSet(), None, P.WriteModule(f"layers.{layer}", P.Positions(), "add", vector))
 
 
-def test_every_slot_comes_back_after_hundreds_of_requests():
+def _steering_engine(slots: int = 2 * BATCH + 1):
+    """A stand-in runner with steering tables on layers 0 and 1, hooks installed."""
     engine = runner({})
     engine._model_forward = lambda: None
     hooks = W.PlanHooks(engine, fault_injection=False)
     hooks.senders[0] = Sender()
-    tables = steering.SteeringTables([0, 1], slots=2 * BATCH + 1, max_tokens=BATCH, hidden=HIDDEN,
+    tables = steering.SteeringTables([0, 1], slots=slots, max_tokens=4 * BATCH, hidden=HIDDEN,
                                      dtype=torch.float32, device=torch.device("cpu"))
     hooks.install_compiled_steering(engine, tables)
     sampler = Sampler()
     hooks.install(sampler)
+    return engine, hooks, tables, sampler
+
+
+def _join(engine, req_id: str, op: P.Op) -> None:
+    state = request(P.encode_plan(P.SequencePlan(key=req_id, ops=(op,))))
+    state.output_token_ids = []
+    engine.requests[req_id] = state
+
+
+def _decode_pass(engine, sampler) -> None:
+    """A forward pass decoding one token of every request, then its draw."""
+    engine.input_batch.req_ids = list(engine.requests)
+    # one decode row each, after its 2 prompt tokens and the tokens drawn so far
+    engine.input_batch.num_computed_tokens_cpu = np.array([2 + len(s.output_token_ids)
+                                                           for s in engine.requests.values()])
+    engine.query_start_loc = types.SimpleNamespace(np=np.arange(len(engine.requests) + 1))
+    engine._model_forward()
+    sampler.forward(torch.zeros(len(engine.requests), 16), None)
+    for state in engine.requests.values():
+        state.output_token_ids.append(0)
+
+
+def test_every_slot_comes_back_after_hundreds_of_requests():
+    engine, hooks, tables, sampler = _steering_engine()
     ended = 0
     for n in range(400):  # one new request per pass, each lives BATCH passes
-        req_id = f"r{n}"
-        state = request(P.encode_plan(P.SequencePlan(key=req_id, ops=(_steer(n % 2, float(n)),))))
-        state.output_token_ids = []
-        engine.requests[req_id] = state
+        _join(engine, f"r{n}", _steer(n % 2, float(n)))
         if len(engine.requests) > BATCH:
             del engine.requests[next(iter(engine.requests))]  # the oldest ends
             ended += 1
@@ -63,3 +85,63 @@ def test_every_slot_comes_back_after_hundreds_of_requests():
     live = sum(len(a) for a in planner.assigned)
     assert live == BATCH  # the requests still in the engine hold one slot each
     assert [len(f) for f in planner.free] == [2 * BATCH - len(a) for a in planner.assigned]
+
+
+def test_requests_with_the_same_writes_share_a_slot():
+    engine, hooks, tables, sampler = _steering_engine(slots=3)  # two slots per layer besides slot 0
+    for n in range(3 * BATCH):  # far more requests than slots, two vectors between them
+        _join(engine, f"r{n}", _steer(0, 1.0 + n % 2))
+    _decode_pass(engine, sampler)
+    planner = hooks.steering
+    assert not [s.error for s in hooks.sequences.values() if s is not None and s.error]
+    assert len(planner.assigned[0]) == 2 and not planner.free[0]
+    for row in range(3 * BATCH):
+        slot = int(tables.slots[row, 0])
+        assert float(tables.vectors[0, slot, 0]) == 1.0 + row % 2 and int(tables.slots[row, 1]) == 0
+    for n in range(3 * BATCH - 1):  # all but one end: the slot of that one's vector stays
+        del engine.requests[f"r{n}"]
+    _decode_pass(engine, sampler)
+    assert list(planner.assigned[0].values()) == [int(tables.slots[0, 0])] and len(planner.free[0]) == 1
+    assert float(tables.vectors[0, int(tables.slots[0, 0]), 0]) == 1.0 + (3 * BATCH - 1) % 2
+    # a third vector now fits, and the table has no room for a fourth
+    _join(engine, "third", _steer(0, 7.0))
+    _join(engine, "fourth", _steer(0, 8.0))
+    _decode_pass(engine, sampler)
+    assert float(tables.vectors[0, int(tables.slots[1, 0]), 0]) == 7.0
+    assert "too many distinct steering vectors" in (hooks.sequences["fourth"].error or "")
+
+
+def test_an_unchanged_decode_batch_keeps_its_slots_without_planning():
+    engine, hooks, tables, sampler = _steering_engine()
+    for n in range(BATCH):
+        _join(engine, f"r{n}", _steer(n % 2, float(n)))
+    planner = hooks.steering
+    fills = []
+    fill = planner.fill
+    planner.fill = lambda *args: (fills.append(args), fill(*args))
+    _decode_pass(engine, sampler)
+    before = tables.slots.clone()
+    for _ in range(5):  # the same requests, one new token each: nothing to plan or copy
+        _decode_pass(engine, sampler)
+    assert len(fills) == 1 and torch.equal(tables.slots, before)
+    del engine.requests["r0"]  # one ends: planned again, its row gone, the others moved up
+    _decode_pass(engine, sampler)
+    assert len(fills) == 2
+    for row, req_id in enumerate(engine.input_batch.req_ids):
+        k = int(req_id[1:])
+        assert float(tables.vectors[k % 2, int(tables.slots[row, k % 2]), 0]) == float(k)
+    assert int(tables.slots[BATCH - 1].abs().sum()) == 0  # the row nobody uses now
+    # a prompt chunk that does not reach the new token yet writes nothing, and is planned
+    # again in the next pass (which does reach it) even though the requests are the same
+    _join(engine, "late", _steer(0, 5.0))
+    engine.requests["late"].prompt_token_ids = [1] * 6
+    engine.input_batch.req_ids = list(engine.requests)
+    engine.input_batch.num_computed_tokens_cpu = np.array([3 + len(s.output_token_ids) for s in
+                                                           list(engine.requests.values())[:-1]] + [0])
+    engine.query_start_loc = types.SimpleNamespace(np=np.array([*range(BATCH), BATCH + 3]))  # 4 of its 6
+    engine._model_forward()
+    assert int(tables.slots[BATCH - 1:BATCH + 3, 0].abs().sum()) == 0
+    engine.input_batch.num_computed_tokens_cpu[-1] = 4
+    engine.query_start_loc = types.SimpleNamespace(np=np.array([*range(BATCH), BATCH + 1]))  # the last 2
+    engine._model_forward()
+    assert float(tables.vectors[0, int(tables.slots[BATCH, 0]), 0]) == 5.0

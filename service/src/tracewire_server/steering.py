@@ -144,14 +144,21 @@ class SteerableLoader(BaseModelLoader):
 # -- the host side: filling the tables for each forward pass ---------------------
 
 
+# A slot's contents: its composed edits, (edit, vector bytes, scale) each, in plan order.
+SlotKey = tuple[tuple[str, bytes, float], ...]
+
+
 class SlotPlanner:
     """Keeps the tables' contents in step with each forward pass's writes.
 
-    A slot holds one request's composed writes (some of its plan's ops) at one layer.
-    It is written once and kept until the request ends, so steady steering costs one
-    small host-to-device copy of the slot indices per forward pass. The indices go
-    through a ring of pinned buffers: the copy of one pass may still be pending on the
-    device when the host prepares the next.
+    A slot holds composed writes at one layer, and every request whose writes there are
+    the same (the same vectors and scales, in the same order) shares it: a hundred
+    requests steering with one vector hold one slot, and a request that brings a vector
+    already in the table costs a dict lookup. A slot is written once and freed when the
+    last request using it ends, so steady steering costs one small host-to-device copy
+    of the slot indices per forward pass. The indices go through a ring of pinned
+    buffers: the copy of one pass may still be pending on the device when the host
+    prepares the next.
     """
 
     RING = 3
@@ -166,23 +173,29 @@ class SlotPlanner:
         self.turn = 0
         self.host_rows = [0] * self.RING  # rows of each host buffer that may be nonzero
         self.device_rows = 0  # rows of tables.slots that may be nonzero
-        self.assigned: list[dict[tuple[str, tuple[int, ...]], int]] = [{} for _ in range(num_tables)]
+        self.assigned: list[dict[SlotKey, int]] = [{} for _ in range(num_tables)]
+        self.users: list[dict[int, int]] = [{} for _ in range(num_tables)]  # slot -> requests using it
         self.free: list[list[int]] = [list(range(tables.vectors.shape[1] - 1, 0, -1)) for _ in range(num_tables)]
-        self.owned: dict[str, list[tuple[int, tuple[str, tuple[int, ...]]]]] = {}
+        self.owned: dict[str, set[tuple[int, SlotKey]]] = {}
 
-    def slot(self, table: int, owner: str, ops: tuple[int, ...], edits: list[P.WriteModule],
+    def slot(self, table: int, owner: str, edits: list[P.WriteModule],
              vector: Callable[[P.WriteModule], torch.Tensor]) -> int | None:
-        """The slot of `owner`'s ops `ops` (its `edits`, composed in plan order) at this
-        table; None when every slot is taken. `vector(edit)`: the edit's vector on the
-        device (scaled, for adds)."""
-        key = (owner, ops)
+        """The slot of `owner`'s `edits` (composed in plan order) at this table; None when
+        every slot is taken. `vector(edit)`: the edit's vector on the device (scaled, for
+        adds), asked for only when the table does not hold these edits yet."""
+        key: SlotKey = tuple((e.edit, e.vector, e.scale) for e in edits)
+        held = self.owned.setdefault(owner, set())
         found = self.assigned[table].get(key)
         if found is not None:
+            if (table, key) not in held:
+                held.add((table, key))
+                self.users[table][found] += 1
             return found
         if not self.free[table]:
             return None
         slot = self.assigned[table][key] = self.free[table].pop()
-        self.owned.setdefault(owner, []).append((table, key))
+        self.users[table][slot] = 1
+        held.add((table, key))
         a, b = 1.0, torch.zeros_like(self.tables.vectors[table, 0])
         for edit in edits:
             if edit.edit == "add":
@@ -196,9 +209,13 @@ class SlotPlanner:
         return slot
 
     def release(self, owner: str) -> None:
-        """The request ended: its slots are free again."""
+        """The request ended: the slots nobody else uses are free again."""
         for table, key in self.owned.pop(owner, ()):
-            self.free[table].append(self.assigned[table].pop(key))
+            slot = self.assigned[table][key]
+            self.users[table][slot] -= 1
+            if not self.users[table][slot]:
+                del self.users[table][slot], self.assigned[table][key]
+                self.free[table].append(slot)
 
     def fill(self, rows: list[int], tables: list[int], slots: list[int]) -> None:
         """Point these flat token rows at these slots for the next forward pass (every

@@ -891,6 +891,9 @@ class PlanHooks:
         self.lens: _Lens | None = None
         self.steering: steering.SlotPlanner | None = None  # compiled engines with --compiled-steering
         self.module_writers: set[str] = set()  # live requests whose plans write modules
+        # The requests of the last forward pass, when it decoded them one token each and
+        # the next pass may keep its steering slots should it decode the same ones.
+        self._steered_batch: list[str] | None = None
         # Off the engine's thread only where the device runs ahead of the host.
         threaded = runner.device.type == "cuda" if hasattr(runner, "device") else True
         self.collector: StepCollector[_StepWork] = StepCollector(self._finish, threaded=threaded)
@@ -977,14 +980,21 @@ class PlanHooks:
     def _steer_safely(self) -> None:
         planner = self.steering
         assert planner is not None
+        batch = self.runner.input_batch
+        if batch.req_ids == self._steered_batch and self.runner.query_start_loc.np[len(batch.req_ids)] == len(
+            batch.req_ids
+        ):
+            return  # the same requests decoding as in the last pass: the tables already hold their slots
+        self._steered_batch = None
         rows: list[int] = []
         tables: list[int] = []
         slots: list[int] = []
         try:
-            if self._writes_modules(planner):
-                self._plan_steering(planner, rows, tables, slots)
+            if self._writes_modules(planner) and self._plan_steering(planner, rows, tables, slots):
+                self._steered_batch = list(batch.req_ids)
             planner.fill(rows, tables, slots)
         except Exception as e:  # noqa: BLE001 - never break vLLM's forward pass
+            self._steered_batch = None
             log.exception("filling the steering tables failed; failing the batch's steering traces")
             for req_id in self.module_writers:
                 seq = self.sequences.get(req_id)
@@ -1009,8 +1019,11 @@ class PlanHooks:
                     self.steering.release(req_id)
 
     def _plan_steering(self, planner: steering.SlotPlanner, rows: list[int], tables: list[int],
-                       slots: list[int]) -> None:
-        """This pass's writes as (flat token row, table, slot) triples."""
+                       slots: list[int]) -> bool:
+        """This pass's writes as (flat token row, table, slot) triples. True when the next
+        pass may keep them, should it decode the same requests one token each: every
+        writer here decodes one new token and writes the same at every new token."""
+        repeatable = True
         batch = self.runner.input_batch
         req_ids = batch.req_ids
         starts = self.runner.query_start_loc.np[: len(req_ids) + 1].tolist()
@@ -1033,7 +1046,11 @@ class PlanHooks:
                         rows.append(last - 1)
                         tables.append(table)
                         slots.append(slot)
+                    repeatable = repeatable and last - first == 1
+                else:
+                    repeatable = False  # a prompt chunk: its next pass may reach the new token
                 continue
+            repeatable = False
             span = _Span.of(state, first, last, pos0)
             by_row: dict[tuple[int, int], list[int]] = {}  # (table, row) -> op indices
             for k, op in enumerate(seq.plan.ops):
@@ -1051,6 +1068,7 @@ class PlanHooks:
                 rows.append(row)
                 tables.append(table)
                 slots.append(slot)
+        return repeatable
 
     def _steady_slots(self, planner: steering.SlotPlanner, req_id: str, seq: _Sequence) -> list[tuple[int, int]] | None:
         """(table, slot) of each layer this request writes, when it writes the same way
@@ -1080,12 +1098,12 @@ class PlanHooks:
         self, planner: steering.SlotPlanner, req_id: str, seq: _Sequence, table: int, ks: list[int]
     ) -> int | None:
         edits = [seq.plan.ops[k].action for k in ks]
-        slot = planner.slot(table, req_id, tuple(ks), edits,  # type: ignore[arg-type]
+        slot = planner.slot(table, req_id, edits,  # type: ignore[arg-type]
                             lambda edit: _vector(seq, edit, planner.tables.vectors))
         if slot is None:
             seq.error = seq.error or (
                 f"more than {planner.tables.vectors.shape[1] - 1} different writes at layer "
-                f"{planner.tables.layers[table]} at once: too many steering requests for the tables"
+                f"{planner.tables.layers[table]} at once: too many distinct steering vectors in flight"
             )
         return slot
 
