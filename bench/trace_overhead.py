@@ -245,7 +245,7 @@ async def steering_check(port: int, new_tokens: int = 24) -> dict[str, object]:
 
     sampling = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     prompt = prompt_pb2.Prompt(text=PROMPTS[0])
-    vector = np.random.default_rng(0).normal(0.0, 0.05, HIDDEN_SIZE[0]).astype("<f4")
+    vector = np.random.default_rng(0).normal(0.0, 8.0, HIDDEN_SIZE[0]).astype("<f4")
 
     def steer(values, steps=None):
         add = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[values.size], data=values.tobytes())
