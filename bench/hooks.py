@@ -84,9 +84,11 @@ STEER = P.Op("", P.StepSet(), None, P.WriteModule("layers.1", P.Positions(), "ad
                                                  np.full(256, 0.01, "<f4").tobytes()))
 
 
-def measure_steering(rows: int, vocab: int, steps: int, address: str) -> float:
+def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: bool) -> float:
     """The same for a steering write every step on a compiled engine: the steering
-    tables filled before each forward pass (steering.py), plus the sampler hooks."""
+    tables filled before each forward pass (steering.py), plus the sampler hooks.
+    `churn`: the batch's order changes every pass (as when requests come and go), so
+    every pass is planned; else the same batch decodes again, which keeps its slots."""
     requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=(STEER,)))) for i in range(rows)}
     for state in requests.values():
         state.output_token_ids = []
@@ -99,7 +101,15 @@ def measure_steering(rows: int, vocab: int, steps: int, address: str) -> float:
     tables = steering.SteeringTables([0, 1, 2, 3], slots=rows + 1, max_tokens=rows, hidden=256,
                                      dtype=torch.float32, device=torch.device("cpu"))
     hooks.install_compiled_steering(engine, tables)
-    return _hooked_minus_bare(hooks, rows, vocab, steps, engine._model_forward)
+    forward = engine._model_forward
+
+    def before_draw() -> None:
+        if churn:
+            ids = engine.input_batch.req_ids
+            engine.input_batch.req_ids = ids[1:] + ids[:1]
+        forward()
+
+    return _hooked_minus_bare(hooks, rows, vocab, steps, before_draw)
 
 
 def main() -> int:
@@ -119,8 +129,10 @@ def main() -> int:
     for name, ops in PLANS.items():
         cells = [measure(ops, r, args.vocab, args.steps, address) for r in levels]
         print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
-    cells = [measure_steering(r, args.vocab, args.steps, address) for r in levels]
-    print("| steering write every step (compiled tables) | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    for churn, label in ((False, "same batch every pass"), (True, "batch changes every pass")):
+        cells = [measure_steering(r, args.vocab, args.steps, address, churn) for r in levels]
+        print(f"| steering write every step (compiled tables, {label}) | "
+              + " | ".join(f"{c:.1f}" for c in cells) + " |")
     reader.kill()
     return 0
 
