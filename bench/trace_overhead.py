@@ -52,8 +52,8 @@ REQUEST_TIMEOUT_S = 300
 SETTLE_S = 1.5
 LATENCY_NS: dict[str, dict[int, list[int]]] = {}  # row -> concurrency -> samples
 FRONTEND_US: dict[str, dict[int, list[float]]] = {}  # row -> concurrency -> µs per token, per repeat
-# row -> concurrency -> CpuMeter.cores(), per repeat
 CHECKS: dict[str, dict[str, object]] = {}  # what a row's engine did, checked before timing it
+# row -> concurrency -> CpuMeter.cores(), per repeat
 CPU_CORES: dict[str, dict[int, list[dict[str, dict[str, float]]]]] = {}
 
 
