@@ -504,16 +504,11 @@ def _apply_write(action: P.Write, row: torch.Tensor, seq: _Sequence, fault_injec
 
 def _top_k(src: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 values and int32 ids of the k largest per row, largest first, on src's
-    device. On the CPU numpy's partition beats torch.topk by ~1.5x at vocabulary widths."""
-    if src.device.type != "cpu":
-        top = torch.topk(src, k)
-        return top.values.float(), top.indices.to(torch.int32)
-    values = src.float().numpy()
-    idx = np.argpartition(values, -k, axis=1)[:, -k:]
-    part = np.take_along_axis(values, idx, 1)
-    order = np.argsort(-part, axis=1, kind="stable")
-    top_values = np.take_along_axis(part, order, 1)
-    return torch.from_numpy(top_values), torch.from_numpy(np.take_along_axis(idx, order, 1).astype(np.int32))
+    device. torch.topk on the CPU too: with the one or two threads a CPU worker has, it
+    beat numpy's argpartition + argsort at every width and row count measured (1-256
+    rows, vocabularies of 2k-152k), by up to 2.5x."""
+    top = torch.topk(src, k)
+    return top.values.float(), top.indices.to(torch.int32)
 
 
 def _take_rows(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, bool]:
