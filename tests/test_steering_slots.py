@@ -44,17 +44,26 @@ def _join(engine, req_id: str, op: P.Op) -> None:
     engine.requests[req_id] = state
 
 
-def _decode_pass(engine, sampler) -> None:
-    """A forward pass decoding one token of every request, then its draw."""
+def _forward(engine) -> None:
+    """A forward pass decoding one token of every request (the steering tables filled)."""
     engine.input_batch.req_ids = list(engine.requests)
     # one decode row each, after its 2 prompt tokens and the tokens drawn so far
     engine.input_batch.num_computed_tokens_cpu = np.array([2 + len(s.output_token_ids)
                                                            for s in engine.requests.values()])
     engine.query_start_loc = types.SimpleNamespace(np=np.arange(len(engine.requests) + 1))
     engine._model_forward()
+
+
+def _draw(engine, sampler) -> None:
+    """The draw after that pass: one token more for every request."""
     sampler.forward(torch.zeros(len(engine.requests), 16), None)
     for state in engine.requests.values():
         state.output_token_ids.append(0)
+
+
+def _decode_pass(engine, sampler) -> None:
+    _forward(engine)
+    _draw(engine, sampler)
 
 
 def test_every_slot_comes_back_after_hundreds_of_requests():
@@ -65,20 +74,13 @@ def test_every_slot_comes_back_after_hundreds_of_requests():
         if len(engine.requests) > BATCH:
             del engine.requests[next(iter(engine.requests))]  # the oldest ends
             ended += 1
-        engine.input_batch.req_ids = list(engine.requests)
-        # one decode row each, after its 2 prompt tokens and the tokens drawn so far
-        engine.input_batch.num_computed_tokens_cpu = np.array([2 + len(s.output_token_ids)
-                                                               for s in engine.requests.values()])
-        engine.query_start_loc = types.SimpleNamespace(np=np.arange(len(engine.requests) + 1))
-        engine._model_forward()
+        _forward(engine)
         # each request's row reads its own slot: its vector at its layer, slot 0 at the other
         for row, rid in enumerate(engine.input_batch.req_ids):
             k = int(rid[1:])
             slot = int(tables.slots[row, k % 2])
             assert float(tables.vectors[k % 2, slot, 0]) == float(k) and int(tables.slots[row, 1 - k % 2]) == 0
-        sampler.forward(torch.zeros(len(engine.requests), 16), None)
-        for state in engine.requests.values():
-            state.output_token_ids.append(0)
+        _draw(engine, sampler)
     assert ended > 20 * len(tables.vectors[0])  # far more requests than slots came and went
     assert not [s.error for s in hooks.sequences.values() if s is not None and s.error]
     planner = hooks.steering
