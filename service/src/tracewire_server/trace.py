@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +21,8 @@ from tracewire.v1 import output_pb2, service_pb2, trace_pb2
 from . import outputs
 from .compiler import CompiledInvoke, CompiledTrace, EngineSequence
 from .engine import Engine
-from .errors import Internal, ResourceExhausted, TracewireError
+from .errors import Internal, TracewireError
+from .outbox import Outbox, Write
 from .sidechannel import Receiver, StepRecord
 
 # How long a sequence waits for the worker's record of a step the engine
@@ -38,106 +37,27 @@ class _SequenceResult:
     prompt: Any = None  # the first vLLM output (prompt fields)
 
 
-# Steps ready together go out in one message up to this size (a step larger than
-# this goes alone): fewer gRPC messages when the stream is busy.
-BATCH_BYTES = 1 << 20
-
-
-class _Outbox:
-    """Events waiting for the client, in order. Steps accumulate in one open
-    StepResults message that the consumer takes whole when it wakes, so a busy
-    stream coalesces steps and an idle one sends each step at once. Bytes queued
-    and not yet taken are capped: over the cap the trace fails (slow client)."""
-
-    def __init__(self, cap: int, interval_s: float = 0.0) -> None:
-        self.cap = cap
-        self.interval_s = interval_s
-        self._last_steps = -float("inf")  # loop time the last steps message was taken
-        self.queued = 0
-        # (item, bytes it counted against the cap)
-        self._closed: deque[tuple[service_pb2.TraceResponse | trace_pb2.InvokeResult | None, int]] = deque()
-        self._open: service_pb2.TraceResponse | None = None
-        self._open_bytes = 0
-        self._wake = asyncio.Event()
-
-    def new_step(self, size_hint: int) -> trace_pb2.StepResult:
-        """A StepResult to fill in place, already queued for the client."""
-        if self._open is not None and self._open_bytes + size_hint > BATCH_BYTES:
-            self._close_open()
-        if self._open is None:
-            self._open = service_pb2.TraceResponse()
-            self._open_bytes = 0
-        self._wake.set()
-        return self._open.steps.results.add()
-
-    def count(self, size: int) -> None:
-        self._open_bytes += size
-        self.queued += size
-        if self.queued > self.cap:
-            raise ResourceExhausted(
-                f"the client is reading too slowly: {self.queued} bytes of step results "
-                f"are waiting, over the per-trace buffer of {self.cap} bytes"
-            )
-
-    def put(self, item: trace_pb2.InvokeResult | None) -> None:
-        """An invoke result (after all steps before it), or None to wake the consumer."""
-        self._close_open()
-        self._closed.append((item, 0))
-        self._wake.set()
-
-    def _close_open(self) -> None:
-        if self._open is not None:
-            self._closed.append((self._open, self._open_bytes))
-            self._open = None
-
-    async def get(self) -> service_pb2.TraceResponse | trace_pb2.InvokeResult | None:
-        while not self._closed and self._open is None:
-            self._wake.clear()
-            await self._wake.wait()
-        if self.interval_s and not self._closed:  # only open steps: let more join them
-            delay = self._last_steps + self.interval_s - asyncio.get_running_loop().time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-        self._close_open()
-        item, size = self._closed.popleft()
-        self.queued -= size
-        if isinstance(item, service_pb2.TraceResponse):
-            self._last_steps = asyncio.get_running_loop().time()
-        return item
-
-
 @dataclass
 class TraceRun:
     engine: Engine
     receiver: Receiver
     trace: CompiledTrace
     buffer_cap_bytes: int
-    _outbox: _Outbox = field(init=False)
+    _outbox: Outbox = field(init=False)
     _warnings: list[trace_pb2.TraceWarning] = field(default_factory=list)
     _generated: int = 0
     _read_bytes: int = 0
-    _failure: TracewireError | None = None
 
-    def __post_init__(self) -> None:
-        self._outbox = _Outbox(self.buffer_cap_bytes, self.trace.stream_interval_s)
-
-    async def send(self, write: Callable[[service_pb2.TraceResponse], Awaitable[None]]) -> None:
+    async def send(self, write: Write) -> None:
         """Run the trace, handing each event to `write` (the call's context.write: one
         await per message, no async generators stacked between the steps and gRPC)."""
         started = time.monotonic()
+        self._outbox = Outbox(write, len(self.trace.invokes), self.buffer_cap_bytes, self.trace.stream_interval_s)
         tasks = [asyncio.create_task(self._invoke(inv)) for inv in self.trace.invokes]
-        done_invokes = 0
         try:
-            while done_invokes < len(tasks):
-                item = await self._outbox.get()
-                if self._failure is not None:  # do not make the client read a backlog first
-                    raise self._failure
-                if isinstance(item, service_pb2.TraceResponse):
-                    await write(item)
-                elif isinstance(item, trace_pb2.InvokeResult):
-                    done_invokes += 1
-                    await write(service_pb2.TraceResponse(invoke_result=item))
+            await self._outbox.finished  # every invoke's result written, or the error that ended the trace
         finally:
+            self._outbox.close()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -160,18 +80,12 @@ class TraceRun:
                 tasks = [group.create_task(self._sequence(inv, s)) for s in inv.sequences]
             results = [t.result() for t in tasks]
             self._warn_unreached(inv, results)
-            self._outbox.put(self._invoke_result(inv, results))
+            self._outbox.put_invoke_result(self._invoke_result(inv, results))
         except* TracewireError as group_error:
-            self._fail(group_error.exceptions[0])
+            self._outbox.fail(group_error.exceptions[0])
         except* Exception as group_error:  # noqa: BLE001 - reported to the client as INTERNAL
             e = group_error.exceptions[0]
-            self._fail(Internal(f"trace failed: {type(e).__name__}: {e}"))
-
-    def _fail(self, error: BaseException) -> None:
-        if self._failure is None:
-            assert isinstance(error, TracewireError)
-            self._failure = error
-            self._outbox.put(None)  # wake the consumer
+            self._outbox.fail(Internal(f"trace failed: {type(e).__name__}: {e}"))
 
     async def _sequence(self, inv: CompiledInvoke, seq: EngineSequence) -> _SequenceResult:
         records: asyncio.Queue[StepRecord] | None = None
@@ -206,6 +120,7 @@ class TraceRun:
                         if record is not None and record.stopped:
                             stopped_at = step
                             break
+                    self._outbox.flush()  # this output's steps go to the client now
                     if stopped_at is not None:
                         break  # leaving the stream aborts the request in the engine
                     vllm_text.append(c.text)
