@@ -14,6 +14,7 @@ import argparse
 import multiprocessing
 import statistics
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -112,17 +113,73 @@ def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: boo
     return _hooked_minus_bare(hooks, rows, vocab, steps, before_draw)
 
 
+def measure_collector(rows: int, routes: int, vocab: int, addresses: list[str]) -> tuple[float, float]:
+    """The collector's work for one top-20 step of `rows` rows spread over `routes`
+    frontends, in ms: alone, and on its own thread beside a thread busy in Python and
+    small torch calls (vLLM's engine thread at c=256 is ~90% busy). The two share the
+    GIL: each time the collector lets go of it (a ZMQ send, most torch and some numpy
+    calls), it waits to get it back. On the H200 at ~175 rows and 8 frontends,
+    TRACEWIRE_HOOK_TIMES read 2.3 ms a step for this."""
+    ops = PLANS["top-20 every step"]
+    requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"{i:032x}", ops=ops, route=i % routes)))
+                for i in range(rows)}
+    hooks = W.PlanHooks(runner(requests), fault_injection=False)
+    for route in range(routes):
+        hooks.senders[route] = sidechannel.Sender(addresses[route])
+    works: list[W._StepWork] = []
+    hooks.collector.submit = works.append  # type: ignore[method-assign]
+    sampler = Sampler()
+    hooks.install(sampler)
+    sampler.forward(torch.randn(rows, vocab), None)
+    work = works[-1]
+
+    def finish_ms(steps: int, interval_s: float = 0.0) -> float:
+        taken = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            hooks._finish(work)  # the same step again: its records go out every time
+            taken.append(time.perf_counter() - start)
+            time.sleep(interval_s)
+        return statistics.median(taken) * 1e3
+
+    finish_ms(5)
+    alone = finish_ms(50)
+    stop = threading.Event()
+
+    def engine() -> None:
+        a, b = torch.zeros(64), torch.ones(64)
+        while not stop.is_set():
+            for _ in range(20):
+                a.add_(b)
+            sum(range(300))
+
+    busy = threading.Thread(target=engine)
+    busy.start()
+    try:
+        beside = finish_ms(80, interval_s=0.013)  # a step every ~13 ms, as at c=256
+    finally:
+        stop.set()
+        busy.join()
+        for sender in hooks.senders.values():
+            sender.close()
+    return alone, beside
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="64,256")
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--routes", type=int, default=8, help="frontends for the collector row")
     args = parser.parse_args()
-    address = f"ipc:///tmp/tracewire-hooks-bench-{time.monotonic_ns()}"
-    ready = multiprocessing.Event()
-    reader = multiprocessing.Process(target=_drain, args=(address, ready), daemon=True)
-    reader.start()
-    ready.wait(30)
+    addresses = [f"ipc:///tmp/tracewire-hooks-bench-{time.monotonic_ns()}-{i}" for i in range(args.routes)]
+    readers = []
+    for address in addresses:
+        ready = multiprocessing.Event()
+        readers.append(multiprocessing.Process(target=_drain, args=(address, ready), daemon=True))
+        readers[-1].start()
+        ready.wait(30)
+    address = addresses[0]
     levels = [int(r) for r in args.rows.split(",")]
     print("| plan | " + " | ".join(f"{r} rows: µs/row/step" for r in levels) + " |")
     print("|" + "---|" * (len(levels) + 1))
@@ -133,7 +190,14 @@ def main() -> int:
         cells = [measure_steering(r, args.vocab, args.steps, address, churn) for r in levels]
         print(f"| steering write every step (compiled tables, {label}) | "
               + " | ".join(f"{c:.1f}" for c in cells) + " |")
-    reader.kill()
+    print()
+    print(f"| collector, top-20, {args.routes} frontends, vocab {args.vocab} | "
+          + " | ".join(f"{r} rows: ms/step alone / beside a busy engine thread" for r in levels) + " |")
+    print("|" + "---|" * (len(levels) + 1))
+    cells = [measure_collector(r, args.routes, args.vocab, addresses) for r in levels]
+    print("| median of the steps | " + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells) + " |")
+    for reader in readers:
+        reader.kill()
     return 0
 
 

@@ -60,3 +60,23 @@ def test_block_records_are_the_records_of_their_rows():
     # A read of the drawn token is the token, as an int32 scalar.
     assert _array(b.values["drawn"].values).shape == () and int(_array(b.values["drawn"].values)) == 12
     assert a.error is None and not a.stopped and a.rows == {}
+
+
+def test_rows_cut_from_the_bytes_equal_numpy_indexing():
+    rng = np.random.default_rng(1)
+    arrays = [
+        rng.standard_normal((7, 5)).astype(np.float32),
+        rng.integers(0, 1 << 40, (6, 2)),  # int64
+        np.arange(6, dtype=np.int32),
+        np.ones((1, 3), np.float32),
+        rng.standard_normal((4, 3, 2)).astype(np.float32),
+        rng.standard_normal((5, 4)).astype(np.float32)[:, ::2],  # not contiguous
+        rng.standard_normal((4, 3)).astype(">f4"),  # big-endian
+        np.zeros((0, 3), np.float32),
+    ]
+    for array in arrays:
+        n = array.shape[0]
+        for rows in ([], [0], [n - 1, 0, n // 2]) if n else ([],):
+            cut = RawTensor.rows_of(array, rows)
+            assert cut == RawTensor.from_numpy(array[rows]), (array.shape, array.dtype, rows)
+            assert _array(cut).shape == (len(rows), *array.shape[1:])

@@ -105,6 +105,9 @@ def resolve(record: StepRecord, columns: list[ReadResult]) -> StepRecord:
     return msgspec.structs.replace(record, values=values, rows={})
 
 
+ZERO_COPY_FROM = 1 << 16
+
+
 class Sender:
     """Worker side. send() never drops: a full pipe blocks the step (HWM is large)."""
 
@@ -116,7 +119,10 @@ class Sender:
         self._socket.connect(address)
 
     def send(self, batch: StepBatch) -> None:
-        self._socket.send(_ENCODER.encode(batch), copy=False)
+        data = _ENCODER.encode(batch)
+        # Below ~64 KB pyzmq's zero-copy send costs more than copying (4 µs against 19 µs
+        # for 9 KB, measured): it sets up a frame whose release another thread tracks.
+        self._socket.send(data, copy=len(data) < ZERO_COPY_FROM)
 
     def close(self) -> None:
         self._socket.close(linger=0)

@@ -48,19 +48,39 @@ class RawTensor(msgspec.Struct, array_like=True, frozen=True):
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> RawTensor:
-        if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+        if _big_endian(array):
             array = array.astype(array.dtype.newbyteorder("<"))
-        name = _NAME_OF.get(array.dtype.newbyteorder("=") if array.dtype.byteorder == "<" else array.dtype)
-        if name is None:  # numpy's dtype.name is slow; this runs per value per step
-            raise TypeError(f"cannot send dtype {array.dtype}")
         # tobytes() is C order whatever the layout; 0-d arrays keep shape ().
-        return cls(name, tuple(int(d) for d in array.shape), array.tobytes(order="C"))
+        return cls(_name(array), tuple(int(d) for d in array.shape), array.tobytes(order="C"))
+
+    @classmethod
+    def rows_of(cls, array: np.ndarray, rows: list[int]) -> RawTensor:
+        """`array[rows]`, cut from its bytes. numpy's fancy indexing lets go of the GIL
+        above a few hundred elements, and the worker's collector thread, which sends
+        these, waits to get the GIL back from the engine's busy thread each time."""
+        if _big_endian(array) or not array.flags.c_contiguous or array.ndim == 0 or not array.shape[0]:
+            return cls.from_numpy(array[rows])
+        flat = memoryview(array).cast("B")
+        size = array.nbytes // array.shape[0]
+        data = b"".join([flat[r * size:(r + 1) * size] for r in rows])
+        return cls(_name(array), (len(rows), *(int(d) for d in array.shape[1:])), data)
 
     def fill(self, message: tensor_pb2.Tensor) -> None:
         """Write this tensor into a (sub)message in place."""
         message.dtype = _DTYPE_NAMES[self.dtype]
         message.shape.extend(self.shape)
         message.data = self.data
+
+
+def _big_endian(array: np.ndarray) -> bool:
+    return array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big")
+
+
+def _name(array: np.ndarray) -> str:
+    name = _NAME_OF.get(array.dtype.newbyteorder("=") if array.dtype.byteorder == "<" else array.dtype)
+    if name is None:  # numpy's dtype.name is slow; this runs per value per step
+        raise TypeError(f"cannot send dtype {array.dtype}")
+    return name
 
 
 def float_vector(tensor: tensor_pb2.Tensor, length: int, field: str) -> np.ndarray:

@@ -246,19 +246,16 @@ class _Captured:
 
 
 class _HostBatch:
-    """Host tensors of one read kind for several rows, valid once the step's copies are
-    done (_StepWork.wait); viewed as numpy once, on first use."""
+    """Host arrays of one read kind for several rows, valid once the step's copies are
+    done (_StepWork.wait). Viewed as numpy here, on the engine thread (the view keeps
+    the host tensor alive): torch's .numpy() lets go of the GIL, and every time the
+    collector thread lets go of it, it waits to get it back from a busy engine thread."""
 
-    __slots__ = ("_arrays", "ids", "values")
+    __slots__ = ("ids", "values")
 
     def __init__(self, values: torch.Tensor, ids: torch.Tensor | None) -> None:
-        self.values, self.ids = values, ids
-        self._arrays: tuple[np.ndarray, np.ndarray | None] | None = None
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
-        if self._arrays is None:
-            self._arrays = (self.values.numpy(), self.ids.numpy() if self.ids is not None else None)
-        return self._arrays
+        self.values: np.ndarray = values.numpy()
+        self.ids: np.ndarray | None = ids.numpy() if ids is not None else None
 
     @property
     def rows(self) -> int:
@@ -266,10 +263,10 @@ class _HostBatch:
 
     def column(self, rows: list[int] | None = None) -> ReadResult:
         """These rows (None: all) at once, as sent: the server hands each trace its row."""
-        values, ids = self.arrays()
-        if rows is not None:
-            values, ids = values[rows], ids[rows] if ids is not None else None
-        return ReadResult(RawTensor.from_numpy(values), RawTensor.from_numpy(ids) if ids is not None else None)
+        values, ids = self.values, self.ids
+        if rows is None:
+            return ReadResult(RawTensor.from_numpy(values), RawTensor.from_numpy(ids) if ids is not None else None)
+        return ReadResult(RawTensor.rows_of(values, rows), RawTensor.rows_of(ids, rows) if ids is not None else None)
 
 
 @dataclass
@@ -283,7 +280,7 @@ class _HostRead:
     def result(self, token: int) -> ReadResult:
         if self.batch is None:
             return token_read(token)
-        values, ids = self.batch.arrays()
+        values, ids = self.batch.values, self.batch.ids
         return ReadResult(
             RawTensor.from_numpy(values),
             RawTensor.from_numpy(ids) if ids is not None else None,
@@ -358,7 +355,7 @@ class _StepWork:
     """One engine step's traced rows, handed to the collector to finish."""
 
     step: _Step
-    tokens: torch.Tensor  # host copy of the drawn ids, one per logits row
+    tokens: np.ndarray  # host copy of the drawn ids, one per logits row (filled once done)
     done: torch.cuda.Event | None  # recorded after the step's copies (None: CPU, already done)
 
     def wait(self) -> None:
@@ -1280,7 +1277,7 @@ class PlanHooks:
             for row in fired:
                 row.error = f"{type(e).__name__}: {e}"
         # On the CPU vLLM may reuse the sampled-ids buffer: keep a copy of our own.
-        tokens = _to_host(drawn) if drawn.device.type != "cpu" else drawn.clone()
+        tokens = (_to_host(drawn) if drawn.device.type != "cpu" else drawn.clone()).numpy()  # see _HostBatch
         done = None
         if drawn.device.type == "cuda":
             # Blocking: the collector sleeps until the step is done. A default event's
@@ -1300,7 +1297,7 @@ class PlanHooks:
         started = time.perf_counter()
         work.wait()
         ready = time.perf_counter()
-        tokens = work.tokens.numpy()
+        tokens = work.tokens
         batches: defaultdict[int, _Outgoing] = defaultdict(_Outgoing)  # by route
         for row in work.step.rows:
             seq = row.seq
