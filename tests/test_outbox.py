@@ -40,6 +40,22 @@ def _step(box: Outbox, step: int, size: int = 10) -> None:
     box.count(size)
 
 
+def _flushed(box: Outbox, step: int, size: int = 10) -> None:
+    """A step as the trace adds it: filled, then flushed after its engine output."""
+    _step(box, step, size)
+    box.flush()
+
+
+def _in_flight(invokes: int = 1, cap: int = 1 << 20) -> tuple[Client, Outbox]:
+    """An outbox whose client is not reading yet, with step 0 already handed to its write.
+    Needs a running event loop."""
+    client = Client()
+    client.reading.clear()
+    box = Outbox(client.write, invokes=invokes, cap=cap)
+    _flushed(box, 0)
+    return client, box
+
+
 def _run(test) -> None:
     asyncio.run(asyncio.wait_for(test(), 10))
 
@@ -62,17 +78,11 @@ def test_a_step_reaches_the_stream_inside_the_flush_that_follows_it():
 
 def test_steps_coalesce_while_a_write_is_in_flight_and_order_is_kept():
     async def go():
-        client = Client()
-        client.reading.clear()
-        box = Outbox(client.write, invokes=2, cap=1 << 20)
-        _step(box, 0)
-        box.flush()
+        client, box = _in_flight(invokes=2)
         for i in (1, 2):
-            _step(box, i)
-            box.flush()
+            _flushed(box, i)
         box.put_invoke_result(trace_pb2.InvokeResult(invoke_index=0))
-        _step(box, 3)
-        box.flush()
+        _flushed(box, 3)
         await asyncio.sleep(0.01)
         assert client.received() == [[0]]  # the first write is still in flight
         client.reading.set()
@@ -86,11 +96,7 @@ def test_steps_coalesce_while_a_write_is_in_flight_and_order_is_kept():
 
 def test_large_steps_start_a_new_message():
     async def go():
-        client = Client()
-        client.reading.clear()
-        box = Outbox(client.write, invokes=1, cap=8 * BATCH_BYTES)
-        _step(box, 0)
-        box.flush()
+        client, box = _in_flight(cap=8 * BATCH_BYTES)
         _step(box, 1, BATCH_BYTES // 2 + 1)
         _step(box, 2, BATCH_BYTES // 2 + 1)
         box.put_invoke_result(trace_pb2.InvokeResult(invoke_index=0))
@@ -103,14 +109,9 @@ def test_large_steps_start_a_new_message():
 
 def test_a_client_that_does_not_read_hits_the_cap():
     async def go():
-        client = Client()
-        client.reading.clear()
-        box = Outbox(client.write, invokes=1, cap=100)
-        _step(box, 0)
-        box.flush()  # in flight: no longer counted as waiting
+        _, box = _in_flight(cap=100)  # step 0 in flight: no longer counted as waiting
         for i in range(1, 11):
-            _step(box, i)
-            box.flush()
+            _flushed(box, i)
         with pytest.raises(ResourceExhausted, match="reading too slowly"):
             _step(box, 11)
         box.close()
@@ -120,13 +121,8 @@ def test_a_client_that_does_not_read_hits_the_cap():
 
 def test_a_failed_trace_does_not_write_its_backlog():
     async def go():
-        client = Client()
-        client.reading.clear()
-        box = Outbox(client.write, invokes=1, cap=1 << 20)
-        _step(box, 0)
-        box.flush()
-        _step(box, 1)
-        box.flush()
+        client, box = _in_flight()
+        _flushed(box, 1)
         box.fail(ResourceExhausted("too slow"))
         client.reading.set()
         with pytest.raises(ResourceExhausted, match="too slow"):
@@ -151,8 +147,7 @@ def test_a_write_that_fails_ends_the_trace_with_its_error(how):
             raise ConnectionError("reset")
 
         box = Outbox(write, invokes=1, cap=1 << 20)
-        _step(box, 0)
-        box.flush()
+        _flushed(box, 0)
         with pytest.raises(ConnectionError, match="reset"):
             await box.finished
 
@@ -161,18 +156,13 @@ def test_a_write_that_fails_ends_the_trace_with_its_error(how):
 
 def test_closing_cancels_a_write_in_flight_and_stops_writing():
     async def go():
-        client = Client()
-        client.reading.clear()
-        box = Outbox(client.write, invokes=1, cap=1 << 20)
-        _step(box, 0)
-        box.flush()
+        client, box = _in_flight()
         await asyncio.sleep(0)
         box.close()
         await asyncio.sleep(0.01)
         assert client.cancelled  # the write in flight saw the cancellation
         assert box.finished.cancelled()
-        _step(box, 1)
-        box.flush()
+        _flushed(box, 1)
         await asyncio.sleep(0.01)
         assert client.received() == [[0]]
 
@@ -183,13 +173,10 @@ def test_a_stream_interval_holds_steps_back_to_join_the_next_ones():
     async def go():
         client = Client()
         box = Outbox(client.write, invokes=1, cap=1 << 20, interval_s=0.05)
-        _step(box, 0)
-        box.flush()
+        _flushed(box, 0)
         assert client.received() == [[0]]  # nothing sent yet: no reason to wait
-        _step(box, 1)
-        box.flush()
-        _step(box, 2)
-        box.flush()
+        _flushed(box, 1)
+        _flushed(box, 2)
         assert client.received() == [[0]]
         await asyncio.sleep(0.2)
         assert client.received() == [[0], [1, 2]]
