@@ -184,3 +184,19 @@ def test_a_stream_interval_holds_steps_back_to_join_the_next_ones():
         await box.finished
 
     _run(go)
+
+
+def test_a_trace_that_fails_while_steps_wait_out_the_interval_sends_none_of_them():
+    async def go():
+        client = Client()
+        box = Outbox(client.write, invokes=1, cap=1 << 20, interval_s=0.05)
+        _flushed(box, 0)
+        _flushed(box, 1)  # waits out the interval
+        box.fail(ResourceExhausted("too slow"))
+        with pytest.raises(ResourceExhausted):
+            await box.finished
+        await asyncio.sleep(0.1)
+        assert client.received() == [[0]]
+        box.close()
+
+    _run(go)

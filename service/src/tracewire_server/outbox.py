@@ -117,7 +117,7 @@ class Outbox:
             if delay > 0:
                 await asyncio.sleep(delay)
         self._close_open()
-        if not self._ready:
+        if not self._ready or self.finished.done():  # (it may have failed while we slept)
             return None
         message, size, ends_invoke = self._ready.popleft()
         self.queued -= size
