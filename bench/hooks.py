@@ -6,6 +6,8 @@ channel (ZMQ) to a reader in another process. What it measures is the Python the
 hooks add to each engine step, without vLLM around it: a quiet, repeatable number
 to compare worker-side changes with on a noisy machine, where `make bench`'s
 end-to-end ratios move by more than the change. Not a substitute for `make bench`.
+A last table times the collector thread's work for a step beside a thread that keeps the
+GIL busy, as vLLM's engine thread does under load.
 """
 
 from __future__ import annotations
