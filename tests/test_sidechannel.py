@@ -80,3 +80,39 @@ def test_rows_cut_from_the_bytes_equal_numpy_indexing():
             cut = RawTensor.rows_of(array, rows)
             assert cut == RawTensor.from_numpy(array[rows]), (array.shape, array.dtype, rows)
             assert _array(cut).shape == (len(rows), *array.shape[1:])
+
+
+def _batch(key: str) -> StepBatch:
+    return StepBatch([StepRecord(key, 0, 1, {})], [])
+
+
+def test_sender_delivers_without_letting_go_of_the_gil_and_waits_when_it_cannot(tmp_path):
+    import threading
+
+    import zmq
+
+    # The fast path is in use here (pyzmq's own libzmq, through ctypes).
+    assert sidechannel._send_keeping_gil() is not None
+    address = f"ipc://{tmp_path}/side"
+    sender = sidechannel.Sender(address, high_water_mark=1)
+    sender.send(_batch("first"))  # queued for the reader to come
+    # The pipe is full: the non-blocking send cannot go, so the send falls back to
+    # pyzmq's, which waits for the reader instead of dropping the step.
+    sent = threading.Event()
+    worker = threading.Thread(target=lambda: (sender.send(_batch("second")), sent.set()))
+    worker.start()
+    assert not sent.wait(0.3)
+    context = zmq.Context()
+    reader = context.socket(zmq.PULL)
+    reader.bind(address)
+    try:
+        assert reader.poll(10_000)
+        worker.join(10)
+        assert sent.is_set()
+        sender.send(_batch("third"))  # a reader now: the GIL-keeping send
+        keys = [sidechannel._DECODER.decode(reader.recv()).records[0].key for _ in range(3)]
+        assert keys == ["first", "second", "third"]
+    finally:
+        sender.close()
+        reader.close(linger=0)
+        context.term()
