@@ -611,6 +611,9 @@ def main() -> int:
                         "tokens (a c=1 cell of 2 requests lasts about a second: too short to read)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 64 (GPU mode: 128)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per cell (median)")
+    parser.add_argument("--rows", default=None,
+                        help="only these rows, names separated by ';' (raw vLLM and Generate always run), "
+                        "e.g. --rows 'trace, no interventions;top-20 logits every step'")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="engine setting for both engines, e.g. --engine dtype=bfloat16 "
                         "--engine load_format=dummy --engine max_num_seqs=256 (values parsed as JSON)")
@@ -640,6 +643,12 @@ def main() -> int:
         kind, kinds = "compiled-steering", COMPILED_STEERING_ROWS
     else:
         kind, kinds = "trace", (GPU_ROWS + (LOGPROBS_ROW,) if args.shape else (BARE_ROW, *ROWS))
+    if args.rows:
+        wanted = [name.strip() for name in args.rows.split(";") if name.strip()]
+        unknown = [name for name in wanted if name not in kinds]
+        if unknown:
+            parser.error(f"--rows: no row named {unknown}; rows of this mode: {'; '.join(kinds)}")
+        kinds = tuple(name for name in kinds if name in wanted)
     rounds = {c: max(args.rounds, -(-args.min_tokens // (c * args.new_tokens))) for c in levels}
     rows = asyncio.run(measure(args.model, levels, rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
                                args.frontends, args.client_procs))
