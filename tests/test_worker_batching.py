@@ -7,6 +7,7 @@ trace tests check values against transformers)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from tracewire_server import plan as P
 from tracewire_server import worker_hooks as W
@@ -49,7 +50,9 @@ class _Doubling(Sampler):
         return logits.mul_(2.0)
 
 
-def test_each_record_gets_its_own_rows_of_shared_reads():
+@pytest.mark.parametrize("whole_column_bytes", [0, W.WHOLE_COLUMN_BYTES], ids=["cut per frontend", "sent whole"])
+def test_each_record_gets_its_own_rows_of_shared_reads(monkeypatch, whole_column_bytes):
+    monkeypatch.setattr(W, "WHOLE_COLUMN_BYTES", whole_column_bytes)
     requests, keys = {}, {}
     for name, spec in BATCH.items():
         if spec is None:
@@ -105,8 +108,11 @@ def test_each_record_gets_its_own_rows_of_shared_reads():
                 np.testing.assert_array_equal(_array(values["lp"].token_ids), ids)
                 np.testing.assert_allclose(_array(values["lp"].values), lp[ids].numpy(), rtol=1e-5)
                 np.testing.assert_allclose(_array(values["ids"].values), processed[[1, 5]].numpy(), rtol=1e-6)
-        # Frontend 1 gets only its own three rows of the top-3 column shared with frontend 0.
-        assert [c.values.shape[0] for c in senders[1].batches[-1].columns] == [3]
+        # Frontend 1 gets only its own three rows of the top-3 column shared with frontend 0,
+        # or, where columns that small go whole, the column of every row reading it.
+        readers = [k for k in order if k in keys and any(op.name == "top" for op in BATCH[k][1])]
+        want = 3 if whole_column_bytes == 0 else len(readers)
+        assert [c.values.shape[0] for c in senders[1].batches[-1].columns] == [want]
         # The reads that only read travel as blocks, one per frontend; the others as records.
         blocked = {k for sender in senders.values() for b in sender.batches[-1].blocks for k in b.keys}
         assert blocked == {keys[k] for k in ("a", "b", "c", "lp", "d") if k in order}

@@ -71,6 +71,11 @@ log = logging.getLogger(f"vllm.{__name__}")
 # time is counted in both.
 HOOK_TIMES_ENV = "TRACEWIRE_HOOK_TIMES"
 
+# A batched read of at most this many bytes (top-20 of 256 rows: 40 KB) goes whole to
+# every frontend reading any of its rows; larger ones (full logits rows) are cut per
+# frontend, so none is sent what it does not read.
+WHOLE_COLUMN_BYTES = 256 << 10
+
 
 class _HookTimes:
     """Seconds the hooks spent on the engine's thread and on the collector thread."""
@@ -251,21 +256,32 @@ class _HostBatch:
     the host tensor alive): torch's .numpy() lets go of the GIL, and every time the
     collector thread lets go of it, it waits to get it back from a busy engine thread."""
 
-    __slots__ = ("ids", "values")
+    __slots__ = ("_whole", "ids", "values")
 
     def __init__(self, values: torch.Tensor, ids: torch.Tensor | None) -> None:
         self.values: np.ndarray = values.numpy()
         self.ids: np.ndarray | None = ids.numpy() if ids is not None else None
+        self._whole: ReadResult | None = None
 
     @property
     def rows(self) -> int:
         return int(self.values.shape[0])
 
+    @property
+    def small(self) -> bool:
+        """Small enough to send whole to every frontend reading any of its rows: cheaper
+        than cutting each one its rows (Python per row, on the collector's GIL time)."""
+        return self.values.nbytes + (self.ids.nbytes if self.ids is not None else 0) <= WHOLE_COLUMN_BYTES
+
     def column(self, rows: list[int] | None = None) -> ReadResult:
-        """These rows (None: all) at once, as sent: the server hands each trace its row."""
+        """These rows (None: all) at once, as sent: the server hands each trace its row.
+        All of them are converted once, however many frontends they go to."""
         values, ids = self.values, self.ids
         if rows is None:
-            return ReadResult(RawTensor.from_numpy(values), RawTensor.from_numpy(ids) if ids is not None else None)
+            if self._whole is None:
+                self._whole = ReadResult(RawTensor.from_numpy(values),
+                                         RawTensor.from_numpy(ids) if ids is not None else None)
+            return self._whole
         return ReadResult(RawTensor.rows_of(values, rows), RawTensor.rows_of(ids, rows) if ids is not None else None)
 
 
@@ -847,9 +863,9 @@ class _Outgoing:
         # id(batch) -> (its column, batch row -> column row; None: the same)
         place: dict[int, tuple[int, dict[int, int] | None]] = {}
         for ident, (batch, used) in self._used.items():
-            rows = sorted(set(used))
-            whole = len(rows) == batch.rows
-            place[ident] = (len(columns), None if whole else {r: p for p, r in enumerate(rows)})
+            rows = None if batch.small else sorted(set(used))
+            whole = rows is None or len(rows) == batch.rows
+            place[ident] = (len(columns), None if whole else {r: p for p, r in enumerate(rows)})  # type: ignore[arg-type]
             columns.append(batch.column(None if whole else rows))
         records = []
         for key, step, token, values, stopped, error, refs in self._records:
