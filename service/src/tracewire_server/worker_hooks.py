@@ -820,8 +820,9 @@ class _Outgoing:
     """One step's message to one frontend: a record per traced row, a RowBlock per
     block, and each batched read once (a column), which the records and blocks point
     into. Per row this costs a few references, not a tensor conversion; per block row,
-    a list entry. A column computed over several frontends' rows goes to each with only
-    the rows it reads (a full-vocabulary read is not sent whole to every frontend)."""
+    a list entry. A column computed over several frontends' rows goes whole to each one
+    reading it when it is small (WHOLE_COLUMN_BYTES), else with only the rows that
+    frontend reads (a full-vocabulary read is not sent whole to every frontend)."""
 
     __slots__ = ("_blocks", "_records", "_used")
 
