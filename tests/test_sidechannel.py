@@ -3,7 +3,10 @@ and each record gets back exactly its own row."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import zmq
 from tracewire_server import sidechannel
 from tracewire_server.sidechannel import ReadResult, RowBlock, StepBatch, StepRecord, resolve
 from tracewire_server.tensors import RawTensor
@@ -87,10 +90,6 @@ def _batch(key: str) -> StepBatch:
 
 
 def test_sender_delivers_without_letting_go_of_the_gil_and_waits_when_it_cannot(tmp_path):
-    import threading
-
-    import zmq
-
     # The fast path is in use here (pyzmq's own libzmq, through ctypes).
     assert sidechannel._send_keeping_gil() is not None
     address = f"ipc://{tmp_path}/side"

@@ -864,10 +864,13 @@ class _Outgoing:
         # id(batch) -> (its column, batch row -> column row; None: the same)
         place: dict[int, tuple[int, dict[int, int] | None]] = {}
         for ident, (batch, used) in self._used.items():
-            rows = None if batch.small else sorted(set(used))
-            whole = rows is None or len(rows) == batch.rows
-            place[ident] = (len(columns), None if whole else {r: p for p, r in enumerate(rows)})  # type: ignore[arg-type]
-            columns.append(batch.column(None if whole else rows))
+            rows = sorted(set(used)) if not batch.small else None
+            if rows is None or len(rows) == batch.rows:
+                place[ident] = (len(columns), None)
+                columns.append(batch.column())
+            else:
+                place[ident] = (len(columns), {r: p for p, r in enumerate(rows)})
+                columns.append(batch.column(rows))
         records = []
         for key, step, token, values, stopped, error, refs in self._records:
             rows = {}
