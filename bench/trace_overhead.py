@@ -538,7 +538,9 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
                         await asyncio.sleep(SETTLE_S)
                         profile = _profile(server.pid, name, c, out_dir)
                         meter = CpuMeter(serving.get(name, server.pid))
+                        seen = len(LATENCY_NS.get(name, {}).get(c, []))
                         samples[name][c].append(await cell(c, rounds[c], meter))
+                        latency = LATENCY_NS.get(name, {}).get(c, [])[seen:]  # this cell's
                         if (us := meter.us_per_token()) is not None:
                             FRONTEND_US[name][c].append(us)
                             CPU_CORES.setdefault(name, {}).setdefault(c, []).append(meter.cores())
@@ -547,7 +549,9 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
                             for p in profile:
                                 p.wait()
                         us = f", frontend {FRONTEND_US[name][c][-1]:.0f} µs CPU/token" if FRONTEND_US[name][c] else ""
-                        log(f"c={c} {name}: {samples[name][c][-1]:.0f} tok/s{us}")
+                        ms = (f", latency p50 / p99 {percentile(latency, 0.5):.2f} / {percentile(latency, 0.99):.2f} ms"
+                              if latency else "")
+                        log(f"c={c} {name}: {samples[name][c][-1]:.0f} tok/s{us}{ms}")
         finally:
             llm.shutdown()
             for channel in opened:
