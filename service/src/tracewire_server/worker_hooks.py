@@ -296,12 +296,10 @@ class _HostRead:
     def result(self, token: int) -> ReadResult:
         if self.batch is None:
             return token_read(token)
-        values, ids = self.batch.values, self.batch.ids
-        return ReadResult(
-            RawTensor.from_numpy(values),
-            RawTensor.from_numpy(ids) if ids is not None else None,
-            RawTensor.from_numpy(np.asarray(self.positions, np.int32)) if self.positions is not None else None,
-        )
+        whole = self.batch.column()
+        if self.positions is None:
+            return whole
+        return ReadResult(whole.values, whole.token_ids, RawTensor.from_numpy(np.asarray(self.positions, np.int32)))
 
 
 # A read launched for one row: its own value, or its row of a batch.
