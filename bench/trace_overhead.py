@@ -476,15 +476,18 @@ class ClientProcesses:
 def _profile(server_pid: int, row: str, concurrency: int, out_dir: str) -> list[subprocess.Popen[bytes]]:
     """py-spy on the server and its engine processes, and on the load generator, while
     one cell runs, when BENCH_PYSPY (the py-spy binary) and BENCH_PROFILE
-    ("<row>@<concurrency>") ask for it."""
+    ("<row>@<concurrency>") ask for it; BENCH_PYSPY_ARGS replaces --nonblocking."""
     spy, wanted = os.environ.get("BENCH_PYSPY"), os.environ.get("BENCH_PROFILE", "")
     if not spy or wanted != f"{row}@{concurrency}" or _profile.done:  # type: ignore[attr-defined]
         return []
     _profile.done = True  # type: ignore[attr-defined]
     # The server and every process under it (frontends, engine core, workers), stacks
     # tagged by process; and this process with its client processes (the load).
+    # py-spy options in place of --nonblocking, e.g. "--idle --native" (native stacks stop
+    # the process at each sample: they cannot be taken nonblocking)
+    extra = os.environ.get("BENCH_PYSPY_ARGS", "--nonblocking").split()
     return [subprocess.Popen([spy, "record", "-p", str(pid), "--subprocesses", "-r", "250", "-d", "3",
-                              "-f", "raw", "--nonblocking", "-o", str(Path(out_dir) / f"spy-{name}.txt")],
+                              "-f", "raw", *extra, "-o", str(Path(out_dir) / f"spy-{name}.txt")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for pid, name in ((server_pid, "server"), (os.getpid(), "bench"))]
 
