@@ -115,3 +115,28 @@ def test_sender_delivers_without_letting_go_of_the_gil_and_waits_when_it_cannot(
         sender.close()
         reader.close(linger=0)
         context.term()
+
+
+_PINNED_SENDER = """
+import os, sys, time
+usable = os.sched_getaffinity(0)
+os.sched_setaffinity(0, {min(usable)})  # as vLLM's CPU backend pins its worker
+from tracewire_server.sidechannel import Sender
+sender = Sender("ipc://" + sys.argv[1])
+tasks = f"/proc/{os.getpid()}/task"
+io = [int(t) for t in os.listdir(tasks) if open(f"{tasks}/{t}/comm").read().startswith("ZMQbg/IO")]
+print(sorted(usable - {min(usable)}) or [min(usable)], sorted(os.sched_getaffinity(io[0])) if len(io) == 1 else io)
+"""
+
+
+def test_a_pinned_worker_sends_through_an_io_thread_off_its_cores(tmp_path):
+    """Each send wakes the ZMQ I/O thread: on a pinned worker's own core it would preempt
+    the engine step that sent it. It runs on the cores the worker leaves free (with one
+    CPU there are none, and it shares the worker's)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PINNED_SENDER, str(tmp_path / "pull")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    expected, io_thread = out.split("] ")
+    assert f"{expected}]" == io_thread
