@@ -50,7 +50,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -188,6 +188,7 @@ def _always(op: P.Op) -> bool:
 
 
 _UNKNOWN: Any = object()
+_UNSEEN: Any = object()  # a request id the hooks have not looked up yet
 
 
 @dataclass
@@ -213,10 +214,15 @@ class _Sequence:
     # Compiled steering: (table, slot) of the writes this request makes at every new
     # token, when that is all it writes; None: planned per pass (_UNKNOWN: not yet seen).
     steady: Any = _UNKNOWN
+    # (frontend, id of the ops) when every step reads the same and only reads: the
+    # key of the _Block its rows join, found without looking at the ops each step.
+    block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if all(_always(op) for op in self.plan.ops):
             self.constant = _StepOps.of(self.plan.ops)
+            if self.constant.block_key is not None and not self.needs_text:
+                self.block = (self.plan.route, id(self.constant))  # interned: alive as long as it
         lasts = [op.steps.last() for op in self.plan.ops]
         if all(last is not None for last in lasts):
             self.last_step = max(lasts, default=-1)  # type: ignore[type-var]
@@ -1228,35 +1234,44 @@ class PlanHooks:
         req_ids = batch.req_ids
         discard = getattr(self.runner, "discard_request_mask", None)
         discard_np = discard.np[: len(req_ids)] if discard is not None else None
+        if discard_np is not None and not discard_np.any():
+            discard_np = None  # one check for the step: under load rows mid-prefill are rare
         rows: list[_Row] = []
         blocks: dict[tuple[int, int], _Block] = {}
-        known = self.sequences
+        get = self.sequences.get
         for i, req_id in enumerate(req_ids):
-            # The common case (a request seen before, untraced) is one dict lookup.
-            seq = known[req_id] if req_id in known else self._sequence(req_id)
-            if seq is None or seq.error_reported:
+            # A request seen before and untraced is one dict lookup; one that reads the
+            # same at every step (the common traced case under load) a few list appends.
+            seq = get(req_id, _UNSEEN)
+            if seq is _UNSEEN:
+                seq = self._sequence(req_id)
+                get = self.sequences.get  # (it may have made a new dict)
+            if seq is None:
                 continue
-            if discard_np is not None and discard_np[i]:
-                continue  # mid-prefill: vLLM throws this sample away
-            selected = seq.ops_at(seq.step)
-            if seq.error is None and not seq.needs_text:
-                if selected.block_key is not None:
-                    key = (seq.plan.route, id(selected))  # alive: the block holds it
-                    block = blocks.get(key)
-                    if block is None:
-                        block = blocks[key] = _Block(selected, seq.plan.route)
-                    block.index.append(i)
-                    block.seqs.append(seq)
-                    block.steps.append(seq.step)
-                    seq.step += 1
+            key = seq.block
+            if key is not None and seq.error is None and (discard_np is None or not discard_np[i]):
+                ops = seq.constant
+            else:
+                if seq.error_reported or (discard_np is not None and discard_np[i]):
+                    continue  # (mid-prefill: vLLM throws this sample away)
+                ops = seq.ops_at(seq.step)
+                if seq.error is not None or seq.needs_text or ops.block_key is None:
+                    if ops is _NO_OPS and seq.error is None and not seq.needs_text:
+                        seq.step += 1  # nothing to do, record or remember at this step
+                        continue
+                    row = _Row(i, seq, ops)
+                    if seq.error is not None:  # failed in a module hook: report it on this step
+                        row.selected, row.error = _ERROR_OPS, seq.error
+                    rows.append(row)
                     continue
-                if selected is _NO_OPS:
-                    seq.step += 1  # nothing to do, record or remember at this step
-                    continue
-            row = _Row(i, seq, selected)
-            if seq.error is not None:  # failed in a module hook: report it on this step
-                row.selected, row.error = _ERROR_OPS, seq.error
-            rows.append(row)
+                key = (seq.plan.route, id(ops))  # alive: the block holds it
+            block = blocks.get(key)
+            if block is None:
+                block = blocks[key] = _Block(cast(_StepOps, ops), key[0])
+            block.index.append(i)
+            block.seqs.append(seq)
+            block.steps.append(seq.step)
+            seq.step += 1
         return _Step(rows, list(blocks.values()))
 
     def _write_and_capture(self, rows: list[_Row], logits: torch.Tensor) -> None:
