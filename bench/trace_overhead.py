@@ -55,6 +55,9 @@ FRONTEND_US: dict[str, dict[int, list[float]]] = {}  # row -> concurrency -> µs
 CHECKS: dict[str, dict[str, object]] = {}  # what a row's engine did, checked before timing it
 # row -> concurrency -> CpuMeter.cores(), per repeat
 CPU_CORES: dict[str, dict[int, list[dict[str, dict[str, float]]]]] = {}
+# row -> concurrency -> each repeat's ratio to raw vLLM at the time the cell ran (paired_ratios)
+PAIRED: dict[str, dict[int, list[float]]] = {}
+RAW = "raw vLLM AsyncLLM"
 
 
 def free_port() -> int:
@@ -143,6 +146,36 @@ def _stat(path: Path) -> tuple[int, str, int]:
     text = path.read_text()
     comm, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
     return int(fields[1]), comm, int(fields[11]) + int(fields[12])
+
+
+def steal_ticks() -> int:
+    """CPU time the hypervisor gave to others (all CPUs; /proc/stat's steal), in ticks."""
+    try:
+        with open("/proc/stat") as stat:
+            return int(stat.readline().split()[8])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def paired_ratios(cells: list[tuple[str, float, float]]) -> dict[str, list[float]]:
+    """Each row's ratio to raw vLLM as fast as raw was when that cell ran.
+
+    `cells`: (row, midpoint time, tok/s) in the order measured, raw first in every
+    repeat and once more after the last. On a VM whose speed drifts by 20-40% over a few
+    minutes (seen here), a row measured late in a repeat against the repeat's one raw
+    cell reads the drift as overhead: raw is interpolated in time between the raw
+    cells around it instead."""
+    raws = [(t, v) for name, t, v in cells if name == RAW]
+    out: dict[str, list[float]] = {}
+    for name, t, v in cells:
+        if name == RAW:
+            continue
+        before = max((r for r in raws if r[0] <= t), default=raws[0])
+        after = min((r for r in raws if r[0] >= t), default=raws[-1])
+        span = after[0] - before[0]
+        raw = before[1] + (after[1] - before[1]) * ((t - before[0]) / span if span else 0.0)
+        out.setdefault(name, []).append(v / raw)
+    return out
 
 
 async def timed(concurrency: int, rounds: int, one, meter: CpuMeter) -> float:
@@ -498,7 +531,8 @@ _profile.done = False  # type: ignore[attr-defined]
 async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_tokens: int,
                   rows_kinds: tuple[str, ...], out_dir: str = ".", frontends: int = 1, client_procs: int = 1):
     """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
-    the median of `repeats` per cell."""
+    the median of `repeats` per cell, and of each row's ratios to raw at its own time
+    (paired_ratios: one more raw cell closes each concurrency)."""
     began = time.perf_counter()
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     log_path = Path(out_dir) / "server.log"
@@ -527,34 +561,46 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
         llm, raw = await raw_engine(model, new_tokens)
         log(f"raw engine up after {time.perf_counter() - began:.0f} s")
         # raw, the bare stream (when measured), then tracewire's rows
-        cells = {"raw vLLM AsyncLLM": _in_process(raw), **dict(sorted(cells.items(), key=lambda kv: kv[0] != BARE_ROW))}
+        cells = {RAW: _in_process(raw), **dict(sorted(cells.items(), key=lambda kv: kv[0] != BARE_ROW))}
         samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in cells}
         # The raw engine shares this process with the tracewire rows' client: no meter.
-        serving = {"raw vLLM AsyncLLM": None, BARE_ROW: bare.pid if bare is not None else None}
+        serving = {RAW: None, BARE_ROW: bare.pid if bare is not None else None}
         for c in levels:
             for name in cells:
                 FRONTEND_US.setdefault(name, {})[c] = []
         try:
             for c in levels:
-                for _ in range(repeats):
-                    for name, cell in cells.items():
-                        await asyncio.sleep(SETTLE_S)
-                        profile = _profile(server.pid, name, c, out_dir)
-                        meter = CpuMeter(serving.get(name, server.pid))
-                        seen = len(LATENCY_NS.get(name, {}).get(c, []))
-                        samples[name][c].append(await cell(c, rounds[c], meter))
-                        latency = LATENCY_NS.get(name, {}).get(c, [])[seen:]  # this cell's
-                        if (us := meter.us_per_token()) is not None:
-                            FRONTEND_US[name][c].append(us)
-                            CPU_CORES.setdefault(name, {}).setdefault(c, []).append(meter.cores())
-                            log(f"  cores busy: {json.dumps(meter.cores())}")
-                        if profile:
-                            for p in profile:
-                                p.wait()
-                        us = f", frontend {FRONTEND_US[name][c][-1]:.0f} µs CPU/token" if FRONTEND_US[name][c] else ""
-                        ms = (f", latency p50 / p99 {percentile(latency, 0.5):.2f} / {percentile(latency, 0.99):.2f} ms"
-                              if latency else "")
-                        log(f"c={c} {name}: {samples[name][c][-1]:.0f} tok/s{us}{ms}")
+                timeline: list[tuple[str, float, float]] = []
+                # every repeat's rows, then raw once more: each row has raw cells on both sides
+                order = [*(name for _ in range(repeats) for name in cells), RAW]
+                for i, name in enumerate(order):
+                    cell = cells[name]
+                    await asyncio.sleep(SETTLE_S)
+                    closing = i == len(order) - 1
+                    profile = _profile(server.pid, name, c, out_dir)
+                    meter = CpuMeter(serving.get(name, server.pid))
+                    seen = len(LATENCY_NS.get(name, {}).get(c, []))
+                    stolen, began_cell = steal_ticks(), time.perf_counter()
+                    tok_s = await cell(c, rounds[c], meter)
+                    timeline.append((name, (began_cell + time.perf_counter()) / 2, tok_s))
+                    steal = (steal_ticks() - stolen) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - began_cell)
+                    if not closing:  # (the closing raw cell only brackets the last repeat)
+                        samples[name][c].append(tok_s)
+                    latency = LATENCY_NS.get(name, {}).get(c, [])[seen:]  # this cell's
+                    if (us := meter.us_per_token()) is not None:
+                        FRONTEND_US[name][c].append(us)
+                        CPU_CORES.setdefault(name, {}).setdefault(c, []).append(meter.cores())
+                        log(f"  cores busy: {json.dumps(meter.cores())}")
+                    if profile:
+                        for p in profile:
+                            p.wait()
+                    us = f", frontend {FRONTEND_US[name][c][-1]:.0f} µs CPU/token" if FRONTEND_US[name][c] else ""
+                    ms = (f", latency p50 / p99 {percentile(latency, 0.5):.2f} / {percentile(latency, 0.99):.2f} ms"
+                          if latency else "")
+                    stole = f", {100 * steal:.0f}% of a CPU stolen by the hypervisor" if steal >= 0.01 else ""
+                    log(f"c={c} {name}: {tok_s:.0f} tok/s{us}{ms}{stole}")
+                for name, ratios in paired_ratios(timeline).items():
+                    PAIRED.setdefault(name, {})[c] = ratios
         finally:
             llm.shutdown()
             for channel in opened:
@@ -659,7 +705,7 @@ def main() -> int:
     rounds = {c: max(args.rounds, -(-args.min_tokens // (c * args.new_tokens))) for c in levels}
     rows = asyncio.run(measure(args.model, levels, rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
                                args.frontends, args.client_procs))
-    raw = rows["raw vLLM AsyncLLM"]
+    raw = rows[RAW]
 
     import vllm
 
@@ -675,7 +721,11 @@ def main() -> int:
         "rounds": rounds, "repeats": args.repeats, "method": "rows interleaved, median of repeats",
         "frontends": args.frontends, "client_procs": args.client_procs,
         "tokens_per_second": rows,
-        "ratio_to_raw": {k: {c: v[c] / raw[c] for c in levels} for k, v in rows.items()},
+        # each repeat's ratio to raw interpolated at the cell's time (paired_ratios), median
+        "ratio_to_raw": {k: {c: statistics.median(PAIRED[k][c]) if k in PAIRED else 1.0 for c in levels}
+                         for k in rows},
+        "ratio_to_raw_by_repeat": PAIRED,
+        "ratio_of_medians": {k: {c: v[c] / raw[c] for c in levels} for k, v in rows.items()},
         "frontend_cpu_us_per_token": {
             k: {c: statistics.median(v) for c, v in by_c.items() if v} for k, by_c in FRONTEND_US.items()
             if any(by_c.values())
@@ -697,7 +747,7 @@ def main() -> int:
     print(header)
     print("|" + "---|" * (len(levels) + 1))
     for name, by_c in rows.items():
-        cells = " | ".join(f"{by_c[c]:.0f} ({by_c[c] / raw[c]:.2f}x)" for c in levels)
+        cells = " | ".join(f"{by_c[c]:.0f} ({result['ratio_to_raw'][name][c]:.2f}x)" for c in levels)
         print(f"| {name} | {cells} |")
     print()
     print("| streaming latency, engine output to client (ms) | "
