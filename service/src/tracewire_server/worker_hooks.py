@@ -222,7 +222,7 @@ class _Sequence:
         if all(_always(op) for op in self.plan.ops):
             self.constant = _StepOps.of(self.plan.ops)
             if self.constant.block_key is not None and not self.needs_text:
-                self.block = (self.plan.route, id(self.constant))  # interned: alive as long as it
+                self.block = (self.plan.route, id(self.constant))  # (held here: the id stays theirs)
         lasts = [op.steps.last() for op in self.plan.ops]
         if all(last is not None for last in lasts):
             self.last_step = max(lasts, default=-1)  # type: ignore[type-var]
