@@ -124,7 +124,11 @@ os.sched_setaffinity(0, {min(usable)})  # as vLLM's CPU backend pins its worker
 from tracewire_server.sidechannel import Sender
 sender = Sender("ipc://" + sys.argv[1])
 tasks = f"/proc/{os.getpid()}/task"
-io = [int(t) for t in os.listdir(tasks) if open(f"{tasks}/{t}/comm").read().startswith("ZMQbg/IO")]
+for _ in range(100):  # the I/O thread names itself once it runs
+    io = [int(t) for t in os.listdir(tasks) if open(f"{tasks}/{t}/comm").read().startswith("ZMQbg/IO")]
+    if io:
+        break
+    time.sleep(0.05)
 print(sorted(usable - {min(usable)}) or [min(usable)], sorted(os.sched_getaffinity(io[0])) if len(io) == 1 else io)
 """
 

@@ -130,21 +130,12 @@ def _send_keeping_gil() -> Callable[[int, bytes, int, int], int] | None:
     return send  # type: ignore[no-any-return]
 
 
-def _zmq_io_threads() -> set[int]:
-    """Thread ids of this process's ZMQ I/O threads (Linux; empty elsewhere)."""
+def _threads() -> set[int]:
+    """This process's thread ids (Linux; empty elsewhere)."""
     try:
-        tasks = os.listdir("/proc/self/task")
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
     except OSError:
         return set()
-    found = set()
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as comm:
-                if comm.read().startswith("ZMQbg/IO"):
-                    found.add(int(tid))
-        except OSError:
-            pass  # the thread ended
-    return found
 
 
 @functools.cache
@@ -158,15 +149,19 @@ def _sender_context() -> zmq.Context:  # type: ignore[type-arg]
     of what a one-request top-20 trace cost). It is moved to the other cores, where there
     are any; elsewhere (a GPU worker is not pinned) nothing changes."""
     context = zmq.Context(io_threads=1)
-    before = _zmq_io_threads()
-    context.socket(zmq.PUSH).close(linger=0)  # starts the I/O thread
+    before = _threads()
+    # The first socket starts the context's threads (I/O and reaper). They name themselves
+    # only once running, so they are told apart as the threads that were not there before.
+    context.socket(zmq.PUSH).close(linger=0)
     try:
         others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
-        for tid in _zmq_io_threads() - before:
-            if others:
-                os.sched_setaffinity(tid, others)  # the kernel keeps those of this cgroup
-    except (AttributeError, OSError):
-        pass  # no affinities here, or none of the other CPUs is ours: it stays put
+    except (AttributeError, OSError):  # no affinities on this platform
+        return context
+    for tid in _threads() - before if others else ():
+        try:
+            os.sched_setaffinity(tid, others)  # the kernel keeps those of this cgroup
+        except OSError:
+            pass  # none of the other CPUs is ours (or the thread is gone): it stays put
     return context
 
 
