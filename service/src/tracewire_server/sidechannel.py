@@ -157,7 +157,9 @@ def _sender_context() -> zmq.Context:  # type: ignore[type-arg]
         others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
     except (AttributeError, OSError):  # no affinities on this platform
         return context
-    for tid in _threads() - before if others else ():
+    if not others:  # not pinned (a GPU worker), or no other CPU to go to
+        return context
+    for tid in _threads() - before:
         try:
             os.sched_setaffinity(tid, others)  # the kernel keeps those of this cgroup
         except OSError:

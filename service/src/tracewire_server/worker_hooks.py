@@ -1247,14 +1247,14 @@ class PlanHooks:
             if seq is _UNSEEN:
                 seq = self._sequence(req_id)
                 get = self.sequences.get  # (it may have made a new dict)
-            if seq is None:
-                continue
+            if seq is None or (discard_np is not None and discard_np[i]):
+                continue  # (mid-prefill: vLLM throws this sample away)
             key = seq.block
-            if key is not None and seq.error is None and (discard_np is None or not discard_np[i]):
+            if key is not None and seq.error is None:
                 ops = seq.constant
             else:
-                if seq.error_reported or (discard_np is not None and discard_np[i]):
-                    continue  # (mid-prefill: vLLM throws this sample away)
+                if seq.error_reported:
+                    continue
                 ops = seq.ops_at(seq.step)
                 if seq.error is not None or seq.needs_text or ops.block_key is None:
                     if ops is _NO_OPS and seq.error is None and not seq.needs_text:
