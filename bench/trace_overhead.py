@@ -23,10 +23,12 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -506,6 +508,81 @@ class ClientProcesses:
             proc.join(30)
 
 
+class H2Load:
+    """The load from h2load (nghttp2's HTTP/2 load generator, in C) instead of Python clients.
+
+    On a machine with no core to spare, a Python gRPC client costs ~80-90 µs of CPU per
+    streamed message (Node's connect-node ~70; h2load ~17, measured side by side against
+    one server): at c=64 the client alone takes a fifth of a core from the server it
+    measures. h2load sends each row's request (gRPC-framed, one prompt) on one connection,
+    `concurrency` streams at a time, and reads every response whole; it cannot read the
+    messages, so no latency is measured in this mode. A failed RPC still has HTTP status
+    200, so each cell is checked two ways: no stream may end in a trailers-only error
+    (`grpc-status` among its headers, printed by -v), and the response bytes must be at
+    least 90% of the warm-up's per request (a stream cut short carries fewer)."""
+
+    def __init__(self, port: int, new_tokens: int, bare_port: int) -> None:
+        import shutil
+
+        self.binary = shutil.which("h2load")
+        if self.binary is None:
+            raise SystemExit("--load h2load needs h2load (Debian: apt-get install nghttp2-client)")
+        self.port, self.bare_port, self.new_tokens = port, bare_port, new_tokens
+        self.body_dir = Path(tempfile.mkdtemp(prefix="bench-h2load-"))
+
+    def cell(self, name: str):
+        from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2
+
+        port, method = self.port, "/tracewire.v1.TraceService/Trace"
+        if name == "Generate":
+            method = "/tracewire.v1.TraceService/Generate"
+            message = service_pb2.GenerateRequest(
+                prompts=[prompt_pb2.Prompt(text=PROMPTS[0])],
+                sampling_params=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=self.new_tokens,
+                                                            ignore_eos=True)).SerializeToString()
+        elif name == BARE_ROW:
+            from bare_stream import METHOD
+            port, method, message = self.bare_port, METHOD, b"0"
+        else:
+            message = trace_request(name, PROMPTS[0], self.new_tokens).SerializeToString()
+        body = self.body_dir / f"{len(list(self.body_dir.iterdir()))}.grpc"
+        body.write_bytes(b"\0" + len(message).to_bytes(4, "big") + message)  # one uncompressed gRPC message
+        url = f"http://127.0.0.1:{port}{method}"
+        floor = self.new_tokens * (1 if name == "Generate" else 5)  # bytes a whole response has at least
+
+        async def run(concurrency: int, rounds: int, meter: CpuMeter) -> float:
+            warm = min(concurrency, 4)
+            per_request = (await self._h2load(url, body, warm, concurrency, name))["data"] / warm
+            if per_request < floor:
+                raise SystemExit(f"{name}: the warm-up's responses were {per_request:.0f} bytes, under the "
+                                 f"{floor} a whole one has: the server failed them")
+            requests = concurrency * rounds
+            meter.start()
+            done = await self._h2load(url, body, requests, concurrency, name)
+            meter.stop(requests * self.new_tokens)
+            if done["data"] < 0.9 * per_request * requests:
+                raise SystemExit(f"{name}: {done['data']} response bytes for {requests} requests, under 90% "
+                                 f"of the warm-up's {per_request:.0f} each: some were cut short")
+            return requests * self.new_tokens / done["seconds"]
+        return run
+
+    async def _h2load(self, url: str, body: Path, requests: int, concurrency: int, name: str) -> dict[str, float]:
+        proc = await asyncio.create_subprocess_exec(
+            self.binary, "-v", "-n", str(requests), "-c", "1", "-m", str(concurrency), "-d", str(body),
+            "-H", "content-type: application/grpc", "-H", "te: trailers", url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out = (await proc.communicate())[0].decode(errors="replace")
+        finished = re.search(r"finished in ([\d.]+)(us|ms|s),", out)
+        succeeded = re.search(r"requests: \d+ total, \d+ started, \d+ done, (\d+) succeeded", out)
+        data = re.search(r"traffic: .* \((\d+)\) data", out)
+        errors = [line for line in out.splitlines() if "grpc-status:" in line or "grpc-message:" in line]
+        if proc.returncode or not (finished and succeeded and data) or int(succeeded[1]) != requests or errors:
+            tail = "\n".join(errors[:4] or out.splitlines()[-12:])
+            raise SystemExit(f"{name}: h2load's {requests} requests did not all succeed:\n{tail}")
+        scale = {"us": 1e-6, "ms": 1e-3, "s": 1.0}[finished[2]]
+        return {"seconds": float(finished[1]) * scale, "data": float(data[1])}
+
+
 def _profile(server_pid: int, row: str, concurrency: int, out_dir: str) -> list[subprocess.Popen[bytes]]:
     """py-spy on the server and its engine processes, and on the load generator, while
     one cell runs, when BENCH_PYSPY (the py-spy binary) and BENCH_PROFILE
@@ -529,7 +606,8 @@ _profile.done = False  # type: ignore[attr-defined]
 
 
 async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_tokens: int,
-                  rows_kinds: tuple[str, ...], out_dir: str = ".", frontends: int = 1, client_procs: int = 1):
+                  rows_kinds: tuple[str, ...], out_dir: str = ".", frontends: int = 1, client_procs: int = 1,
+                  load: str = "python"):
     """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
     the median of `repeats` per cell, and of each row's ratios to raw at its own time
     (paired_ratios: one more raw cell closes each concurrency)."""
@@ -551,9 +629,13 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
         # load evenly (the kernel picks the frontend per connection): a few more.
         channels = 1 if frontends == 1 else 4 * frontends
         clients = None
-        if client_procs > 1:
-            clients = ClientProcesses(client_procs, port, new_tokens, rows_kinds, channels, bare_port)
+        if load == "h2load":
             opened: list = []
+            h2load = H2Load(port, new_tokens, bare_port)
+            cells = {name: h2load.cell(name) for name in ("Generate", *rows_kinds)}
+        elif client_procs > 1:
+            clients = ClientProcesses(client_procs, port, new_tokens, rows_kinds, channels, bare_port)
+            opened = []
             cells = {name: clients.cell(name) for name in ("Generate", *rows_kinds)}
         else:
             opened, fns = await tracewire_clients(port, new_tokens, rows_kinds, channels, bare_port)
@@ -658,6 +740,9 @@ def main() -> int:
                         help="the server's --frontends (processes sharing its engine core)")
     parser.add_argument("--client-procs", type=int, default=1,
                         help="load-generator processes for the tracewire rows (1: this process)")
+    parser.add_argument("--load", choices=("python", "h2load"), default="python",
+                        help="what sends the tracewire rows' requests: Python gRPC clients (latency measured), "
+                        "or h2load (C, ~5x less CPU per message; tokens/s only, one prompt for every row)")
     parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency slot")
     parser.add_argument("--min-tokens", type=int, default=1024,
                         help="more rounds at low concurrency until a cell generates at least this many "
@@ -673,8 +758,6 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.shape:
-        import tempfile
-
         ENGINE.clear()
         ENGINE.update(GPU_ENGINE)
         args.model = str(write_model_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape))
@@ -687,6 +770,10 @@ def main() -> int:
         except json.JSONDecodeError:
             ENGINE[key] = raw_value
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.load == "h2load":
+        if args.shape or args.client_procs > 1:
+            parser.error("--load h2load is for the CPU mode, with no --client-procs")
+        del PROMPTS[1:]  # h2load sends one request body: every row, raw too, gets the same prompt
 
     if args.hidden:
         ENGINE["enforce_eager"] = True
@@ -704,7 +791,7 @@ def main() -> int:
         kinds = tuple(name for name in kinds if name in wanted)
     rounds = {c: max(args.rounds, -(-args.min_tokens // (c * args.new_tokens))) for c in levels}
     rows = asyncio.run(measure(args.model, levels, rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
-                               args.frontends, args.client_procs))
+                               args.frontends, args.client_procs, args.load))
     raw = rows[RAW]
 
     import vllm
@@ -719,7 +806,7 @@ def main() -> int:
         "vllm_version": vllm.__version__,
         "model": args.shape or args.model, "engine": ENGINE, "new_tokens": args.new_tokens,
         "rounds": rounds, "repeats": args.repeats, "method": "rows interleaved, median of repeats",
-        "frontends": args.frontends, "client_procs": args.client_procs,
+        "frontends": args.frontends, "client_procs": args.client_procs, "load": args.load,
         "tokens_per_second": rows,
         # each repeat's ratio to raw interpolated at the cell's time (paired_ratios), median
         "ratio_to_raw": {k: {c: statistics.median(PAIRED[k][c]) if k in PAIRED else 1.0 for c in levels}
@@ -749,13 +836,15 @@ def main() -> int:
     for name, by_c in rows.items():
         cells = " | ".join(f"{by_c[c]:.0f} ({result['ratio_to_raw'][name][c]:.2f}x)" for c in levels)
         print(f"| {name} | {cells} |")
-    print()
-    print("| streaming latency, engine output to client (ms) | "
-          + " | ".join(f"c={c} p50 / p99" for c in levels) + " |")
-    print("|" + "---|" * (len(levels) + 1))
-    for name, stats in result["streaming_latency_ms"].items():
-        cells = " | ".join(f"{stats[c]['p50']:.2f} / {stats[c]['p99']:.2f}" if c in stats else "-" for c in levels)
-        print(f"| {name} | {cells} |")
+    if result["streaming_latency_ms"]:  # (not measured under h2load)
+        print()
+        print("| streaming latency, engine output to client (ms) | "
+              + " | ".join(f"c={c} p50 / p99" for c in levels) + " |")
+        print("|" + "---|" * (len(levels) + 1))
+        for name, stats in result["streaming_latency_ms"].items():
+            cells = " | ".join(f"{stats[c]['p50']:.2f} / {stats[c]['p99']:.2f}" if c in stats else "-"
+                               for c in levels)
+            print(f"| {name} | {cells} |")
     print()
     print("| frontend CPU per generated token (µs) | " + " | ".join(f"c={c}" for c in levels) + " |")
     print("|" + "---|" * (len(levels) + 1))
