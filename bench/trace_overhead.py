@@ -586,23 +586,27 @@ class H2Load:
 def _profile(server_pid: int, row: str, concurrency: int, out_dir: str) -> list[subprocess.Popen[bytes]]:
     """py-spy on the server and its engine processes, and on the load generator, while
     one cell runs, when BENCH_PYSPY (the py-spy binary) and BENCH_PROFILE
-    ("<row>@<concurrency>") ask for it; BENCH_PYSPY_ARGS replaces --nonblocking."""
-    spy, wanted = os.environ.get("BENCH_PYSPY"), os.environ.get("BENCH_PROFILE", "")
-    if not spy or wanted != f"{row}@{concurrency}" or _profile.done:  # type: ignore[attr-defined]
+    ("<row>@<concurrency>", several separated by '|') ask for it, the first such cell of
+    each; BENCH_PYSPY_ARGS replaces --nonblocking. `server_pid`: the process serving the
+    row (the bare stream's own, for its row)."""
+    spy, wanted = os.environ.get("BENCH_PYSPY"), os.environ.get("BENCH_PROFILE", "").split("|")
+    cell = f"{row}@{concurrency}"
+    if not spy or cell not in wanted or cell in _profile.done:  # type: ignore[attr-defined]
         return []
-    _profile.done = True  # type: ignore[attr-defined]
+    _profile.done.add(cell)  # type: ignore[attr-defined]
+    tag = "" if len(wanted) == 1 else "-" + re.sub(r"[^a-z0-9]+", "-", cell.lower()).strip("-")
     # The server and every process under it (frontends, engine core, workers), stacks
     # tagged by process; and this process with its client processes (the load).
     # py-spy options in place of --nonblocking, e.g. "--idle --native" (native stacks stop
     # the process at each sample: they cannot be taken nonblocking)
     extra = os.environ.get("BENCH_PYSPY_ARGS", "--nonblocking").split()
     return [subprocess.Popen([spy, "record", "-p", str(pid), "--subprocesses", "-r", "250", "-d", "3",
-                              "-f", "raw", *extra, "-o", str(Path(out_dir) / f"spy-{name}.txt")],
+                              "-f", "raw", *extra, "-o", str(Path(out_dir) / f"spy-{name}{tag}.txt")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for pid, name in ((server_pid, "server"), (os.getpid(), "bench"))]
 
 
-_profile.done = False  # type: ignore[attr-defined]
+_profile.done = set()  # type: ignore[attr-defined]
 
 
 async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_tokens: int,
@@ -659,7 +663,7 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
                     cell = cells[name]
                     await asyncio.sleep(SETTLE_S)
                     closing = i == len(order) - 1
-                    profile = _profile(server.pid, name, c, out_dir)
+                    profile = _profile(serving.get(name) or server.pid, name, c, out_dir)
                     meter = CpuMeter(serving.get(name, server.pid))
                     seen = len(LATENCY_NS.get(name, {}).get(c, []))
                     stolen, began_cell = steal_ticks(), time.perf_counter()
