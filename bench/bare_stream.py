@@ -14,6 +14,7 @@ machine; the trace rows' ratio to it is what tracewire itself adds.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import signal
 import sys
@@ -60,6 +61,8 @@ async def serve(port: int, model: str, engine: dict[str, object], new_tokens: in
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # the bench's terminate(): shut the engine down too
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    gc.collect()  # as the tracewire server does once it serves (server.py: _freeze_startup_heap)
+    gc.freeze()
     print("bare stream: serving", flush=True)
     try:
         await stop.wait()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -646,6 +647,11 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
             cells = {name: _in_process(fn) for name, fn in fns.items()}
         llm, raw = await raw_engine(model, new_tokens)
         log(f"raw engine up after {time.perf_counter() - began:.0f} s")
+        # This process holds a whole AsyncLLM and is the tracewire rows' client: a full GC
+        # over its startup objects stalls every stream it reads for ~0.3 s. The tracewire
+        # server and the bare stream freeze theirs alike, as vLLM's API server does.
+        gc.collect()
+        gc.freeze()
         # raw, the bare stream (when measured), then tracewire's rows
         cells = {RAW: _in_process(raw), **dict(sorted(cells.items(), key=lambda kv: kv[0] != BARE_ROW))}
         samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in cells}

@@ -10,6 +10,7 @@ engine, exit 0.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -114,12 +115,14 @@ async def serve(
         await readiness.all_ready(stop)
     if not stop.is_set():
         servicer.engine = engine
+        frozen = _freeze_startup_heap()
         await set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "tracewire SERVING %s on %s (engine up in %.1f s)",
+            "tracewire SERVING %s on %s (engine up in %.1f s; %d startup objects frozen out of the GC)",
             engine.description.model,
             address,
             time.monotonic() - started,
+            frozen,
         )
         watcher = asyncio.create_task(_watch_engine(engine, stop))
         await stop_task
@@ -141,6 +144,16 @@ async def serve(
     engine.shutdown()
     log.info("tracewire stopped")
     return 1 if engine_died else 0
+
+
+def _freeze_startup_heap() -> int:
+    """Take everything alive once the engine is up (vLLM, torch, the tokenizer: ~630k
+    objects) out of the garbage collector's reach, as vLLM's own API server does. A full
+    collection walks them all: ~310 ms on a 2-core VM, during which the event loop, and so
+    every stream of every trace, stands still. Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 async def _start_http(
