@@ -2,10 +2,11 @@
 
 Two engines on the same settings live side by side: vLLM's AsyncLLM in this
 process (no tracewire code at all) and the tracewire server in a subprocess,
-driven through gRPC from this process (`--load h2load`: from h2load, in C, which
-takes far less of the machine's CPU per message; `make bench` runs both). Rows are measured interleaved (raw,
-Generate, each trace kind, raw again, ...) and each cell is the median of the
-repeats, so machine drift hits every row alike. Same prompts, greedy, fixed
+driven through gRPC from this process (`--load h2load`: from h2load, in C,
+which takes far less of the machine's CPU per message; `make bench` runs
+both). Rows are measured interleaved (raw, Generate, each trace kind, raw
+again, ...) and each cell is the median of the repeats, so machine drift hits
+every row alike. Same prompts, greedy, fixed
 new-token count, at concurrency 1, 16 and 64. Reports generated tokens/s and
 the ratio to raw, and for streamed rows the p50/p99 time from the server
 receiving a step's token from the engine to the client receiving its StepResult.
