@@ -240,6 +240,16 @@ async def raw_engine(model: str, new_tokens: int):
     return llm, one
 
 
+def generate_request(prompt: str, new_tokens: int, **params: Any):
+    """The Generate rows' request: the bench's greedy sampling (plus `params`)."""
+    from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2
+
+    return service_pb2.GenerateRequest(
+        prompts=[prompt_pb2.Prompt(text=prompt)],
+        sampling_params=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                                                    **params))
+
+
 def trace_request(kind: str, prompt: str, new_tokens: int):
     import numpy as np
     from tracewire.v1 import intervention_pb2 as I
@@ -375,20 +385,16 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], c
     requests spread over `channels` connections (a server with several frontends
     balances connections, not calls); and the bare stream's on `bare_port`."""
     import grpc
-    from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2, service_pb2_grpc
+    from tracewire.v1 import service_pb2, service_pb2_grpc
 
     opened = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
               for _ in range(channels)]
     stubs = [service_pb2_grpc.TraceServiceStub(c) for c in opened]
-    sampling = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    with_logprobs = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
-                                                logprobs=20)
 
-    def generate(params):
+    def generate(**params: Any):
         async def one(i: int, concurrency: int) -> int:
-            r = await stubs[i % len(stubs)].Generate(service_pb2.GenerateRequest(
-                prompts=[prompt_pb2.Prompt(text=PROMPTS[i % len(PROMPTS)])], sampling_params=params),
-                timeout=REQUEST_TIMEOUT_S)
+            r = await stubs[i % len(stubs)].Generate(
+                generate_request(PROMPTS[i % len(PROMPTS)], new_tokens, **params), timeout=REQUEST_TIMEOUT_S)
             return len(r.outputs[0].outputs[0].token_ids)
         return one
 
@@ -408,10 +414,10 @@ async def tracewire_clients(port: int, new_tokens: int, rows: tuple[str, ...], c
             return await read_steps(call, latencies(kind, concurrency))
         return one
 
-    fns = {"Generate": generate(sampling),
+    fns = {"Generate": generate(),
            **{kind: traced(kind) for kind in rows if kind not in (LOGPROBS_ROW, BARE_ROW)}}
     if LOGPROBS_ROW in rows:
-        fns[LOGPROBS_ROW] = generate(with_logprobs)
+        fns[LOGPROBS_ROW] = generate(logprobs=20)
     if bare_port:
         bare_channel = grpc.aio.insecure_channel(f"127.0.0.1:{bare_port}")
         opened.append(bare_channel)
@@ -534,15 +540,10 @@ class H2Load:
         self.body_dir = Path(tempfile.mkdtemp(prefix="bench-h2load-"))
 
     def cell(self, name: str):
-        from tracewire.v1 import prompt_pb2, sampling_pb2, service_pb2
-
         port, method = self.port, "/tracewire.v1.TraceService/Trace"
         if name == "Generate":
             method = "/tracewire.v1.TraceService/Generate"
-            message = service_pb2.GenerateRequest(
-                prompts=[prompt_pb2.Prompt(text=PROMPTS[0])],
-                sampling_params=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=self.new_tokens,
-                                                            ignore_eos=True)).SerializeToString()
+            message = generate_request(PROMPTS[0], self.new_tokens).SerializeToString()
         elif name == BARE_ROW:
             from bare_stream import METHOD
             port, method, message = self.bare_port, METHOD, b"0"
