@@ -12,6 +12,7 @@ import concurrent.futures
 
 import grpc
 import numpy as np
+import prefix_cache
 import pytest
 import torch
 import tracewire as tw
@@ -183,3 +184,8 @@ def test_steering_gated_by_the_text_so_far(sstub, hf):
 
     from_k = set(range(len(ids) - 1 + k, len(ids) + 8))  # the positions of steps k onwards
     assert tokens == hf_greedy_adding(hf, ids, 8, vector, from_k) != plain
+
+
+@pytest.mark.parametrize("scenario", sorted(prefix_cache.SCENARIOS))
+def test_compiled_writes_and_the_prefix_cache(sstub, hf, scenario):
+    prefix_cache.SCENARIOS[scenario](sstub, hf, seed=200 + sorted(prefix_cache.SCENARIOS).index(scenario))

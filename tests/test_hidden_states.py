@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 import numpy as np
+import prefix_cache
 import pytest
 import torch
 import tracewire as tw
@@ -375,3 +376,8 @@ def test_module_reads_in_batches_mixed_with_untraced_requests(eager, estub, hf):
     for step, value in enumerate(result.values("h")):
         ref = hf_module_outputs(hf, ids + result.tokens()[:step])["layers.2"][-1]
         np.testing.assert_allclose(value, ref, atol=ATOL)
+
+
+@pytest.mark.parametrize("scenario", sorted(prefix_cache.SCENARIOS))
+def test_module_writes_and_the_prefix_cache(estub, hf, scenario):
+    prefix_cache.SCENARIOS[scenario](estub, hf, seed=100 + sorted(prefix_cache.SCENARIOS).index(scenario))

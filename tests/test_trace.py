@@ -8,6 +8,7 @@ within 1e-3.
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 
 import numpy as np
@@ -126,6 +127,31 @@ def test_stop_on_what_the_model_wrote(stub, hf, condition_name):
     result = run(stub, trace(invoke(PROMPT, iv(when=when, stop=I.Stop())),
                              max_tokens=12, **GREEDY))
     assert result.tokens() == greedy[: first + 1]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_text_conditions_see_the_text_the_client_is_sent(stub, hf, skip_special_tokens):
+    """A special token forced at step 2 is in the streamed text only with
+    skip_special_tokens=False; text conditions decode the same way, so a stop on its text
+    fires exactly then (and a read gated on it is kept exactly then), and never without."""
+    eos = hf.tokenizer.eos_token_id
+    special = hf.tokenizer.decode([eos])
+    result = run(stub, trace(invoke(
+        PROMPT,
+        iv(sel=steps(at=[2]), force_sample=I.ForceSample(token_id=eos)),
+        iv("gated", when=I.Condition(text_matches=re.escape(special) + "$"), read_sample=I.ReadSample()),
+        iv(when=I.Condition(text_contains=special), stop=I.Stop()),
+    ), max_tokens=6, skip_special_tokens=skip_special_tokens, **GREEDY))
+    deltas = [s.text_delta for s in result.seq()]
+    streamed = ["".join(deltas[: k + 1]) for k in range(len(deltas))]
+    if skip_special_tokens:
+        assert len(deltas) == 6 and not any(special in text for text in streamed)
+        assert result.values("gated") == []
+    else:
+        assert special in deltas[2] and special not in streamed[1]
+        assert len(deltas) == 3 and result.seq()[-1].stopped
+        assert [int(v) for v in result.values("gated")] == [eos]
+        assert [s.step for s in result.seq() if "gated" in s.values] == [2]
 
 
 def test_stop_on_probability_and_entropy(stub, hf):

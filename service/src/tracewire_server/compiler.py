@@ -44,6 +44,8 @@ class CompiledInvoke:
     prompt: EnginePrompt
     sequences: tuple[EngineSequence, ...]
     max_tokens: int
+    skip_special_tokens: bool  # how its text is decoded: the deltas, the final text, text conditions
+    cache_salt: str | None = None  # set when module writes change what the KV cache holds
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class _Compiler:
             all_ops.append(ops)
             bound += n * sum(self.read_bytes(op, max_tokens) for op in ops)
             key = f"{trace_key}/{i}"
+            skip_special = bool(kwargs.get("skip_special_tokens", True))
             sequences = []
             for s in range(n):
                 seq_kwargs = dict(kwargs)
@@ -129,11 +132,13 @@ class _Compiler:
                     seq_kwargs["seed"] = seq_kwargs["seed"] + s
                 # Without ops the worker has nothing to do: no plan, no records; the
                 # step results come from vLLM's token stream alone.
-                plan = P.SequencePlan(key=f"{key}/{s}", ops=ops, route=self.route) if ops else None
+                plan = P.SequencePlan(key=f"{key}/{s}", ops=ops, route=self.route,
+                                      skip_special_tokens=skip_special) if ops else None
                 if plan is not None:
                     seq_kwargs["extra_args"] = {P.EXTRA_ARGS_KEY: P.encode_plan(plan)}
                 sequences.append(EngineSequence(i, s, seq_kwargs, plan))
-            invokes.append(CompiledInvoke(i, key, prompt, tuple(sequences), max_tokens))
+            salt = P.kv_cache_salt(ops, len(prompt.token_ids), skip_special)
+            invokes.append(CompiledInvoke(i, key, prompt, tuple(sequences), max_tokens, skip_special, salt))
 
         cap = self.server_max_read_bytes
         asked = request.options.max_read_bytes

@@ -6,6 +6,10 @@ character adds "" and the character arrives with the token that completes it.
 with the prompt as vLLM primes its own detokenizer, so the deltas join into the
 text vLLM returns; `TextTracker` is the same scheme in Python over any decode
 function, for tokenizers without a Rust backend.
+
+`text_tracker` picks one of them for a tokenizer. The server streams each step's text
+delta from it, and the worker hooks decide text conditions on the same deltas, so
+a condition sees exactly the text the client is sent.
 """
 
 from __future__ import annotations
@@ -49,3 +53,22 @@ class DecodeStreamTracker:
             # does: vllm#17448); vLLM starts a fresh one there, and so do we.
             self._stream = DecodeStream(skip_special_tokens=self._skip)
             return self._stream.step(self._tokenizer, token_id) or ""
+
+
+def fast_decoder(tokenizer: Any) -> Any | None:
+    """The tokenizer's Rust backend when decoding with it is all Hugging Face's decode
+    would do (no clean-up of spaces), else None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
+
+
+def text_tracker(
+    tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool
+) -> TextTracker | DecodeStreamTracker:
+    """Per generated token (`.add(id)`), the text it adds to the output."""
+    fast = fast_decoder(tokenizer)
+    if fast is None:
+        return TextTracker(lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)))
+    return DecodeStreamTracker(fast, prompt_ids, skip_special_tokens)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import steering, vllm_compat
+from . import detokenize, steering, vllm_compat
 from .detokenize import DecodeStreamTracker, TextTracker
 from .errors import InvalidArgument, Unavailable
 from .limits import ModelLimits
@@ -169,25 +169,20 @@ class Engine:
 
     @functools.cached_property
     def _fast_decoder(self) -> Any:
-        backend = getattr(self.tokenizer, "_tokenizer", None)
-        if backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
-            return None
-        return backend
+        return detokenize.fast_decoder(self.tokenizer)
 
     def text_tracker(self, prompt_ids: Sequence[int], skip_special_tokens: bool) -> TextTracker | DecodeStreamTracker:
         """Per generated token (`.add(id)`), the text it adds to the output."""
-        fast = self._fast_decoder
-        if fast is None:
-            return TextTracker(lambda ids: self.decode(ids, skip_special_tokens=skip_special_tokens))
-        return DecodeStreamTracker(fast, prompt_ids, skip_special_tokens)
+        return detokenize.text_tracker(self.tokenizer, prompt_ids, skip_special_tokens)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [str(self.tokenizer.decode([t])) for t in token_ids]
 
     async def generate(
-        self, prompt: EnginePrompt, sampling: dict[str, Any], *, stream: bool
+        self, prompt: EnginePrompt, sampling: dict[str, Any], *, stream: bool, cache_salt: str | None = None
     ) -> AsyncIterator[Any]:
         """vLLM RequestOutputs for one prompt: deltas when `stream`, else the final one.
+        `cache_salt` keeps the request's KV blocks apart in the prefix cache (module writes).
 
         Closing or cancelling the iterator aborts the request in the engine
         (vLLM's generate() does that on CancelledError / GeneratorExit).
@@ -197,7 +192,7 @@ class Engine:
         except vllm_compat.CLIENT_ERRORS as e:
             raise InvalidArgument("sampling_params", str(e)) from e
         request_id = self.new_request_id()
-        outputs = self.llm.generate(vllm_compat.tokens_prompt(prompt.token_ids), params, request_id)
+        outputs = self.llm.generate(vllm_compat.tokens_prompt(prompt.token_ids, cache_salt), params, request_id)
         try:
             async for out in outputs:
                 yield out

@@ -9,6 +9,7 @@ conditions.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Literal, Union
 
@@ -257,6 +258,8 @@ class SequencePlan(msgspec.Struct, frozen=True):
     ops: tuple[Op, ...]
     # Which frontend process gets this request's records (0 with a single frontend).
     route: int = 0
+    # How text conditions decode the text so far: as the client's text deltas are.
+    skip_special_tokens: bool = True
 
     def active_at(self, step: int) -> tuple[Op, ...]:
         """The ops selected at `step`. The worker sends a record for a step exactly
@@ -306,7 +309,26 @@ def _uses_logits(condition: Condition | None) -> bool:
     return _any_leaf(condition, lambda c: isinstance(c, (ArgmaxIn, TokenProbability, Entropy)))
 
 
+def kv_cache_salt(ops: tuple[Op, ...], prompt_len: int, skip_special_tokens: bool) -> str | None:
+    """vLLM's `cache_salt` for a request with module writes; None without them.
+
+    vLLM's prefix cache keys KV blocks by token ids, but a module write changes the keys
+    and values of every position after the one it touches. So a request with writes must
+    neither read blocks computed without them nor leave blocks for requests without them.
+    The salt names everything that decides what was written where: the writes with their
+    steps and conditions (and how text conditions decode), and the prompt length (which step computed a cached position;
+    the token ids themselves are in vLLM's block hash). Identical steered requests share
+    their blocks; no other request hits them, and they hit no one else's.
+    """
+    writes = tuple((op.steps, op.condition, op.action) for op in ops if isinstance(op.action, WriteModule))
+    if not writes:
+        return None
+    return "tracewire:" + hashlib.sha256(_CANONICAL.encode((prompt_len, skip_special_tokens, writes))).hexdigest()
+
+
 _ENCODER = msgspec.msgpack.Encoder()
+# Sets and dicts in sorted order: equal plans encode to equal bytes.
+_CANONICAL = msgspec.msgpack.Encoder(order="deterministic")
 _DECODER = msgspec.msgpack.Decoder(SequencePlan)
 
 

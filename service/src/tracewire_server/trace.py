@@ -92,7 +92,7 @@ class TraceRun:
         if seq.plan is not None:
             records = asyncio.Queue()
             self.receiver.register(seq.plan.key, records.put_nowait)
-        skip_special = seq.sampling.get("skip_special_tokens", True)
+        skip_special = inv.skip_special_tokens
         text = self.engine.text_tracker(inv.prompt.token_ids, skip_special)
         completion = output_pb2.CompletionOutput(index=seq.sequence_index)
         token_ids: list[int] = []  # into the completion at the end: this loop runs per token
@@ -101,7 +101,7 @@ class TraceRun:
         stopped_at: int | None = None
         plan = seq.plan
         try:
-            stream = self.engine.generate(inv.prompt, seq.sampling, stream=True)
+            stream = self.engine.generate(inv.prompt, seq.sampling, stream=True, cache_salt=inv.cache_salt)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     now_ns = time.time_ns()

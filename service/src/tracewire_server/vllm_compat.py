@@ -52,6 +52,7 @@ __all__ = [
     "StatLoggerBase",
     "VLLM_VERSION",
     "get_tokenizer",
+    "tokenizer_from_config",
     "make_sampling_params",
     "num_unfinished_requests",
     "tokens_prompt",
@@ -73,9 +74,23 @@ def make_sampling_params(kwargs: dict[str, Any], *, stream: bool) -> SamplingPar
     return SamplingParams(**kwargs, output_kind=kind)
 
 
-def tokens_prompt(token_ids: list[int]) -> dict[str, Any]:
-    """A TokensPrompt dict; the engine never re-tokenizes what tracewire validated."""
-    return {"prompt_token_ids": token_ids}
+def tokens_prompt(token_ids: list[int], cache_salt: str | None = None) -> dict[str, Any]:
+    """A TokensPrompt dict; the engine never re-tokenizes what tracewire validated. A
+    `cache_salt` (vLLM >= 0.9, both versions here) goes into the hash of the prompt's
+    first KV block, and so, chained, of every block after it."""
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
+
+
+def tokenizer_from_config(model_config: Any) -> Any:
+    """The tokenizer vLLM builds for a model config (the worker's copy of the engine's)."""
+    try:  # vLLM >= 0.30
+        from vllm.tokenizers import cached_tokenizer_from_config
+    except ImportError:  # pragma: no cover - vLLM 0.26
+        from vllm.transformers_utils.tokenizer import cached_tokenizer_from_config
+    return cached_tokenizer_from_config(model_config)
 
 
 async def get_tokenizer(llm: AsyncLLM) -> Any:

@@ -42,6 +42,7 @@ record (its trace fails); vLLM's sampling always proceeds.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -55,8 +56,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from . import detokenize, steering
 from . import plan as P
-from . import steering
 from .collector import StepCollector
 from .sidechannel import ReadResult, RowBlock, Sender, StepBatch, StepRecord, token_read
 from .tensors import RawTensor
@@ -199,7 +200,10 @@ class _Sequence:
     needs_text: bool
     prompt_ids: list[int] = field(default_factory=list)
     step: int = 0
-    tokens: list[int] = field(default_factory=list)  # kept only for text conditions
+    # Text conditions: the text generated so far, as the client is sent it (its deltas
+    # from the same tracker, on the same settings, as the server's; detokenize.py).
+    text: str = ""
+    tracker: detokenize.TextTracker | detokenize.DecodeStreamTracker | None = None
     error: str | None = None
     error_reported: bool = False
     patterns: dict[str, re.Pattern[str]] = field(default_factory=dict)
@@ -408,8 +412,8 @@ def _on_device(values: np.ndarray | list[int], device: torch.device, dtype: torc
 class _Context:
     """What a condition can look at for one row at one step."""
 
-    def __init__(self, hooks: PlanHooks, row: _Row, drawn: bool) -> None:
-        self.hooks, self.row, self.drawn = hooks, row, drawn
+    def __init__(self, row: _Row) -> None:
+        self.row = row
         self._logprobs: torch.Tensor | None = None
 
     @property
@@ -424,8 +428,9 @@ class _Context:
         return self._logprobs
 
     def text(self) -> str:
-        tokens = self.row.seq.tokens + ([self.row.token] if self.drawn else [])
-        return self.hooks.decode(tokens)
+        """The text so far: before the forward pass (writes) up to the last step, once
+        the token is drawn (reads, stops) with it (_finish adds it first)."""
+        return self.row.seq.text
 
 
 def _compare(value: float, comparison: str, threshold: float) -> bool:
@@ -904,7 +909,6 @@ class PlanHooks:
         self.fault_injection = fault_injection
         self.sequences: dict[str, _Sequence | None] = {}
         self._step: _Step | None = None
-        self._tokenizer: Any = None
         self.lens: _Lens | None = None
         self.steering: steering.SlotPlanner | None = None  # compiled engines with --compiled-steering
         self.module_writers: set[str] = set()  # live requests whose plans write modules
@@ -1168,7 +1172,7 @@ class PlanHooks:
         if op.condition is None:
             return True
         self.collector.drain()  # the text so far includes every finished step
-        return _holds(op.condition, _Context(self, _Row(-1, seq, ()), drawn=False))
+        return _holds(op.condition, _Context(_Row(-1, seq, ())))
 
     def _module_hook(self, path: str, output: Any) -> None:
         """Never raises into vLLM's forward pass: a failure fails the traces involved."""
@@ -1218,7 +1222,10 @@ class PlanHooks:
         seq = None
         if blob is not None:
             plan = P.decode_plan(blob)
-            seq = _Sequence(plan, needs_text=plan.needs_text(), prompt_ids=list(state.prompt_token_ids or ()))
+            prompt_ids = list(state.prompt_token_ids or ())
+            seq = _Sequence(plan, needs_text=plan.needs_text(), prompt_ids=prompt_ids)
+            if seq.needs_text:
+                seq.tracker = detokenize.text_tracker(self.tokenizer, prompt_ids, plan.skip_special_tokens)
             if any(isinstance(op.action, P.WriteModule) for op in plan.ops):
                 self.module_writers.add(req_id)
         if len(self.sequences) > 2 * len(self.runner.requests) + 64:
@@ -1281,7 +1288,7 @@ class PlanHooks:
                 continue
             try:
                 wrote = False
-                ctx = _Context(self, row, drawn=False)
+                ctx = _Context(row)
                 for op in row.selected.logits_writes:
                     if op.condition is not None and row.processed is None:
                         self.collector.drain()  # the text so far includes every finished step
@@ -1336,6 +1343,8 @@ class PlanHooks:
         for row in work.step.rows:
             seq = row.seq
             row.token = int(tokens[row.index])
+            if seq.tracker is not None:  # before the conditions: the text includes the token
+                seq.text += seq.tracker.add(row.token)
             if row.selected.ops:
                 if row.error is None and row.selected.plain:
                     row.kept = row.reads  # the common case: keep every read, nothing to decide
@@ -1347,8 +1356,6 @@ class PlanHooks:
                 if row.error is not None:
                     seq.error, seq.error_reported = row.error, True  # no more work for this request
                 batches[seq.plan.route].add(seq.plan.key, row)
-            if seq.needs_text:
-                seq.tokens.append(row.token)
         for block in work.step.blocks:
             out = batches[block.route]
             block_tokens = tokens[block.index].tolist()
@@ -1367,7 +1374,7 @@ class PlanHooks:
 
     def _decide(self, row: _Row) -> None:
         """This row's stops, and which of its launched reads it keeps."""
-        ctx = _Context(self, row, drawn=True)
+        ctx = _Context(row)
         for op in row.selected.ops:
             if isinstance(op.action, P.READS):
                 if _holds(op.condition, ctx):
@@ -1376,15 +1383,13 @@ class PlanHooks:
                 if _holds(op.condition, ctx):
                     row.stopped = True
 
-    def decode(self, tokens: list[int]) -> str:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The tokenizer the server decodes with: vLLM's, built from the same model config
+        (loaded the first time a trace has a text condition)."""
+        from .vllm_compat import tokenizer_from_config
 
-            config = self.runner.vllm_config.model_config
-            self._tokenizer = AutoTokenizer.from_pretrained(
-                config.tokenizer, trust_remote_code=config.trust_remote_code
-            )
-        return str(self._tokenizer.decode(tokens, skip_special_tokens=True))
+        return tokenizer_from_config(self.runner.vllm_config.model_config)
 
 
 class TracewireWorkerExtension:
