@@ -68,6 +68,22 @@ CASES = {
         prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(logit_bias={-4: 1.0})),
         "sampling_params.logit_bias[0]"),
     "unknown model": (service_pb2.GenerateRequest(prompts=[_text("a")], model="gpt-17"), "model"),
+    # Found by vLLM itself, inside the engine adapter: named as the sampling parameters,
+    # never INTERNAL from the call's TaskGroup.
+    "empty bad word": (service_pb2.GenerateRequest(
+        prompts=[_text("a"), _text("b")], sampling_params=sampling_pb2.SamplingParams(bad_words=[""])),
+        "sampling_params"),
+    "min_tokens over the default max_tokens": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(min_tokens=40)),
+        "sampling_params"),
+    # --max-sequences (256 by default): refused before any per-sequence work.
+    "n over the sequence cap": (service_pb2.GenerateRequest(
+        prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(n=1177284119)),
+        "sampling_params.n"),
+    "n x prompts over the sequence cap": (service_pb2.GenerateRequest(
+        prompts=[_text("a")] * 3, sampling_params=sampling_pb2.SamplingParams(n=100)),
+        "sampling_params.n"),
+    "prompts over the sequence cap": (service_pb2.GenerateRequest(prompts=[_text("a")] * 257), "prompts"),
 }
 
 
@@ -123,3 +139,37 @@ def test_concurrent_bad_requests_do_not_disturb_a_good_one(server, client, hf):
         list(pool.map(bad, range(16)))
         out = good.result()
     assert out[0].outputs[0].token_ids == hf.greedy(hf.encode("The capital of France is"), 8)
+
+
+def _trace_n(*ns, trace_n=None):
+    from tracewire.v1 import trace_pb2
+
+    request = service_pb2.TraceRequest(invokes=[
+        trace_pb2.Invoke(prompt=_text("a"), sampling_params=sampling_pb2.SamplingParams(
+            **({} if n is None else {"n": n}), max_tokens=1)) for n in ns])
+    if trace_n is not None:
+        request.sampling_params.n = trace_n
+    return request
+
+
+TRACE_SEQUENCE_CASES = {
+    "huge n": (_trace_n(None, trace_n=1177284119), "sampling_params.n"),
+    "huge invoke n": (_trace_n(1, 1177284119), "invokes[1].sampling_params.n"),
+    "n summed over invokes": (_trace_n(*[30] * 10), "invokes[8].sampling_params.n"),
+    "trace n summed over invokes": (_trace_n(*[None] * 10, trace_n=30), "sampling_params.n"),
+    "too many invokes": (_trace_n(*[None] * 257), "invokes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRACE_SEQUENCE_CASES))
+def test_trace_sequences_are_capped_before_any_work(stub, client, case):
+    """n is summed over the invokes and checked before anything is built per sequence:
+    n = 1177284119 once froze the server and grew it to 13 GB."""
+    request, field = TRACE_SEQUENCE_CASES[case]
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Trace(request, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert tracewire.errors.from_rpc_error(info.value).field == field
+    assert "--max-sequences" in info.value.details()
+    (out,) = client.generate("The capital of France is", temperature=0.0, max_tokens=2)
+    assert len(out.outputs[0].token_ids) == 2

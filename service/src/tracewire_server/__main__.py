@@ -71,6 +71,13 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "with RESOURCE_EXHAUSTED before they run",
     )
     group.add_argument(
+        "--max-sequences",
+        type=int,
+        default=TraceOptions.max_sequences,
+        help="most engine requests one call may make (its prompts or invokes times n); "
+        "more are refused with INVALID_ARGUMENT naming the field before any work is done",
+    )
+    group.add_argument(
         "--trace-buffer-bytes",
         type=int,
         default=TraceOptions.buffer_bytes,
@@ -99,6 +106,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
     args = parser.parse_args(argv)
     if args.frontends < 1:
         parser.error("--frontends must be >= 1")
+    if args.max_sequences < 1:
+        parser.error("--max-sequences must be >= 1")
     engine_args = AsyncEngineArgs.from_cli_args(args)
     if args.compiled_steering:
         use_compiled_steering(engine_args, _layer_list(parser, args.compiled_steering))
@@ -110,6 +119,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         engine_args=engine_args,
         trace=TraceOptions(
             max_read_bytes=args.max_read_bytes,
+            max_sequences=args.max_sequences,
             buffer_bytes=args.trace_buffer_bytes,
             fault_injection=args.enable_fault_injection,
         ),

@@ -9,7 +9,6 @@ the SequencePlan its worker hooks run.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from tracewire.v1 import intervention_pb2 as ipb
 from tracewire.v1 import sampling_pb2, service_pb2
 
 from . import plan as P
+from . import textmatch
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from .limits import ModelLimits
 from .prompts import Encoder, EnginePrompt, to_engine_prompt
@@ -84,6 +84,25 @@ def merge_sampling(
     return merged
 
 
+def check_sequences(count: int, count_field: str, n: int, n_field: str, cap: int) -> None:
+    """`count` prompts (or invokes) of `n` sequences each must stay within the server's
+    cap; the field named is the one that went over it."""
+    if count > cap:
+        raise InvalidArgument(count_field, f"{count} entries; this server runs at most {cap} "
+                              "sequences per request (--max-sequences)")
+    if count * n > cap:
+        raise InvalidArgument(n_field, f"n = {n} x {count} entries is {count * n} sequences; this "
+                              f"server runs at most {cap} per request (--max-sequences)")
+
+
+def _requested_n(request: service_pb2.TraceRequest, i: int) -> int:
+    """Invoke i's n as merge_sampling would give it, without building anything."""
+    own = request.invokes[i].sampling_params
+    if own.HasField("n"):
+        return own.n
+    return request.sampling_params.n if request.sampling_params.HasField("n") else 1
+
+
 class _Compiler:
     def __init__(
         self,
@@ -92,7 +111,9 @@ class _Compiler:
         server_max_read_bytes: int,
         fault_injection: bool,
         route: int = 0,
+        max_sequences: int = 256,
     ):
+        self.max_sequences = max_sequences
         self.limits = limits
         self.route = route  # the frontend process this trace's records go to
         self.encoder = encoder
@@ -105,6 +126,7 @@ class _Compiler:
     def trace(self, request: service_pb2.TraceRequest, trace_key: str) -> CompiledTrace:
         if not request.invokes:
             raise InvalidArgument("invokes", "at least one invoke is required")
+        self.check_sequences(request)
         # The trace's own values first, so an error names the message that holds it.
         to_vllm_kwargs(request.sampling_params, self.limits, "sampling_params")
         invokes, all_ops, bound = [], [], 0
@@ -160,6 +182,23 @@ class _Compiler:
                 "options.stream_interval_ms", f"must be <= {MAX_STREAM_INTERVAL_MS}, got {interval_ms}"
             )
         return CompiledTrace(tuple(invokes), tuple(all_ops), bound, every, interval_ms / 1000)
+
+    def check_sequences(self, request: service_pb2.TraceRequest) -> None:
+        """Every invoke's n, summed, within the cap: before any per-sequence work."""
+        cap = self.max_sequences
+        check_sequences(len(request.invokes), "invokes", 1, "invokes", cap)
+        total = 0
+        for i in range(len(request.invokes)):
+            n = _requested_n(request, i)
+            if n < 1:
+                continue  # to_vllm_kwargs names it
+            total += n
+            if total > cap:
+                own = request.invokes[i].sampling_params.HasField("n")
+                field = f"invokes[{i}].sampling_params.n" if own else "sampling_params.n"
+                raise InvalidArgument(field, f"the trace's invokes ask for {total} sequences by "
+                                      f"invoke {i}; this server runs at most {cap} per request "
+                                      "(--max-sequences)")
 
     def read_bytes(self, op: P.Op, max_tokens: int) -> int:
         """Upper bound on the bytes one sequence's op returns over the generation."""
@@ -445,14 +484,16 @@ class _Compiler:
         if kind == "argmax_in":
             return P.ArgmaxIn(frozenset(self.tokens(c.argmax_in.token_ids, f"{f}.token_ids")))
         if kind == "text_contains":
-            if not c.text_contains:
-                raise InvalidArgument(f, "must not be empty")
+            try:
+                textmatch.check_needle(c.text_contains)
+            except textmatch.PatternError as e:
+                raise InvalidArgument(f, str(e)) from None
             return P.TextContains(c.text_contains)
         if kind == "text_matches":
             try:
-                re.compile(c.text_matches)
-            except re.error as e:
-                raise InvalidArgument(f, f"invalid regular expression: {e}") from None
+                textmatch.compile_pattern(c.text_matches)
+            except textmatch.PatternError as e:
+                raise InvalidArgument(f, str(e)) from None
             return P.TextMatches(c.text_matches)
         if kind == "token_probability":
             tp = c.token_probability
@@ -493,7 +534,8 @@ def compile_trace(
     server_max_read_bytes: int,
     fault_injection: bool = False,
     route: int = 0,
+    max_sequences: int = 256,
 ) -> CompiledTrace:
-    return _Compiler(limits, encoder, server_max_read_bytes, fault_injection, route).trace(
+    return _Compiler(limits, encoder, server_max_read_bytes, fault_injection, route, max_sequences).trace(
         request, trace_key
     )

@@ -20,7 +20,7 @@ from grpc_status import rpc_status
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 from . import __version__, outputs, vllm_compat
-from .compiler import compile_trace
+from .compiler import check_sequences, compile_trace
 from .engine import Engine
 from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
 from .prompts import EnginePrompt, to_engine_prompt
@@ -97,6 +97,9 @@ class TraceOptions:
 
     # Largest total of read values one trace may ask for (refused up front).
     max_read_bytes: int = 1 << 30
+    # Engine requests one call may make (prompts or invokes x n), checked before any
+    # per-sequence work: a careless n must not occupy the server for everyone else.
+    max_sequences: int = 256
     # Step results one trace may have waiting for a slow client.
     buffer_bytes: int = 64 << 20
     # Honour fault-injection interventions (tests only).
@@ -141,6 +144,8 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         if not request.prompts:
             raise InvalidArgument("prompts", "at least one prompt is required")
         sampling = to_vllm_kwargs(request.sampling_params, engine.limits, "sampling_params")
+        check_sequences(len(request.prompts), "prompts", sampling.get("n", 1), "sampling_params.n",
+                        self.options.max_sequences)
         prompts = [
             to_engine_prompt(p, engine, engine.limits, f"prompts[{i}]")
             for i, p in enumerate(request.prompts)
@@ -161,9 +166,13 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             return outputs.request_output(final, prompt.text)
 
         # A TaskGroup cancels (and so aborts in the engine) every prompt's request
-        # when one fails or the call is cancelled.
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(run(p)) for p in prompts]
+        # when one fails or the call is cancelled. Its ExceptionGroup is unwrapped: the
+        # client gets the first request's own status (INVALID_ARGUMENT, UNAVAILABLE...).
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(run(p)) for p in prompts]
+        except* TracewireError as errors:
+            raise errors.exceptions[0] from None
         return service_pb2.GenerateResponse(outputs=[t.result() for t in tasks])
 
     @streaming
@@ -219,6 +228,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             engine,
             trace_key=f"{engine.new_request_id()}-t{next(self._traces)}",
             server_max_read_bytes=self.options.max_read_bytes,
+            max_sequences=self.options.max_sequences,
             fault_injection=self.options.fault_injection,
             route=engine.route,
         )

@@ -45,7 +45,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -56,7 +55,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import detokenize, steering
+from . import detokenize, steering, textmatch
 from . import plan as P
 from .collector import StepCollector
 from .sidechannel import ReadResult, RowBlock, Sender, StepBatch, StepRecord, token_read
@@ -206,7 +205,7 @@ class _Sequence:
     tracker: detokenize.TextTracker | detokenize.DecodeStreamTracker | None = None
     error: str | None = None
     error_reported: bool = False
-    patterns: dict[str, re.Pattern[str]] = field(default_factory=dict)
+    scan: textmatch.TextScan = field(default_factory=textmatch.TextScan)
     # Module reads of the current step, gathered over its forward passes (a chunked
     # prefill runs several): read name -> [(positions, [rows, hidden] float32)].
     pending: dict[str, list[tuple[list[int], torch.Tensor]]] = field(default_factory=dict)
@@ -451,12 +450,9 @@ def _holds(cond: P.Condition | None, ctx: _Context) -> bool:
     if isinstance(cond, P.ArgmaxIn):
         return int(torch.argmax(ctx.processed)) in cond.token_ids
     if isinstance(cond, P.TextContains):
-        return cond.text in ctx.text()
+        return ctx.row.seq.scan.contains(ctx.text(), cond.text)
     if isinstance(cond, P.TextMatches):
-        patterns = ctx.row.seq.patterns
-        if cond.pattern not in patterns:
-            patterns[cond.pattern] = re.compile(cond.pattern)
-        return patterns[cond.pattern].search(ctx.text()) is not None
+        return ctx.row.seq.scan.matches(ctx.text(), cond.pattern)
     if isinstance(cond, P.TokenProbability):
         token = ctx.row.token if cond.token_id is None else cond.token_id
         prob = float(torch.exp(ctx.logprobs[token]))
