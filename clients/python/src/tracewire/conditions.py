@@ -4,7 +4,7 @@
     tw.sampled_in(period_id)                 # the drawn token is one of these
     tw.argmax_in(paris_id)                   # the most likely token is one of these
     tw.text_contains(".")                    # the text so far contains
-    tw.text_matches(r"[.!?]$")               # ... or matches a regex (Python re, searched)
+    tw.text_matches(r"[.!?]$")               # ... or matches a regex (RE2, searched)
     tw.prob() < 0.1                          # the drawn token's probability
     tw.prob(paris_id) > 0.5                  # a given token's probability
     tw.entropy() > 2.5                       # entropy (nats) of the distribution
@@ -60,10 +60,13 @@ def argmax_in(token_ids: int | Iterable[int]) -> Condition:
 
 
 def text_contains(text: str) -> Condition:
+    """The text so far (as streamed to you) contains `text` (at most 1024 characters)."""
     return Condition(ipb.Condition(text_contains=text))
 
 
 def text_matches(pattern: str) -> Condition:
+    """The text so far matches `pattern`: RE2 syntax (no backreferences or lookaround), at
+    most 1024 characters, searched in the last 4096 characters of the text."""
     return Condition(ipb.Condition(text_matches=pattern))
 
 

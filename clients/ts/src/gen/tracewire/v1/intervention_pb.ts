@@ -852,7 +852,9 @@ export type Condition = Message<"tracewire.v1.Condition"> & {
     case: "argmaxIn";
   } | {
     /**
-     * The generated text so far contains this string.
+     * The generated text so far contains this string (at most 1024
+     * characters). The text is the one the client is streamed: decoded with
+     * the request's skip_special_tokens.
      *
      * @generated from field: string text_contains = 3;
      */
@@ -860,8 +862,11 @@ export type Condition = Message<"tracewire.v1.Condition"> & {
     case: "textContains";
   } | {
     /**
-     * The generated text so far matches this regular expression (Python
-     * `re` syntax, searched, not anchored).
+     * The generated text so far matches this regular expression: RE2 syntax
+     * (https://github.com/google/re2/wiki/Syntax; linear-time, so no
+     * backreferences or lookaround), at most 1024 characters, searched (not
+     * anchored) in the last 4096 characters of the text so far, with the
+     * character before them as context (`^` is the start of the whole text).
      *
      * @generated from field: string text_matches = 4;
      */
