@@ -173,3 +173,17 @@ def test_trace_sequences_are_capped_before_any_work(stub, client, case):
     assert "--max-sequences" in info.value.details()
     (out,) = client.generate("The capital of France is", temperature=0.0, max_tokens=2)
     assert len(out.outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("shape", [[0, 2**62, 2**62], [1] * 70, [2, 1024]])
+def test_write_tensor_shapes_are_checked_before_numpy_sees_them(stub, shape):
+    """Shapes numpy refuses (over 64 dimensions, 2^124 elements) were INTERNAL errors."""
+    from tracewire.v1 import intervention_pb2, tensor_pb2, trace_pb2
+
+    tensor = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=shape, data=b"")
+    write = intervention_pb2.Intervention(write_logits=intervention_pb2.WriteLogits(replace=tensor))
+    request = service_pb2.TraceRequest(invokes=[trace_pb2.Invoke(prompt=_text("a"), interventions=[write])])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Trace(request, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert tracewire.errors.from_rpc_error(info.value).field == "invokes[0].interventions[0].write_logits.replace.shape"

@@ -83,13 +83,17 @@ def _name(array: np.ndarray) -> str:
     return name
 
 
+# Request tensors: numpy handles at most 64 dimensions; no request needs more than a few.
+MAX_DIMS = 8
+MAX_ELEMENTS = 1 << 31
+
+
 def float_vector(tensor: tensor_pb2.Tensor, length: int, field: str) -> np.ndarray:
     """A finite float32 vector of exactly `length` elements from a request tensor."""
+    if list(tensor.shape) != [length]:  # before any work sized by the request's shape
+        shape = list(tensor.shape[:MAX_DIMS]) + (["..."] if len(tensor.shape) > MAX_DIMS else [])
+        raise InvalidArgument(f"{field}.shape", f"expected a vector of {length} elements, got shape {shape}")
     array = to_numpy(tensor, field).astype(np.float32).reshape(-1)
-    if array.size != length or len(tensor.shape) > 1:
-        raise InvalidArgument(
-            f"{field}.shape", f"expected a vector of {length} elements, got shape {list(tensor.shape)}"
-        )
     if not np.isfinite(array).all():
         raise InvalidArgument(f"{field}.data", "must not contain NaN or infinity")
     return array
@@ -99,9 +103,13 @@ def to_numpy(tensor: tensor_pb2.Tensor, field: str) -> np.ndarray:
     dtype = _NUMPY.get(tensor.dtype)
     if dtype is None:
         raise InvalidArgument(f"{field}.dtype", "dtype must be set")
+    if len(tensor.shape) > MAX_DIMS:
+        raise InvalidArgument(f"{field}.shape", f"{len(tensor.shape)} dimensions; at most {MAX_DIMS}")
     shape = tuple(tensor.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"{field}.shape", "dimensions must be >= 0")
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:  # numpy refuses such shapes even empty
+        raise InvalidArgument(f"{field}.shape", f"{list(shape)} is over {MAX_ELEMENTS} elements")
     count = math.prod(shape)
     if len(tensor.data) != count * dtype.itemsize:
         raise InvalidArgument(
