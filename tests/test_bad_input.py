@@ -187,3 +187,13 @@ def test_write_tensor_shapes_are_checked_before_numpy_sees_them(stub, shape):
         list(stub.Trace(request, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert tracewire.errors.from_rpc_error(info.value).field == "invokes[0].interventions[0].write_logits.replace.shape"
+
+
+def test_errors_quoting_a_large_input_are_clipped(stub):
+    """A 100 kB `model` was quoted whole: past the client's 16 KiB metadata limit the
+    client saw RESOURCE_EXHAUSTED instead of the INVALID_ARGUMENT naming `model`."""
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(service_pb2.GenerateRequest(prompts=[_text("a")], model="m" * 100_000), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert tracewire.errors.from_rpc_error(info.value).field == "model"
+    assert "more characters" in info.value.details() and len(info.value.details()) < 1200

@@ -49,16 +49,28 @@ class Internal(TracewireError):
     code = grpc.StatusCode.INTERNAL
 
 
+# A status travels in trailers, which clients cap (grpc's hard limit is 16 KiB): a message
+# that quotes a large input (a 100 kB `model`) would turn into the client's own
+# RESOURCE_EXHAUSTED. Messages and field paths are clipped to these many characters.
+MAX_MESSAGE_CHARS = 1024
+MAX_FIELD_CHARS = 256
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 def to_rpc_status(error: TracewireError) -> status_pb2.Status:
     """The rich google.rpc.Status for an error (details: BadRequest for fields)."""
-    status = status_pb2.Status(code=_CODE_VALUES[error.code], message=error.message)
+    status = status_pb2.Status(code=_CODE_VALUES[error.code], message=_clip(error.message, MAX_MESSAGE_CHARS))
     if isinstance(error, InvalidArgument) and error.field:
         detail = any_pb2.Any()
         detail.Pack(
             error_details_pb2.BadRequest(
                 field_violations=[
                     error_details_pb2.BadRequest.FieldViolation(
-                        field=error.field, description=error.description
+                        field=_clip(error.field, MAX_FIELD_CHARS),
+                        description=_clip(error.description, MAX_MESSAGE_CHARS),
                     )
                 ]
             )
