@@ -7,9 +7,11 @@ google.rpc.BadRequest detail).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 
 
 class TracewireError(Exception):
@@ -77,19 +79,51 @@ _BY_CODE: dict[grpc.StatusCode, type[TracewireError]] = {
 
 
 def from_rpc_error(error: grpc.RpcError) -> TracewireError:
-    """The typed exception for a failed call."""
+    """The typed exception for a failed call, the same for both clients.
+
+    The sync client's errors are grpc.Call objects; the async client's are
+    grpc.aio.AioRpcError, which is not one, so grpc_status's from_call (sync calls
+    only) cannot serve both. Both carry the status detail in the same trailing
+    metadata, so it is decoded from there, once, for either kind.
+    """
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     message = error.details() if hasattr(error, "details") else str(error)
-    field = None
-    status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
-    if status is not None:
-        for detail in status.details:
-            if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-                bad_request = error_details_pb2.BadRequest()
-                detail.Unpack(bad_request)
-                if bad_request.field_violations:
-                    field = bad_request.field_violations[0].field
     cls = _BY_CODE.get(code, TracewireError)
-    result = cls(message or str(code), field=field)
+    result = cls(message or str(code), field=_violated_field(_rich_status(error, code)))
     result.code = code
     return result
+
+
+# Where gRPC carries a google.rpc.Status (serialized) next to the code and message.
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def _trailers(error: grpc.RpcError) -> Iterable[tuple[str, str | bytes]]:
+    """The (key, value) pairs of a failed call's trailing metadata: a grpc.Call's tuple,
+    or grpc.aio's Metadata, which iterates as the same pairs. A bare RpcError has none."""
+    read = getattr(error, "trailing_metadata", None)
+    trailers: Iterable[tuple[str, str | bytes]] | None = read() if callable(read) else None
+    return trailers or ()
+
+
+def _rich_status(error: grpc.RpcError, code: grpc.StatusCode) -> status_pb2.Status | None:
+    """The google.rpc.Status the server attached to this error, if any."""
+    for key, value in _trailers(error):
+        if key != _STATUS_DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except DecodeError:
+            return None  # a garbled detail must not hide the error it came with
+        # A proxy that rewrote the code left a detail describing some other failure.
+        return status if status.code == code.value[0] else None
+    return None
+
+
+def _violated_field(status: status_pb2.Status | None) -> str | None:
+    """The path of the first field a BadRequest detail names."""
+    for detail in status.details if status is not None else ():
+        bad_request = error_details_pb2.BadRequest()
+        if detail.Unpack(bad_request) and bad_request.field_violations:
+            return str(bad_request.field_violations[0].field)
+    return None
