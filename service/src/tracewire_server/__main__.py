@@ -61,7 +61,14 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "--max-message-bytes",
         type=int,
         default=256 * 1024 * 1024,
-        help="largest gRPC message sent or received",
+        help="largest message sent (responses: a step of full-row reads can be large)",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=ServerConfig.max_request_bytes,
+        help="largest request received on either port, after decompression (a gzip body "
+        "counts as what it inflates to); larger ones are refused with RESOURCE_EXHAUSTED",
     )
     group.add_argument(
         "--max-read-bytes",
@@ -116,6 +123,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         port=args.port,
         grace_seconds=args.grace_period,
         max_message_bytes=args.max_message_bytes,
+        max_request_bytes=args.max_request_bytes,
         engine_args=engine_args,
         trace=TraceOptions(
             max_read_bytes=args.max_read_bytes,

@@ -39,7 +39,7 @@ class ServerConfig:
     host: str
     port: int
     grace_seconds: float
-    max_message_bytes: int
+    max_message_bytes: int  # largest message sent (a step of full-row reads can be large)
     engine_args: Any  # vllm AsyncEngineArgs
     trace: TraceOptions
     # Connect / gRPC-Web for browsers on this port; 0: off.
@@ -48,6 +48,9 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     # Frontend processes sharing one engine core (frontends.py); 1: this process only.
     frontends: int = 1
+    # Largest request received on either port, after decompression: requests are small
+    # (prompts, plans); a larger one is refused before it is decoded.
+    max_request_bytes: int = 8 << 20
 
 
 async def serve(
@@ -61,7 +64,7 @@ async def serve(
     servicer = TraceServicer(config.trace)
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_request_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             # Only the frontends of one engine share a port (the kernel spreads the
             # connections over them); grpc's Linux default would let any second server
@@ -173,7 +176,7 @@ async def _start_http(
     endpoints |= service_endpoints(
         health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer, methods={"Check"}
     )
-    app = build_app(endpoints, config.cors_origins, read_max_bytes=config.max_message_bytes)
+    app = build_app(endpoints, config.cors_origins, read_max_bytes=config.max_request_bytes)
     gateway = await HttpGateway.start(app, config.host, config.http_port, shared=config.frontends > 1)
     log.info(
         "tracewire HTTP (Connect, gRPC-Web) on http://%s; CORS origins: %s",

@@ -20,6 +20,7 @@ from grpc_status import rpc_status
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 from . import __version__, outputs, vllm_compat
+from .bounds import RequestBounds
 from .compiler import check_sequences, compile_trace
 from .engine import Engine
 from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+T = TypeVar("T")
+
+# Requests under this size are compiled / tokenized on the event loop (microseconds);
+# larger ones in a thread.
+INLINE_REQUEST_BYTES = 16 << 10
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: TracewireError) -> None:
@@ -119,6 +125,23 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         self.in_flight = 0  # tracewire calls being served (health and reflection not counted)
         self.options = options or TraceOptions()
         self._traces = itertools.count()
+        self._bounds: tuple[Engine, RequestBounds] | None = None
+
+    def _admit(self, request: Any) -> Engine:
+        """The engine, once the request is within its bounds (bounds.py)."""
+        engine = self._ready()
+        if self._bounds is None or self._bounds[0] is not engine:
+            self._bounds = (engine, RequestBounds.of(engine.limits))
+        self._bounds[1].check(request)
+        return engine
+
+    @staticmethod
+    async def _off_loop(request: Any, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` for this request: in a thread when the request is large enough
+        for its tokenizing or compiling to hold up the other calls on the event loop."""
+        if request.ByteSize() < INLINE_REQUEST_BYTES:
+            return work(*args)
+        return await asyncio.to_thread(work, *args)
 
     def _ready(self) -> Engine:
         if self.draining:
@@ -156,8 +179,8 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
     async def Generate(
         self, request: service_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> service_pb2.GenerateResponse:
-        engine = self._ready()
-        prompts, sampling = self._plain_request(engine, request)
+        engine = self._admit(request)
+        prompts, sampling = await self._off_loop(request, self._plain_request, engine, request)
 
         async def run(prompt: EnginePrompt) -> Any:
             final = None
@@ -179,8 +202,8 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
     async def GenerateStream(
         self, request: service_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[service_pb2.GenerateStreamResponse]:
-        engine = self._ready()
-        prompts, sampling = self._plain_request(engine, request)
+        engine = self._admit(request)
+        prompts, sampling = await self._off_loop(request, self._plain_request, engine, request)
         queue: asyncio.Queue[service_pb2.GenerateStreamResponse | BaseException | None] = (
             asyncio.Queue(self.STREAM_BUFFER)
         )
@@ -220,9 +243,10 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         self, request: service_pb2.TraceRequest, context: grpc.aio.ServicerContext
     ) -> None:
         # Streams through context.write (grpc.aio: a coroutine handler that returns None).
-        engine = self._ready()
+        engine = self._admit(request)
         self._check_model(engine, request.model)
-        compiled = compile_trace(
+        compiled = await self._off_loop(request, functools.partial(
+            compile_trace,
             request,
             engine.limits,
             engine,
@@ -231,32 +255,39 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             max_sequences=self.options.max_sequences,
             fault_injection=self.options.fault_injection,
             route=engine.route,
-        )
+        ))
         await TraceRun(engine, engine.receiver, compiled, self.options.buffer_bytes).send(context.write)
 
     @unary
     async def Tokenize(
         self, request: service_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> service_pb2.TokenizeResponse:
-        engine = self._ready()
+        engine = self._admit(request)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = engine.encode(request.text, add_special_tokens=add_special)
-        return service_pb2.TokenizeResponse(token_ids=ids, tokens=engine.token_strings(ids))
+
+        def tokenize() -> service_pb2.TokenizeResponse:
+            ids = engine.encode(request.text, add_special_tokens=add_special)
+            return service_pb2.TokenizeResponse(token_ids=ids, tokens=engine.token_strings(ids))
+
+        return await self._off_loop(request, tokenize)
 
     @unary
     async def Detokenize(
         self, request: service_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> service_pb2.DetokenizeResponse:
-        engine = self._ready()
+        engine = self._admit(request)
         vocab = engine.limits.vocab_size
-        for i, token in enumerate(request.token_ids):
-            if not 0 <= token < vocab:
-                raise InvalidArgument(
-                    f"token_ids[{i}]", f"token id {token} is outside the vocabulary [0, {vocab})"
-                )
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = engine.decode(list(request.token_ids), skip_special_tokens=skip)
-        return service_pb2.DetokenizeResponse(text=text)
+
+        def detokenize() -> service_pb2.DetokenizeResponse:
+            for i, token in enumerate(request.token_ids):
+                if not 0 <= token < vocab:
+                    raise InvalidArgument(
+                        f"token_ids[{i}]", f"token id {token} is outside the vocabulary [0, {vocab})"
+                    )
+            return service_pb2.DetokenizeResponse(text=engine.decode(list(request.token_ids), skip_special_tokens=skip))
+
+        return await self._off_loop(request, detokenize)
 
     @unary
     async def GetModelInfo(
