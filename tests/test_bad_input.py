@@ -36,7 +36,8 @@ CASES = {
                        "prompts[0].token_ids.ids[2]"),
     "negative id": (service_pb2.GenerateRequest(prompts=[_ids([-1])]),
                     "prompts[0].token_ids.ids[0]"),
-    "prompt too long": (service_pb2.GenerateRequest(prompts=[_ids([5] * 600)]), "prompts[0]"),
+    "prompt too long": (service_pb2.GenerateRequest(prompts=[_ids([5] * 600)]), "prompts[0].token_ids.ids"),
+    "prompt text too long": (service_pb2.GenerateRequest(prompts=[_text("Paris " * 600)]), "prompts[0]"),
     "negative max_tokens": (service_pb2.GenerateRequest(
         prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(max_tokens=-3)),
         "sampling_params.max_tokens"),
@@ -191,9 +192,10 @@ def test_write_tensor_shapes_are_checked_before_numpy_sees_them(stub, shape):
 
 def test_errors_quoting_a_large_input_are_clipped(stub):
     """A 100 kB `model` was quoted whole: past the client's 16 KiB metadata limit the
-    client saw RESOURCE_EXHAUSTED instead of the INVALID_ARGUMENT naming `model`."""
+    client saw RESOURCE_EXHAUSTED instead of the INVALID_ARGUMENT naming `model`. Strings
+    are bounded now (1024 characters), and messages quoting them clipped."""
     with pytest.raises(grpc.RpcError) as info:
-        stub.Generate(service_pb2.GenerateRequest(prompts=[_text("a")], model="m" * 100_000), timeout=30)
+        stub.Generate(service_pb2.GenerateRequest(prompts=[_text("a")], model="m" * 1000), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert tracewire.errors.from_rpc_error(info.value).field == "model"
     assert "more characters" in info.value.details() and len(info.value.details()) < 1200

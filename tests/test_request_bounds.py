@@ -75,10 +75,14 @@ def test_a_gzip_bomb_on_the_http_port_is_refused_by_what_it_inflates_to(server):
     assert r.json()["code"] == "resource_exhausted", r.text
 
 
-def test_large_tokenizing_runs_off_the_event_loop(server, stub):
+def test_large_tokenizing_runs_off_the_event_loop(server):
     """Tokenizing ~7 MB takes seconds: other calls are answered meanwhile."""
+    from tracewire.v1 import service_pb2_grpc
+
     text = "The capital of France is Paris. " * 220_000
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with grpc.insecure_channel(server.target, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stub = service_pb2_grpc.TraceServiceStub(channel)
         big = pool.submit(stub.Tokenize, service_pb2.TokenizeRequest(text=text), timeout=300)
         answered_during = 0
         while not big.done():
