@@ -3,8 +3,10 @@
 The gRPC layer caps a request's bytes (--max-request-bytes); inside that, one field can
 still ask for work out of proportion to any real use (100k stop strings, a 5M-entry step
 list, conditions nested 90 deep). Every repeated field, map and string of a request is
-checked here against a bound, walking the message by its descriptors (so a field added to
-the proto is bounded without a word here), with INVALID_ARGUMENT naming the field. The
+checked here against a bound, and every enum for a value the proto defines (protobuf keeps
+unknown values, which would otherwise read as some default), walking the message by its
+descriptors (so a field added to the proto is covered without a word here), with
+INVALID_ARGUMENT naming the field. The
 walk only takes lengths of scalar lists: its cost is the number of messages in the request,
 which the bounds themselves keep small.
 
@@ -85,6 +87,8 @@ class RequestBounds:
                 self._check(value, name, depth + 1)
             elif field.type == descriptor.FieldDescriptor.TYPE_STRING:
                 self._check_chars(field, value, name)
+            elif field.type == descriptor.FieldDescriptor.TYPE_ENUM:
+                _check_enum(field, value, name)
 
     def _check_items(self, field: descriptor.FieldDescriptor, value: Any, name: str, depth: int) -> None:
         bound = self.items(field)
@@ -103,3 +107,9 @@ class RequestBounds:
     def _check_chars(field: descriptor.FieldDescriptor, value: str, name: str) -> None:
         if len(value) > DEFAULT_CHARS and field.full_name not in _UNBOUNDED_CHARS:
             raise InvalidArgument(name, f"{len(value)} characters; at most {DEFAULT_CHARS}")
+
+
+def _check_enum(field: descriptor.FieldDescriptor, value: int, name: str) -> None:
+    if value not in field.enum_type.values_by_number:
+        known = ", ".join(v.name for v in field.enum_type.values)
+        raise InvalidArgument(name, f"unknown {field.enum_type.name} value {value}; one of {known}")

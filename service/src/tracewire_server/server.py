@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tracewire.v1 import service_pb2, service_pb2_grpc
+from tracewire.v1 import service_pb2
 
 from .engine import Engine
-from .servicer import TraceOptions, TraceServicer
+from .servicer import TraceOptions, TraceServicer, add_to_server
 
 if TYPE_CHECKING:
     from .frontends import GroupReadiness
@@ -72,7 +72,7 @@ async def serve(
             ("grpc.so_reuseport", 1 if client else 0),
         ]
     )
-    service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
+    add_to_server(servicer, server)  # (request bodies that do not parse: INVALID_ARGUMENT)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import message_factory
 from grpc_status import rpc_status
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
@@ -39,6 +40,45 @@ T = TypeVar("T")
 INLINE_REQUEST_BYTES = 16 << 10
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """A request body that does not parse as the method's message (corrupt bytes, nesting
+    past protobuf's recursion limit). grpc would answer UNKNOWN and log a traceback each
+    time; the handlers' decorators answer INVALID_ARGUMENT instead."""
+
+    type_name: str
+    reason: str
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument("", f"the request body is not a valid {self.type_name}: {self.reason}")
+
+
+def _lenient(message_class: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError, RecursionError, ...: all the sender's
+            return Undecodable(message_class.DESCRIPTOR.full_name, str(e)[:200] or type(e).__name__)
+
+    return parse
+
+
+def add_to_server(servicer: TraceServicer, server: grpc.aio.Server) -> None:
+    """TraceService's handlers, built from its descriptor as the generated
+    add_TraceServiceServicer_to_server does, but decoding requests leniently."""
+    service = service_pb2.DESCRIPTOR.services_by_name["TraceService"]
+    handlers = {}
+    for method in service.methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(message_factory.GetMessageClass(method.input_type)),
+            response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 async def _abort(context: grpc.aio.ServicerContext, error: TracewireError) -> None:
     await context.abort_with_status(rpc_status.to_status(to_rpc_status(error)))
 
@@ -58,6 +98,8 @@ def unary(
     async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         self.in_flight += 1
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             return await fn(self, request, context)
         except TracewireError as e:
             await _abort(context, e)
@@ -83,6 +125,8 @@ def streaming(
     ) -> AsyncIterator[Resp]:
         self.in_flight += 1
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             async for item in fn(self, request, context):
                 yield item
         except TracewireError as e:
