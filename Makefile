@@ -9,6 +9,8 @@
 #   make proto   regenerate the committed code (Python and TypeScript) from proto/
 #   make lint    buf lint + ruff + mypy + tsc (the TS client and the dashboard, strict)
 #   make bench   benchmarks (results under bench/results/); make bench-gpu on the GPU machine
+#   make soak    a bounded load run: 100 mixed clients for 3 minutes, results checked against
+#                their solo runs, RSS / fd growth (bench/results/soak-*.json)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -40,7 +42,7 @@ PYTEST_ARGS ?=
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup chromium h2load serve dashboard test test-ts proto proto-check lint bench bench-gpu clean
+.PHONY: setup chromium h2load serve dashboard test test-ts proto proto-check lint bench bench-gpu soak clean
 
 setup: $(STAMP) $(NODE_STAMP) $(DASH_STAMP)
 
@@ -146,6 +148,11 @@ bench: setup h2load
 	$(PY) bench/trace_overhead.py
 	$(PY) bench/trace_overhead.py --hidden
 	$(PY) bench/trace_overhead.py --compiled-steering
+
+# Not a test: a load run that ends by itself (SOAK_ARGS="--clients 100 --seconds 180").
+SOAK_ARGS ?=
+soak: setup
+	$(PY) bench/soak.py $(SOAK_ARGS)
 
 # On the device machine (no venv there), after the vLLM carry: see bench/gpu.sh.
 SHAPE ?= qwen3-8b
