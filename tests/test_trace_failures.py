@@ -67,6 +67,8 @@ BAD = {
     "bad invoke sampling": (trace(invoke(PROMPT, top_p=0.0)),
                             "invokes[0].sampling_params.top_p"),
     "bad trace sampling": (trace(invoke(PROMPT), temperature=-1.0), "sampling_params.temperature"),
+    "unknown logits stage": (trace(invoke(PROMPT, iv("a", read_logits=I.ReadLogits(stage=99, full=I.FullRow())))),
+                             "invokes[0].interventions[0].read_logits.stage"),
     "stream interval too long": (trace(invoke(PROMPT), options=trace_pb2.TraceOptions(stream_interval_ms=5000)),
                                  "options.stream_interval_ms"),
 }

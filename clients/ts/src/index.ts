@@ -13,6 +13,7 @@ export {
   toPrompt,
   traceRequest,
   write,
+  type LogitsStageName,
   type PositionsInput,
   type PromptInput,
   type ReadAction,

@@ -165,6 +165,26 @@ test("a forced token changes the continuation", async () => {
   assert.deepEqual(forced?.tokenIds.slice(1), after?.outputs[0]?.tokenIds);
 });
 
+test("a forced token: the before_writes stage still shows the model's row", async () => {
+  const ids = [PARIS, berlin];
+  const { steps } = await client
+    .trace(
+      invoke(FRANCE)
+        .read("before", read.logits({ tokenIds: ids, stage: "before_writes" }), { steps: 0 })
+        .read("raw", read.logits({ tokenIds: ids, stage: "raw" }), { steps: 0 })
+        .read("processed", read.logits({ tokenIds: ids }), { steps: 0 })
+        .write(write.force(berlin), { steps: 0 }),
+      { temperature: 0, maxTokens: 1 },
+    )
+    .collect();
+  const values = (name: string): number[] => [...(steps[0]?.values[name]?.values.data as Float32Array)];
+  assert.deepEqual(values("processed"), [Number.NEGATIVE_INFINITY, 0]);
+  assert.deepEqual(values("before"), values("raw")); // no vLLM processing asked for: the raw row
+  const [paris, berlinLogit] = values("before") as [number, number];
+  assert.ok(paris > berlinLogit, "greedy would draw Paris without the force");
+  assert.throws(() => read.logits({ stage: "cooked" as "raw" }), TracewireError);
+});
+
 test("a bias write makes a token the greedy choice", async () => {
   const { outputs } = await client
     .trace(invoke(FRANCE).write(write.bias({ [berlin]: 100 }), { steps: 0 }), { temperature: 0, maxTokens: 2 })

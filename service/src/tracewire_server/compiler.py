@@ -59,6 +59,13 @@ class CompiledTrace:
 
 MAX_STREAM_INTERVAL_MS = 1000
 
+_STAGES: dict[int, P.LogitsStage] = {
+    ipb.LOGITS_STAGE_UNSPECIFIED: "processed",
+    ipb.LOGITS_STAGE_RAW: "raw",
+    ipb.LOGITS_STAGE_BEFORE_WRITES: "before_writes",
+    ipb.LOGITS_STAGE_PROCESSED: "processed",
+}
+
 _COMPARISONS = {
     ipb.COMPARISON_GREATER: ">",
     ipb.COMPARISON_GREATER_EQUAL: ">=",
@@ -287,7 +294,7 @@ class _Compiler:
         f = f"{field}.{kind}"
         if kind == "read_logits":
             r = iv.read_logits
-            stage = "raw" if r.stage == ipb.LOGITS_STAGE_RAW else "processed"
+            stage = self.logits_stage(r.stage, f"{f}.stage")
             which = r.WhichOneof("selection")
             if which == "top_k":
                 return P.ReadLogits(stage, top_k=self.top_k(r.top_k.k, f"{f}.top_k.k"))
@@ -313,6 +320,14 @@ class _Compiler:
         if kind == "write_module":
             return self.write_module(iv.write_module, f)
         raise InvalidArgument(f"{field}.action", f"unknown action {kind!r}")
+
+    def logits_stage(self, stage: int, field: str) -> P.LogitsStage:
+        # proto3 keeps enum values it does not know: a newer client's stage must not
+        # quietly read another row.
+        if stage not in _STAGES:
+            known = ", ".join(ipb.LogitsStage.Name(v) for v in _STAGES if v)
+            raise InvalidArgument(field, f"unknown logits stage {stage}; known: {known}")
+        return _STAGES[stage]
 
     def require_eager(self, field: str) -> None:
         if not self.limits.module_interventions:

@@ -164,7 +164,11 @@ class _Read:
 
 
 class LogitsRef(_Read):
-    """`view.logits`: the row the sampler draws from (`.raw`: lm_head's output)."""
+    """`view.logits`: the row the sampler draws from, after vLLM's processing and this
+    trace's writes (a forced token reads 0 at its id, -inf elsewhere); read and stop
+    conditions see it. `.raw`: lm_head's output. `.before_writes`: after vLLM's processing
+    (logit_bias, penalties, ...), before this trace's writes: exactly the row that write
+    conditions (`argmax_in`, `prob`, `entropy` on a write's `.when`) decide from."""
 
     def __init__(self, view: StepView, stage: ipb.LogitsStage) -> None:
         self._stage = stage
@@ -176,7 +180,13 @@ class LogitsRef(_Read):
 
     @property
     def raw(self) -> LogitsRef:
+        """lm_head's output, before any processing."""
         return LogitsRef(self._view, ipb.LOGITS_STAGE_RAW)
+
+    @property
+    def before_writes(self) -> LogitsRef:
+        """vLLM's processed row before this trace's writes (what write conditions see)."""
+        return LogitsRef(self._view, ipb.LOGITS_STAGE_BEFORE_WRITES)
 
     def top_k(self, k: int) -> _Read:
         def build(iv: ipb.Intervention) -> None:
