@@ -20,10 +20,9 @@ from . import plan as P
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from .limits import ModelLimits
 from .prompts import Encoder, EnginePrompt, to_engine_prompt
-from .sampling import to_vllm_kwargs
+from .sampling import DEFAULT_MAX_TOKENS, fit_max_tokens, to_vllm_kwargs
 from .tensors import float_vector
 
-DEFAULT_MAX_TOKENS = 16  # vLLM's default
 # With --enable-fault-injection (tests only), an intervention named
 # "__fault__:<message>" raises <message> inside the worker hook at its steps.
 FAULT_PREFIX = "__fault__:"
@@ -120,6 +119,9 @@ class _Compiler:
             prompt = to_engine_prompt(invoke.prompt, self.encoder, self.limits, f"{field}.prompt")
             params = merge_sampling(request.sampling_params, invoke.sampling_params)
             kwargs = to_vllm_kwargs(params, self.limits, f"{field}.sampling_params")
+            # An error names the message the value came from: the invoke's, else the trace's.
+            where = f"{field}.sampling_params" if invoke.sampling_params.HasField("max_tokens") else "sampling_params"
+            kwargs = fit_max_tokens(kwargs, len(prompt.token_ids), self.limits, where, f"{field}.prompt")
             n = kwargs.pop("n", 1)
             max_tokens = kwargs.get("max_tokens", DEFAULT_MAX_TOKENS)
             self.prompt_len = len(prompt.token_ids)

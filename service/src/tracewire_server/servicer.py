@@ -24,7 +24,7 @@ from .compiler import compile_trace
 from .engine import Engine
 from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
 from .prompts import EnginePrompt, to_engine_prompt
-from .sampling import to_vllm_kwargs
+from .sampling import fit_max_tokens, to_vllm_kwargs
 from .trace import TraceRun
 
 log = logging.getLogger(__name__)
@@ -136,25 +136,27 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         self,
         engine: Engine,
         request: service_pb2.GenerateRequest | service_pb2.GenerateStreamRequest,
-    ) -> tuple[list[EnginePrompt], dict[str, Any]]:
+    ) -> list[tuple[EnginePrompt, dict[str, Any]]]:
+        """Each prompt with its sampling keyword arguments (max_tokens fitted to it)."""
         self._check_model(engine, request.model)
         if not request.prompts:
             raise InvalidArgument("prompts", "at least one prompt is required")
         sampling = to_vllm_kwargs(request.sampling_params, engine.limits, "sampling_params")
-        prompts = [
-            to_engine_prompt(p, engine, engine.limits, f"prompts[{i}]")
-            for i, p in enumerate(request.prompts)
-        ]
-        return prompts, sampling
+        planned = []
+        for i, p in enumerate(request.prompts):
+            prompt = to_engine_prompt(p, engine, engine.limits, f"prompts[{i}]")
+            kw = fit_max_tokens(sampling, len(prompt.token_ids), engine.limits, "sampling_params", f"prompts[{i}]")
+            planned.append((prompt, kw))
+        return planned
 
     @unary
     async def Generate(
         self, request: service_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> service_pb2.GenerateResponse:
         engine = self._ready()
-        prompts, sampling = self._plain_request(engine, request)
+        planned = self._plain_request(engine, request)
 
-        async def run(prompt: EnginePrompt) -> Any:
+        async def run(prompt: EnginePrompt, sampling: dict[str, Any]) -> Any:
             final = None
             async for out in engine.generate(prompt, sampling, stream=False):
                 final = out
@@ -163,7 +165,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         # A TaskGroup cancels (and so aborts in the engine) every prompt's request
         # when one fails or the call is cancelled.
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(run(p)) for p in prompts]
+            tasks = [group.create_task(run(p, kw)) for p, kw in planned]
         return service_pb2.GenerateResponse(outputs=[t.result() for t in tasks])
 
     @streaming
@@ -171,12 +173,12 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         self, request: service_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[service_pb2.GenerateStreamResponse]:
         engine = self._ready()
-        prompts, sampling = self._plain_request(engine, request)
+        planned = self._plain_request(engine, request)
         queue: asyncio.Queue[service_pb2.GenerateStreamResponse | BaseException | None] = (
             asyncio.Queue(self.STREAM_BUFFER)
         )
 
-        async def pump(index: int, prompt: EnginePrompt) -> None:
+        async def pump(index: int, prompt: EnginePrompt, sampling: dict[str, Any]) -> None:
             try:
                 first = True
                 async for out in engine.generate(prompt, sampling, stream=True):
@@ -189,7 +191,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             except Exception as e:  # noqa: BLE001 - handed to the consumer to raise
                 await queue.put(e)
 
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        tasks = [asyncio.create_task(pump(i, p, kw)) for i, (p, kw) in enumerate(planned)]
         try:
             remaining = len(tasks)
             while remaining:
