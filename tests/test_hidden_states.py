@@ -36,6 +36,12 @@ def estub(eager):
         yield service_pb2_grpc.TraceServiceStub(channel)
 
 
+def test_model_info_says_eager(eager):
+    with tw.Client(eager.target, timeout=60) as client:
+        info = client.model_info()
+    assert info.engine_mode == "eager" and info.steerable_layers == []
+
+
 def hf_module_outputs(hf, ids):
     """{path: [positions, hidden]} from forward hooks on the transformers model."""
     model = hf.model.model

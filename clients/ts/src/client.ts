@@ -119,7 +119,7 @@ export class TracewireClient {
     return response.text;
   }
 
-  /** The served model: vocab size, EOS ids, max length, dtype, layers, modules. */
+  /** The served model: vocab size, EOS ids, max length, dtype, layers, modules, and the engine mode (which module interventions it serves). */
   async modelInfo(call?: CallOptions): Promise<GetModelInfoResponse> {
     return this.unary(() => this.service.getModelInfo({}, this.callOptions(call)));
   }

@@ -46,6 +46,9 @@ test("model info describes the served model", async () => {
   assert.equal(info.numLayers, 4);
   assert.equal(info.hiddenSize, 256);
   assert.ok(info.modules.some((m) => m.path === "layers.3" && m.kind === "decoder_layer"));
+  // a compiled engine without steering tables: no module interventions
+  assert.equal(info.engineMode, v1.EngineMode.COMPILED);
+  assert.deepEqual(info.steerableLayers, []);
 });
 
 test("greedy generation: the capital of France is Paris", async () => {

@@ -23,6 +23,7 @@ from . import __version__, outputs, vllm_compat
 from .compiler import compile_trace
 from .engine import Engine
 from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
+from .limits import EngineMode
 from .prompts import EnginePrompt, to_engine_prompt
 from .sampling import fit_max_tokens, to_vllm_kwargs
 from .trace import TraceRun
@@ -89,6 +90,13 @@ def streaming(
             self.in_flight -= 1
 
     return handler
+
+
+_ENGINE_MODES: dict[EngineMode, service_pb2.EngineMode.ValueType] = {
+    "eager": service_pb2.ENGINE_MODE_EAGER,
+    "compiled": service_pb2.ENGINE_MODE_COMPILED,
+    "compiled_steering": service_pb2.ENGINE_MODE_COMPILED_STEERING,
+}
 
 
 @dataclass(frozen=True)
@@ -254,7 +262,8 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
     async def GetModelInfo(
         self, request: service_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> service_pb2.GetModelInfoResponse:
-        d = self._ready().description
+        engine = self._ready()
+        d = engine.description
         info = service_pb2.GetModelInfoResponse(
             model=d.model,
             vocab_size=d.vocab_size,
@@ -271,6 +280,8 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             vllm_version=vllm_compat.VLLM_VERSION,
             server_version=__version__,
             tensor_parallel_size=d.tensor_parallel_size,
+            engine_mode=_ENGINE_MODES[engine.limits.engine_mode],
+            steerable_layers=sorted(engine.limits.steerable_layers),
         )
         if d.bos_token_id is not None:
             info.bos_token_id = d.bos_token_id
