@@ -14,6 +14,8 @@ to the request, and the saved handles fill up when the block exits (or as a
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +38,22 @@ DEFAULT_MAX_TOKENS = 16  # vLLM's
 
 class TraceWarning(UserWarning):
     """The server's warnings about a trace, e.g. a selected step the generation never reached."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warn_at_caller(message: str) -> None:
+    """Warn at the first frame outside this package: the user's line that ran the trace,
+    however it ran (a `with` block's exit, `.run()`, iterating `stream_trace`, the async
+    client's `async with` / `async for`), each reaching here through a different number
+    of SDK frames. (warnings.warn's skip_file_prefixes would do this from Python 3.12.)"""
+    frame = sys._getframe(0)
+    level = 1  # this function's frame: warnings.warn's stacklevel=1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, TraceWarning, stacklevel=level)
 
 
 class TopK(NamedTuple):
@@ -613,7 +631,7 @@ class Tracer(Invoke):
             self.usage = event.end.usage
             for w in event.end.warnings:
                 self.warnings.append(w.message)
-                warnings.warn(w.message, TraceWarning, stacklevel=4)
+                _warn_at_caller(w.message)
 
     def run(self) -> Tracer:
         for _ in self.events():
