@@ -160,6 +160,23 @@ class _Decode:
         return TopK(to_numpy(value.values), to_numpy(value.token_ids))
 
     @staticmethod
+    def rows(value: trace_pb2.ReadValue) -> Any:
+        """A module read over positions: always [positions, hidden]. (The server sends a
+        read of "all" positions after step 0 as the new token's [hidden] row alone.)"""
+        values = to_numpy(value.values)
+        return values if values.ndim == 2 else values.reshape(1, -1)
+
+    @staticmethod
+    def lens(value: trace_pb2.ReadValue) -> Any:
+        """A logit-lens read: a TopK whatever top_k. Full rows (top_k=0) come without ids:
+        theirs are the vocabulary in order, a read-only broadcast of arange(vocab) (no
+        memory of its own)."""
+        values = to_numpy(value.values)
+        if value.HasField("token_ids"):
+            return TopK(values, to_numpy(value.token_ids))
+        return TopK(values, np.broadcast_to(np.arange(values.shape[-1], dtype=np.int32), values.shape))
+
+    @staticmethod
     def sample(value: trace_pb2.ReadValue) -> Any:
         return int(to_numpy(value.values))
 
@@ -317,11 +334,16 @@ class StepView:
         to `.save()` or to write (`.add(vector, scale)`, `.replace(vector)`, `.zero()`,
         `.mean_ablate()`).
 
-        positions: "new" (the token processed at each step: [hidden] per step), "prompt"
-        (every prompt position, at step 0: [positions, hidden]), "all" (the prompt at step
-        0, then the new token), a slice or a list of prompt positions (negative counts
-        from the end). mean=True averages a read over the positions server-side.
-        Needs a server started with --enforce-eager.
+        positions: "new" (the token processed at each step), "prompt" (every prompt
+        position, at step 0), "all" (the prompt at step 0, then the new token), a slice or
+        a list of prompt positions (negative counts from the end). mean=True averages a
+        read over the positions server-side.
+
+        Shapes of a saved read, one rule per read: "new" gives [hidden] per step; any other
+        positions give [positions, hidden] at every step ("all": [prompt_len, hidden] at
+        step 0, then [1, hidden]); mean=True gives [hidden].
+        Needs a server started with --enforce-eager (module writes on decoder layers also
+        serve on --compiled-steering; `client.model_info().engine_mode` says which).
         """
         return ModuleRef(self, path, _positions(positions), mean)
 
@@ -333,15 +355,17 @@ class StepView:
     def logit_lens(
         self, layers: int | Sequence[int], *, positions: str | slice | Sequence[int] = "new", top_k: int = 5
     ) -> _Read:
-        """Final norm + lm_head on these layers' residual streams: per step a `TopK` of
-        [layers, positions, k] logprobs and ids (top_k=0: full [layers, positions, vocab])."""
+        """Final norm + lm_head on these layers' residual streams, as logprobs: per step
+        always a `TopK`, values and ids of shape [layers, positions, k], positions 1 for
+        "new" (and for "all" after step 0). top_k=0 gives the full rows, k = vocab, with
+        ids a read-only broadcast of arange(vocab)."""
         selected = _positions(positions)
         layer_list = [layers] if isinstance(layers, int) else [int(x) for x in layers]
 
         def build(iv: ipb.Intervention) -> None:
             iv.read_logit_lens.CopyFrom(ipb.ReadLogitLens(layers=layer_list, positions=selected, top_k=top_k))
 
-        return _Read(self, build, _Decode.top_k if top_k else _Decode.logits)
+        return _Read(self, build, _Decode.lens)
 
     def stop(self) -> None:
         """End the sequence at the first of these steps (where the condition holds)."""
@@ -358,7 +382,8 @@ class ModuleRef(_Read):
             reduction = ipb.REDUCTION_MEAN if mean else ipb.REDUCTION_UNSPECIFIED
             iv.read_module.CopyFrom(ipb.ReadModule(module=path, positions=positions, reduction=reduction))
 
-        super().__init__(view, build, _Decode.logits)
+        one_row = mean or positions.WhichOneof("kind") == "new_token"
+        super().__init__(view, build, _Decode.logits if one_row else _Decode.rows)
 
     def _edit(self, **op: Any) -> None:
         self._view._write(write_module=ipb.WriteModule(module=self._path, positions=self._selected, **op))
