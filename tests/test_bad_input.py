@@ -68,6 +68,10 @@ CASES = {
     "logit bias outside vocab": (service_pb2.GenerateRequest(
         prompts=[_text("a")], sampling_params=sampling_pb2.SamplingParams(logit_bias={-4: 1.0})),
         "sampling_params.logit_bias[0]"),
+    # 500 + 13 > max_model_len 512: refused, not cut short at the model's length
+    "max_tokens past max_model_len": (service_pb2.GenerateRequest(
+        prompts=[_text("a"), _ids([5] * 500)], sampling_params=sampling_pb2.SamplingParams(max_tokens=13)),
+        "sampling_params.max_tokens"),
     "unknown model": (service_pb2.GenerateRequest(prompts=[_text("a")], model="gpt-17"), "model"),
     # Found by vLLM itself, inside the engine adapter: named as the sampling parameters,
     # never INTERNAL from the call's TaskGroup.
@@ -104,6 +108,26 @@ def test_invalid_stream_request_names_the_field(stub):
         list(stub.GenerateStream(request, timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling_params.top_p" in info.value.details()
+
+
+def test_max_tokens_must_fit_the_model_length(stub, client):
+    """Prompt + max_tokens beyond max_model_len (512) is refused by both generate RPCs,
+    naming the field, instead of ending early with finish_reason "length"; a max_tokens
+    that exactly fits generates all of them, and an unset one is 16 or what the prompt
+    leaves."""
+    long_prompt = [5] * 500
+    request = service_pb2.GenerateStreamRequest(
+        prompts=[_ids(long_prompt)], sampling_params=sampling_pb2.SamplingParams(max_tokens=13))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.GenerateStream(request, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert tracewire.errors.from_rpc_error(info.value).field == "sampling_params.max_tokens"
+    assert "at most 12" in info.value.details() and "prompts[0]" in info.value.details()
+    (fits,) = client.generate([long_prompt], max_tokens=12, ignore_eos=True)
+    assert len(fits.outputs[0].token_ids) == 12
+    (unset_long, unset_short) = client.generate([long_prompt, [5] * 10], ignore_eos=True)
+    assert len(unset_long.outputs[0].token_ids) == 12
+    assert len(unset_short.outputs[0].token_ids) == 16
 
 
 def test_detokenize_rejects_ids_outside_vocab(stub):

@@ -56,6 +56,12 @@ def sstub(steerable):
         yield service_pb2_grpc.TraceServiceStub(channel)
 
 
+def test_model_info_says_compiled_steering_and_its_layers(steerable):
+    with tw.Client(steerable.target, timeout=60) as client:
+        info = client.model_info()
+    assert info.engine_mode == "compiled_steering" and info.steerable_layers == [0, 1, 2]
+
+
 def test_steering_every_step_matches_transformers(sstub, hf):
     vector = np.random.default_rng(0).normal(size=hf.model.config.hidden_size).astype(np.float32)
     ids = hf.encode(PROMPT)

@@ -36,6 +36,12 @@ def estub(eager):
         yield service_pb2_grpc.TraceServiceStub(channel)
 
 
+def test_model_info_says_eager(eager):
+    with tw.Client(eager.target, timeout=60) as client:
+        info = client.model_info()
+    assert info.engine_mode == "eager" and info.steerable_layers == []
+
+
 def hf_module_outputs(hf, ids):
     """{path: [positions, hidden]} from forward hooks on the transformers model."""
     model = hf.model.model
@@ -151,6 +157,35 @@ def test_sdk_module_reads(eager, hf):
     ids = hf.encode(PROMPT)
     np.testing.assert_allclose(prompt_rows.value, hf_module_outputs(hf, ids)["layers.3"], atol=ATOL)
     assert len(new) == 3 and new[0].shape == (hf.model.config.hidden_size,)
+
+
+def test_sdk_read_shapes_follow_one_rule_per_read(eager, hf):
+    """Module reads: "new" and mean=True give [hidden] at every step; any other positions
+    give [positions, hidden] at every step ("all": the prompt's rows at step 0, then the
+    new token's as [1, hidden]). The logit lens is a TopK of [layers, positions, k]
+    whatever top_k (top_k=0: k = vocab, ids the vocabulary in order)."""
+    client = tw.Client(eager.target, timeout=120)
+    hidden, vocab = hf.model.config.hidden_size, hf.model.config.vocab_size
+    ids = hf.encode(PROMPT)
+    with client.trace(PROMPT, max_tokens=3, **GREEDY) as tracer:
+        every = tracer.all().module("layers.2", positions="all").save()
+        listed = tracer.iter[0].module("layers.2", positions=[0, -1]).save()
+        new = tracer.all().module("layers.2").save()
+        mean = tracer.iter[0].module("layers.2", positions="prompt", mean=True).save()
+        full_lens = tracer.all().logit_lens([1, 3], positions="all", top_k=0).save()
+        top_lens = tracer.all().logit_lens([1, 3], positions="all", top_k=2).save()
+    assert [v.shape for v in every] == [(len(ids), hidden), (1, hidden), (1, hidden)]
+    np.testing.assert_allclose(every[1][0], new[1], atol=ATOL)
+    assert listed.value.shape == (2, hidden) and mean.value.shape == (hidden,)
+    assert [v.shape for v in new] == [(hidden,)] * 3
+    for full, top in zip(full_lens, top_lens, strict=True):
+        assert isinstance(full, tw.TopK) and isinstance(top, tw.TopK)
+        positions = full.values.shape[1]
+        assert full.values.shape == full.ids.shape == (2, positions, vocab)
+        assert top.values.shape == top.ids.shape == (2, positions, 2)
+        np.testing.assert_array_equal(full.ids[1, -1], np.arange(vocab))
+        np.testing.assert_allclose(np.take_along_axis(full.values, top.ids.astype(np.int64), -1), top.values, atol=1e-6)
+    assert [lens.values.shape[1] for lens in full_lens] == [len(ids), 1, 1]
 
 
 def test_bad_module_reads(estub, stub):

@@ -121,6 +121,47 @@ def test_unreached_steps_warn(client):
     assert t.warnings and "ended at step 3" in t.warnings[0]
 
 
+def test_trace_warnings_point_at_the_callers_line(client, server):
+    """However a trace is run, its TraceWarning names this file (the user's code), not the
+    SDK's: `with` exit, `.run()`, iterating `stream_trace`, and the async client's
+    `async with` and `async for`."""
+
+    def build(tracer):
+        tracer.iter[[0, 6]].samples.save()
+        tracer.stop(step=1)
+        return tracer
+
+    def caught(run):
+        with pytest.warns(tw.TraceWarning, match="selected step 6") as record:
+            run()
+        return [(w.filename, w.lineno) for w in record if issubclass(w.category, tw.TraceWarning)]
+
+    def with_exit():
+        with build(client.trace(PROMPT, max_tokens=8, **GREEDY)):
+            pass
+
+    async def async_runs():
+        async with tw.AsyncClient(server.target, timeout=120) as aclient:
+            async with build(aclient.trace(PROMPT, max_tokens=8, **GREEDY)):
+                pass
+
+    async def async_stream():
+        async with tw.AsyncClient(server.target, timeout=120) as aclient:
+            async for _ in aclient.stream_trace(build(aclient.trace(PROMPT, max_tokens=8, **GREEDY))):
+                pass
+
+    ways = {
+        "with": with_exit,
+        "run": lambda: build(client.trace(PROMPT, max_tokens=8, **GREEDY)).run(),
+        "stream_trace": lambda: list(client.stream_trace(build(client.trace(PROMPT, max_tokens=8, **GREEDY)))),
+        "async with": lambda: asyncio.run(async_runs()),
+        "async for": lambda: asyncio.run(async_stream()),
+    }
+    for way, run in ways.items():
+        places = caught(run)
+        assert places and all(filename == __file__ for filename, _ in places), (way, places)
+
+
 def test_client_side_errors_are_raised_before_sending(client):
     with pytest.raises(tw.InvalidArgument, match="Did you mean 'temperature'"):
         client.trace(PROMPT, temprature=0.0)

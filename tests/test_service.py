@@ -36,6 +36,8 @@ def test_model_info_describes_the_served_model(client, hf):
     assert paths[0] == "embed_tokens" and paths[-2:] == ["norm", "lm_head"]
     assert f"layers.{cfg.num_hidden_layers - 1}.mlp" in paths
     assert info.vllm_version and info.server_version == tracewire.__version__
+    # compiled, no steering tables: no module interventions (a client knows up front)
+    assert info.engine_mode == "compiled" and info.steerable_layers == []
 
 
 def test_health_went_not_serving_then_serving(server):

@@ -232,6 +232,61 @@ def test_processed_logits_include_sampling_bias(stub, hf):
     assert raw == pytest.approx(float(hf.next_logits(hf.encode(PROMPT))[target]), abs=ATOL)
 
 
+def test_logits_stages_around_a_forced_token_and_a_bias_write(stub, hf):
+    """Three reads of the same step: RAW is transformers' row; BEFORE_WRITES is vLLM's
+    processing (the request's logit_bias) without the trace's writes; PROCESSED has the
+    writes on top (a forced token: 0 at its id, -inf elsewhere; a bias write: added).
+    Write conditions decide from BEFORE_WRITES: with the force listed first, argmax_in /
+    token_probability still see the model's own row, not the forced one."""
+    paris, berlin = hf.encode(" Paris")[0], hf.encode(" Berlin")[0]
+    sampling_bias, target = {7: 3.0}, 42
+    ids = hf.encode(PROMPT)
+    before0 = hf.next_logits(ids)
+    before0[7] += 3.0
+    assert int(before0.argmax()) == paris
+    p_paris = float(torch.softmax(before0, -1)[paris])
+    prob = lambda op, value: I.Condition(token_probability=I.TokenProbability(  # noqa: E731
+        token_id=paris, threshold=I.Threshold(comparison=cmp(op), value=value)))
+    bias = lambda amounts: I.WriteLogits(bias=I.TokenBias(bias=amounts))  # noqa: E731
+    at0, at1 = steps(at=[0]), steps(at=[1])
+    result = run(stub, trace(invoke(
+        PROMPT,
+        iv("raw", read_logits=logits(raw=True)),
+        iv("before", read_logits=I.ReadLogits(stage=I.LOGITS_STAGE_BEFORE_WRITES, full=I.FullRow())),
+        iv("before_top", read_logits=I.ReadLogits(stage=I.LOGITS_STAGE_BEFORE_WRITES, top_k=I.TopK(k=3))),
+        iv("processed", read_logits=logits()),
+        iv(sel=at0, force_sample=I.ForceSample(token_id=berlin)),
+        # after the force, conditions on the written row would see argmax berlin, p(paris) 0
+        iv(sel=at0, when=I.Condition(argmax_in=I.TokenSet(token_ids=[paris])), write_logits=bias({berlin: 2.5})),
+        iv(sel=at0, when=prob(">", p_paris - 0.01), write_logits=bias({berlin: 0.25})),
+        iv(sel=at0, when=prob(">", p_paris + 0.01), write_logits=bias({berlin: 100.0})),
+        iv(sel=at1, write_logits=bias({target: 50.0})),
+    ), max_tokens=3, logit_bias=sampling_bias, **GREEDY))
+    assert result.tokens()[:2] == [berlin, target]
+    raws, befores, processed = result.values("raw"), result.values("before"), result.values("processed")
+    prefix = list(ids)
+    for step in range(3):
+        raw, before, seen = raws[step], befores[step], processed[step]
+        np.testing.assert_allclose(raw, hf.next_logits(prefix).numpy(), atol=ATOL, rtol=RTOL, err_msg=f"step {step}")
+        expected_before = raw.copy()
+        expected_before[7] += 3.0  # vLLM's logit_bias: processing, not a tracewire write
+        np.testing.assert_allclose(before, expected_before, atol=1e-5, err_msg=f"step {step}")
+        top = np.argsort(-before, kind="stable")[:3]
+        np.testing.assert_array_equal(result.ids("before_top")[step], top)
+        np.testing.assert_allclose(result.values("before_top")[step], before[top], atol=1e-6)
+        if step == 0:
+            expected = np.full_like(raw, -np.inf)
+            expected[berlin] = 2.75  # forced (0), then the two biases whose conditions held
+            np.testing.assert_array_equal(seen, expected)
+        elif step == 1:
+            expected = before.copy()
+            expected[target] += 50.0
+            np.testing.assert_allclose(seen, expected, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(seen, before)  # no writes: the same row
+        prefix.append(result.tokens()[step])
+
+
 def test_n_three_gives_three_sequences_with_their_own_steps(stub):
     result = run(stub, trace(invoke(PROMPT, iv("tok", read_sample=I.ReadSample())),
                              max_tokens=6, n=3, temperature=1.0, seed=0, ignore_eos=True))

@@ -67,6 +67,13 @@ BAD = {
     "bad invoke sampling": (trace(invoke(PROMPT, top_p=0.0)),
                             "invokes[0].sampling_params.top_p"),
     "bad trace sampling": (trace(invoke(PROMPT), temperature=-1.0), "sampling_params.temperature"),
+    "unknown logits stage": (trace(invoke(PROMPT, iv("a", read_logits=I.ReadLogits(stage=99, full=I.FullRow())))),
+                             "invokes[0].interventions[0].read_logits.stage"),
+    "trace max_tokens past max_model_len": (trace(invoke(PROMPT), max_tokens=600), "sampling_params.max_tokens"),
+    "invoke max_tokens past max_model_len": (trace(invoke(PROMPT, max_tokens=600), max_tokens=4),
+                                             "invokes[0].sampling_params.max_tokens"),
+    "long invoke prompt past max_model_len": (trace(invoke(PROMPT), invoke([5] * 500), max_tokens=16),
+                                              "sampling_params.max_tokens"),
     "stream interval too long": (trace(invoke(PROMPT), options=trace_pb2.TraceOptions(stream_interval_ms=5000)),
                                  "options.stream_interval_ms"),
 }

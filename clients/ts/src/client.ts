@@ -7,7 +7,7 @@
 import { isMessage } from "@bufbuild/protobuf";
 import { ConnectError, createClient, type CallOptions as ConnectCallOptions, type Client, type Transport } from "@connectrpc/connect";
 import { Code, TracewireError, toTracewireError } from "./errors.js";
-import { TraceRun } from "./stream.js";
+import { TraceRun, rowReads } from "./stream.js";
 import { InvokeBuilder, samplingParams, toPrompt, traceRequest, type PromptInput, type Sampling } from "./trace.js";
 import type { RequestOutput } from "./gen/tracewire/v1/output_pb.js";
 import {
@@ -97,7 +97,10 @@ export class TracewireClient {
     } else {
       message = traceRequest(request as InvokeBuilder | readonly InvokeBuilder[], sampling);
     }
-    return new TraceRun((signal) => this.stream((options) => this.service.trace(message, options), call, signal));
+    return new TraceRun(
+      (signal) => this.stream((options) => this.service.trace(message, options), call, signal),
+      rowReads(message),
+    );
   }
 
   /** Tokenize with the served model's tokenizer (special tokens added unless told otherwise). */
@@ -119,7 +122,7 @@ export class TracewireClient {
     return response.text;
   }
 
-  /** The served model: vocab size, EOS ids, max length, dtype, layers, modules. */
+  /** The served model: vocab size, EOS ids, max length, dtype, layers, modules, and the engine mode (which module interventions it serves). */
   async modelInfo(call?: CallOptions): Promise<GetModelInfoResponse> {
     return this.unary(() => this.service.getModelInfo({}, this.callOptions(call)));
   }

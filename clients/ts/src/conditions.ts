@@ -1,6 +1,10 @@
 /**
  * Declarative conditions (tracewire.v1.Condition), evaluated on the server per
  * step. Data only: a regex travels as a string and runs in the server's Python `re`.
+ *
+ * The logits they look at: on a write, before the draw, the row before any of the step's
+ * writes (read.logits({ stage: "before_writes" })); on a read or a stop, after the draw,
+ * the row drawn from ("processed", the writes included).
  */
 
 import { create } from "@bufbuild/protobuf";
@@ -23,7 +27,7 @@ export function sampledIn(tokenIds: number | readonly number[]): Condition {
   return create(ConditionSchema, { kind: { case: "sampledIn", value: { tokenIds: idList(tokenIds) } } });
 }
 
-/** The argmax of the processed logits is one of these. */
+/** The argmax of the logits is one of these (which stage: see above). */
 export function argmaxIn(tokenIds: number | readonly number[]): Condition {
   return create(ConditionSchema, { kind: { case: "argmaxIn", value: { tokenIds: idList(tokenIds) } } });
 }
@@ -44,7 +48,7 @@ export function tokenProbability(op: Comparator, value: number, tokenId?: number
   return create(ConditionSchema, { kind: { case: "tokenProbability", value: { tokenId, threshold } } });
 }
 
-/** The entropy (nats) of the processed distribution compares to a threshold. */
+/** The entropy (nats) of the logits' distribution compares to a threshold (which stage: see above). */
 export function entropy(op: Comparator, value: number): Condition {
   return create(ConditionSchema, { kind: { case: "entropy", value: { comparison: COMPARISONS[op], value } } });
 }

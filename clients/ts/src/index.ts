@@ -13,6 +13,7 @@ export {
   toPrompt,
   traceRequest,
   write,
+  type LogitsStageName,
   type PositionsInput,
   type PromptInput,
   type ReadAction,
@@ -23,7 +24,7 @@ export {
   type Where,
   type WriteAction,
 } from "./trace.js";
-export { TraceRun, type ReadResult, type Step, type TraceResult } from "./stream.js";
+export { TraceRun, rowReads, toStep, type ReadResult, type RowReads, type Step, type TraceResult } from "./stream.js";
 export {
   allOf,
   anyOf,

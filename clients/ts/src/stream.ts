@@ -12,11 +12,18 @@
 import { timestampDate } from "@bufbuild/protobuf/wkt";
 import { Code, TracewireError, toTracewireError } from "./errors.js";
 import { decodeTensor, type DecodedTensor } from "./tensors.js";
+import { Reduction } from "./gen/tracewire/v1/intervention_pb.js";
 import type { RequestOutput } from "./gen/tracewire/v1/output_pb.js";
-import type { TraceResponse } from "./gen/tracewire/v1/service_pb.js";
+import type { TraceRequest, TraceResponse } from "./gen/tracewire/v1/service_pb.js";
 import type { ReadValue, StepResult, TraceWarning, Usage } from "./gen/tracewire/v1/trace_pb.js";
 
-/** One read's values at one step, decoded. */
+/**
+ * One read's values at one step, decoded. Shapes, one rule per read: logits [vocab] or
+ * [k]; a module read at the new token (or with mean) [hidden]; a module read over any
+ * other positions [positions, hidden] at every step ("all": the prompt at step 0, then
+ * [1, hidden]); the logit lens [layers, positions, k] (k = vocab for topK 0, then without
+ * tokenIds: the index is the token id); a sample [].
+ */
 export interface ReadResult {
   /** Logits, logprobs, hidden states; a scalar (shape []) for a sample. */
   readonly values: DecodedTensor;
@@ -56,6 +63,25 @@ export interface TraceResult {
 /** Opens the underlying call; the signal cancels it. */
 export type OpenTrace = (signal: AbortSignal) => AsyncIterable<TraceResponse>;
 
+/** Per invoke, the names of its module reads over positions: [positions, hidden] at every step. */
+export type RowReads = ReadonlyMap<number, ReadonlySet<string>>;
+
+/** The request's module reads over positions other than the new token, without mean. */
+export function rowReads(request: TraceRequest): RowReads {
+  const found = new Map<number, Set<string>>();
+  request.invokes.forEach((inv, index) => {
+    for (const iv of inv.interventions) {
+      const action = iv.action;
+      if (action.case !== "readModule" || action.value.reduction === Reduction.MEAN) continue;
+      const kind = action.value.positions?.kind.case;
+      if (kind === undefined || kind === "newToken") continue;
+      const names = found.get(index) ?? new Set<string>();
+      found.set(index, names.add(iv.name));
+    }
+  });
+  return found;
+}
+
 export class TraceRun implements AsyncIterable<Step> {
   private readonly outputs: RequestOutput[] = [];
   private readonly warnings: TraceWarning[] = [];
@@ -64,7 +90,11 @@ export class TraceRun implements AsyncIterable<Step> {
   private readonly done: Promise<TraceResult>;
   private settle!: { resolve: (r: TraceResult) => void; reject: (e: unknown) => void };
 
-  constructor(private readonly open: OpenTrace) {
+  /** `rows`: the trace's module reads over positions (rowReads), decoded as [positions, hidden]. */
+  constructor(
+    private readonly open: OpenTrace,
+    private readonly rows: RowReads = new Map(),
+  ) {
     this.done = new Promise<TraceResult>((resolve, reject) => {
       this.settle = { resolve, reject };
     });
@@ -110,7 +140,7 @@ export class TraceRun implements AsyncIterable<Step> {
           // Several when the server coalesced them (stream_interval_ms, a slow reader);
           // in order within each sequence.
           for (const result of event.value.results) {
-            yield toStep(result);
+            yield toStep(result, this.rows.get(result.invokeIndex));
           }
         } else if (event.case === "invokeResult" && event.value.output) {
           this.outputs[event.value.invokeIndex] = event.value.output;
@@ -139,10 +169,12 @@ export class TraceRun implements AsyncIterable<Step> {
   }
 }
 
-function toStep(result: StepResult): Step {
+/** A StepResult decoded; `rows` names its module reads over positions ([positions, hidden]). */
+export function toStep(result: StepResult, rows?: ReadonlySet<string>): Step {
   const values: Record<string, ReadResult> = {};
   for (const [name, value] of Object.entries(result.values)) {
-    values[name] = toReadResult(value);
+    const read = toReadResult(value);
+    values[name] = rows?.has(name) ? asRows(read) : read;
   }
   return {
     invokeIndex: result.invokeIndex,
@@ -165,4 +197,11 @@ function toReadResult(value: ReadValue): ReadResult {
     ...(value.tokenIds ? { tokenIds: decodeTensor(value.tokenIds) } : {}),
     ...(value.positions ? { positions: decodeTensor(value.positions) } : {}),
   };
+}
+
+/** A module read over positions as [positions, hidden]: after step 0 a read of "all"
+ * positions comes as the new token's [hidden] row alone. */
+function asRows(read: ReadResult): ReadResult {
+  const shape = read.values.shape;
+  return shape.length === 1 ? { ...read, values: { ...read.values, shape: [1, ...shape] } } : read;
 }

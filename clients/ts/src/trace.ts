@@ -71,15 +71,29 @@ export type ReadAction = Extract<ActionInit, { case: ReadCase }>;
 /** A write action, from the `write` helpers. */
 export type WriteAction = Extract<ActionInit, { case: WriteCase }>;
 
+/** The stages of the logits row, in the order the sampler's row passes them. */
+export type LogitsStageName = "raw" | "before_writes" | "processed";
+
+const LOGITS_STAGES: Readonly<Record<LogitsStageName, LogitsStage>> = {
+  raw: LogitsStage.RAW,
+  before_writes: LogitsStage.BEFORE_WRITES,
+  processed: LogitsStage.PROCESSED,
+};
+
 /** What to read; each read's values come back per step under the name given to `.read()`. */
 export const read = {
   /**
-   * The logits row the sampler draws from ("processed", the default) or lm_head's raw
-   * output: the full [vocab] row, the top k (values and token ids, largest first), or
-   * the values of chosen token ids.
+   * A logits row: the full [vocab] row, the top k (values and token ids, largest first),
+   * or the values of chosen token ids. `stage`: "processed" (the default: the row the
+   * sampler draws from, after vLLM's processing and the trace's writes; read and stop
+   * conditions see it), "before_writes" (after vLLM's processing, before the trace's
+   * writes: exactly what write conditions see) or "raw" (lm_head's output).
    */
-  logits(options: { topK?: number; tokenIds?: readonly number[]; stage?: "raw" | "processed" } = {}): ReadAction {
-    const stage = options.stage === "raw" ? LogitsStage.RAW : LogitsStage.PROCESSED;
+  logits(options: { topK?: number; tokenIds?: readonly number[]; stage?: LogitsStageName } = {}): ReadAction {
+    const stage = LOGITS_STAGES[options.stage ?? "processed"];
+    if (stage === undefined) {
+      throw new TracewireError(`read.logits: unknown stage "${String(options.stage)}"`, Code.InvalidArgument);
+    }
     if (options.topK !== undefined && options.tokenIds !== undefined) {
       throw new TracewireError("read.logits: give topK or tokenIds, not both", Code.InvalidArgument);
     }

@@ -46,6 +46,9 @@ test("model info describes the served model", async () => {
   assert.equal(info.numLayers, 4);
   assert.equal(info.hiddenSize, 256);
   assert.ok(info.modules.some((m) => m.path === "layers.3" && m.kind === "decoder_layer"));
+  // a compiled engine without steering tables: no module interventions
+  assert.equal(info.engineMode, v1.EngineMode.COMPILED);
+  assert.deepEqual(info.steerableLayers, []);
 });
 
 test("greedy generation: the capital of France is Paris", async () => {
@@ -163,6 +166,26 @@ test("a forced token changes the continuation", async () => {
   const { tokenIds } = await client.tokenize(FRANCE);
   const [after] = await client.generate([...tokenIds, berlin], { ...sampling, maxTokens: 5 });
   assert.deepEqual(forced?.tokenIds.slice(1), after?.outputs[0]?.tokenIds);
+});
+
+test("a forced token: the before_writes stage still shows the model's row", async () => {
+  const ids = [PARIS, berlin];
+  const { steps } = await client
+    .trace(
+      invoke(FRANCE)
+        .read("before", read.logits({ tokenIds: ids, stage: "before_writes" }), { steps: 0 })
+        .read("raw", read.logits({ tokenIds: ids, stage: "raw" }), { steps: 0 })
+        .read("processed", read.logits({ tokenIds: ids }), { steps: 0 })
+        .write(write.force(berlin), { steps: 0 }),
+      { temperature: 0, maxTokens: 1 },
+    )
+    .collect();
+  const values = (name: string): number[] => [...(steps[0]?.values[name]?.values.data as Float32Array)];
+  assert.deepEqual(values("processed"), [Number.NEGATIVE_INFINITY, 0]);
+  assert.deepEqual(values("before"), values("raw")); // no vLLM processing asked for: the raw row
+  const [paris, berlinLogit] = values("before") as [number, number];
+  assert.ok(paris > berlinLogit, "greedy would draw Paris without the force");
+  assert.throws(() => read.logits({ stage: "cooked" as "raw" }), TracewireError);
 });
 
 test("a bias write makes a token the greedy choice", async () => {

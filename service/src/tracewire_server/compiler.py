@@ -20,10 +20,9 @@ from . import textmatch
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from .limits import ModelLimits
 from .prompts import Encoder, EnginePrompt, to_engine_prompt
-from .sampling import to_vllm_kwargs
+from .sampling import DEFAULT_MAX_TOKENS, fit_max_tokens, to_vllm_kwargs
 from .tensors import float_vector
 
-DEFAULT_MAX_TOKENS = 16  # vLLM's default
 # With --enable-fault-injection (tests only), an intervention named
 # "__fault__:<message>" raises <message> inside the worker hook at its steps.
 FAULT_PREFIX = "__fault__:"
@@ -58,6 +57,13 @@ class CompiledTrace:
 
 
 MAX_STREAM_INTERVAL_MS = 1000
+
+_STAGES: dict[int, P.LogitsStage] = {
+    ipb.LOGITS_STAGE_UNSPECIFIED: "processed",
+    ipb.LOGITS_STAGE_RAW: "raw",
+    ipb.LOGITS_STAGE_BEFORE_WRITES: "before_writes",
+    ipb.LOGITS_STAGE_PROCESSED: "processed",
+}
 
 _COMPARISONS = {
     ipb.COMPARISON_GREATER: ">",
@@ -135,6 +141,9 @@ class _Compiler:
             prompt = to_engine_prompt(invoke.prompt, self.encoder, self.limits, f"{field}.prompt")
             params = merge_sampling(request.sampling_params, invoke.sampling_params)
             kwargs = to_vllm_kwargs(params, self.limits, f"{field}.sampling_params")
+            # An error names the message the value came from: the invoke's, else the trace's.
+            where = f"{field}.sampling_params" if invoke.sampling_params.HasField("max_tokens") else "sampling_params"
+            kwargs = fit_max_tokens(kwargs, len(prompt.token_ids), self.limits, where, f"{field}.prompt")
             n = kwargs.pop("n", 1)
             max_tokens = kwargs.get("max_tokens", DEFAULT_MAX_TOKENS)
             self.prompt_len = len(prompt.token_ids)
@@ -326,7 +335,7 @@ class _Compiler:
         f = f"{field}.{kind}"
         if kind == "read_logits":
             r = iv.read_logits
-            stage = "raw" if r.stage == ipb.LOGITS_STAGE_RAW else "processed"
+            stage = self.logits_stage(r.stage, f"{f}.stage")
             which = r.WhichOneof("selection")
             if which == "top_k":
                 return P.ReadLogits(stage, top_k=self.top_k(r.top_k.k, f"{f}.top_k.k"))
@@ -352,6 +361,14 @@ class _Compiler:
         if kind == "write_module":
             return self.write_module(iv.write_module, f)
         raise InvalidArgument(f"{field}.action", f"unknown action {kind!r}")
+
+    def logits_stage(self, stage: int, field: str) -> P.LogitsStage:
+        # proto3 keeps enum values it does not know: a newer client's stage must not
+        # quietly read another row.
+        if stage not in _STAGES:
+            known = ", ".join(ipb.LogitsStage.Name(v) for v in _STAGES if v)
+            raise InvalidArgument(field, f"unknown logits stage {stage}; known: {known}")
+        return _STAGES[stage]
 
     def require_eager(self, field: str) -> None:
         if not self.limits.module_interventions:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+# How the engine runs, which decides the module interventions it serves.
+EngineMode = Literal["eager", "compiled", "compiled_steering"]
 
 
 @dataclass(frozen=True)
@@ -18,3 +22,9 @@ class ModelLimits:
     # A compiled engine started with --compiled-steering serves the writes its graph
     # tables can express: add / replace / zero on these decoder layers (steering.py).
     steerable_layers: frozenset[int] = frozenset()
+
+    @property
+    def engine_mode(self) -> EngineMode:
+        if self.module_interventions:
+            return "eager"
+        return "compiled_steering" if self.steerable_layers else "compiled"

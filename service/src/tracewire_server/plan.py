@@ -88,7 +88,10 @@ Condition = Union[
 
 # -- actions ------------------------------------------------------------------
 
-LogitsStage = Literal["raw", "processed"]
+# The row a logits read sees, in the order the sampler's row passes them: lm_head's
+# output; after vLLM's processing, before tracewire's writes (what write conditions
+# see); after the writes (what the sampler draws from).
+LogitsStage = Literal["raw", "before_writes", "processed"]
 
 
 class ReadLogits(msgspec.Struct, frozen=True, tag="read_logits"):

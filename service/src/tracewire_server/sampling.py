@@ -34,6 +34,8 @@ _SCALARS = (
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
 )
+DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
+
 _FLOATS = (
     "presence_penalty",
     "frequency_penalty",
@@ -117,3 +119,25 @@ def _check_token_ids(ids: Any, limits: ModelLimits, field: str) -> None:
             raise InvalidArgument(
                 f"{field}[{i}]", f"token id {token} is outside the vocabulary [0, {limits.vocab_size})"
             )
+
+
+def fit_max_tokens(
+    kw: dict[str, Any], prompt_len: int, limits: ModelLimits, field: str, prompt_field: str
+) -> dict[str, Any]:
+    """`kw` for a prompt of `prompt_len` tokens: prompt + max_tokens must fit in
+    max_model_len. vLLM's engine would accept more and end the sequence at the model's
+    length with finish_reason "length", as if max_tokens had been reached: a generation
+    shorter than asked for, with nothing saying why. So an explicit max_tokens that does
+    not fit is refused, naming the field it came from (`field`); an unset one gets
+    vLLM's default of 16 or, when the prompt leaves fewer, what it leaves (as vLLM's
+    OpenAI server does)."""
+    room = limits.max_model_len - prompt_len  # >= 1: to_engine_prompt checked the prompt
+    if "max_tokens" not in kw:
+        return kw if room >= DEFAULT_MAX_TOKENS else {**kw, "max_tokens": room}
+    if kw["max_tokens"] > room:
+        raise InvalidArgument(
+            f"{field}.max_tokens",
+            f"{kw['max_tokens']} tokens after the {prompt_len} of {prompt_field} exceed the model's "
+            f"max_model_len of {limits.max_model_len}: at most {room} can be generated",
+        )
+    return kw

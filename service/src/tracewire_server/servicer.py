@@ -25,8 +25,9 @@ from .bounds import RequestBounds
 from .compiler import check_sequences, compile_trace
 from .engine import Engine
 from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
+from .limits import EngineMode
 from .prompts import EnginePrompt, to_engine_prompt
-from .sampling import to_vllm_kwargs
+from .sampling import fit_max_tokens, to_vllm_kwargs
 from .trace import TraceRun
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,13 @@ def streaming(
     return handler
 
 
+_ENGINE_MODES: dict[EngineMode, service_pb2.EngineMode.ValueType] = {
+    "eager": service_pb2.ENGINE_MODE_EAGER,
+    "compiled": service_pb2.ENGINE_MODE_COMPILED,
+    "compiled_steering": service_pb2.ENGINE_MODE_COMPILED_STEERING,
+}
+
+
 @dataclass(frozen=True)
 class TraceOptions:
     """Server-wide limits for traces."""
@@ -206,27 +214,29 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         self,
         engine: Engine,
         request: service_pb2.GenerateRequest | service_pb2.GenerateStreamRequest,
-    ) -> tuple[list[EnginePrompt], dict[str, Any]]:
+    ) -> list[tuple[EnginePrompt, dict[str, Any]]]:
+        """Each prompt with its sampling keyword arguments (max_tokens fitted to it)."""
         self._check_model(engine, request.model)
         if not request.prompts:
             raise InvalidArgument("prompts", "at least one prompt is required")
         sampling = to_vllm_kwargs(request.sampling_params, engine.limits, "sampling_params")
         check_sequences(len(request.prompts), "prompts", sampling.get("n", 1), "sampling_params.n",
                         self.options.max_sequences)
-        prompts = [
-            to_engine_prompt(p, engine, engine.limits, f"prompts[{i}]")
-            for i, p in enumerate(request.prompts)
-        ]
-        return prompts, sampling
+        planned = []
+        for i, p in enumerate(request.prompts):
+            prompt = to_engine_prompt(p, engine, engine.limits, f"prompts[{i}]")
+            kw = fit_max_tokens(sampling, len(prompt.token_ids), engine.limits, "sampling_params", f"prompts[{i}]")
+            planned.append((prompt, kw))
+        return planned
 
     @unary
     async def Generate(
         self, request: service_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> service_pb2.GenerateResponse:
         engine = self._admit(request)
-        prompts, sampling = await self._off_loop(request, self._plain_request, engine, request)
+        planned = await self._off_loop(request, self._plain_request, engine, request)
 
-        async def run(prompt: EnginePrompt) -> Any:
+        async def run(prompt: EnginePrompt, sampling: dict[str, Any]) -> Any:
             final = None
             async for out in engine.generate(prompt, sampling, stream=False):
                 final = out
@@ -237,7 +247,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         # client gets the first request's own status (INVALID_ARGUMENT, UNAVAILABLE...).
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(run(p)) for p in prompts]
+                tasks = [group.create_task(run(p, kw)) for p, kw in planned]
         except* TracewireError as errors:
             raise errors.exceptions[0] from None
         return service_pb2.GenerateResponse(outputs=[t.result() for t in tasks])
@@ -247,12 +257,12 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         self, request: service_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[service_pb2.GenerateStreamResponse]:
         engine = self._admit(request)
-        prompts, sampling = await self._off_loop(request, self._plain_request, engine, request)
+        planned = await self._off_loop(request, self._plain_request, engine, request)
         queue: asyncio.Queue[service_pb2.GenerateStreamResponse | BaseException | None] = (
             asyncio.Queue(self.STREAM_BUFFER)
         )
 
-        async def pump(index: int, prompt: EnginePrompt) -> None:
+        async def pump(index: int, prompt: EnginePrompt, sampling: dict[str, Any]) -> None:
             try:
                 first = True
                 async for out in engine.generate(prompt, sampling, stream=True):
@@ -265,7 +275,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             except Exception as e:  # noqa: BLE001 - handed to the consumer to raise
                 await queue.put(e)
 
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        tasks = [asyncio.create_task(pump(i, p, kw)) for i, (p, kw) in enumerate(planned)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -337,7 +347,8 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
     async def GetModelInfo(
         self, request: service_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> service_pb2.GetModelInfoResponse:
-        d = self._ready().description
+        engine = self._ready()
+        d = engine.description
         info = service_pb2.GetModelInfoResponse(
             model=d.model,
             vocab_size=d.vocab_size,
@@ -354,6 +365,8 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             vllm_version=vllm_compat.VLLM_VERSION,
             server_version=__version__,
             tensor_parallel_size=d.tensor_parallel_size,
+            engine_mode=_ENGINE_MODES[engine.limits.engine_mode],
+            steerable_layers=sorted(engine.limits.steerable_layers),
         )
         if d.bos_token_id is not None:
             info.bos_token_id = d.bos_token_id

@@ -15,6 +15,7 @@ on the instance:
 
     forward(logits)                       <- reads of the raw logits launched here
       apply_logits_processors(logits)     <- vLLM's processing (bias, penalties, ...)
+        + reads before the writes         <- LOGITS_STAGE_BEFORE_WRITES; write conditions
         + tracewire writes                <- force / replace / add / bias / mask
         + reads of the processed logits   <- what the sampler draws from
       sample(logits)                      <- vLLM draws
@@ -621,9 +622,16 @@ def _launch_row_reads(rows: list[_Row], lens: _Lens | None) -> None:
                 row.reads[name] = (batch, j)
 
 
-def _stage(key: tuple[Any, ...]) -> str:
+def _stage(key: tuple[Any, ...]) -> P.LogitsStage:
     """The logits a batched read is computed from (logprobs: the sampler's row)."""
-    return "processed" if key[0] == "logprobs" else key[1]
+    return "processed" if key[0] == "logprobs" else cast(P.LogitsStage, key[1])
+
+
+# The stages _launch_batched serves at each point of the sampler's row.
+_RAW: frozenset[P.LogitsStage] = frozenset({"raw"})
+_BEFORE_WRITES: frozenset[P.LogitsStage] = frozenset({"before_writes"})
+_PROCESSED: frozenset[P.LogitsStage] = frozenset({"processed"})
+_UNWRITTEN: frozenset[P.LogitsStage] = _BEFORE_WRITES | _PROCESSED
 
 
 def _union(targets: list[_Target]) -> list[int]:
@@ -633,8 +641,8 @@ def _union(targets: list[_Target]) -> list[int]:
     return sorted({r for target, _ in targets for r in (target.index if type(target) is _Block else (target.index,))})
 
 
-def _launch_batched(step: _Step, logits: torch.Tensor, stage: str) -> None:
-    """Launch this stage's batched reads for the step's rows and blocks: one device
+def _launch_batched(step: _Step, logits: torch.Tensor, stages: frozenset[P.LogitsStage]) -> None:
+    """Launch these stages' batched reads for the step's rows and blocks: one device
     computation per read key over all the rows reading it, straight from the logits as
     they are now (nothing is copied first: _take_rows), each result on its way to the
     host. Logprobs need the draw: their log_softmax is taken now and finished by
@@ -643,11 +651,11 @@ def _launch_batched(step: _Step, logits: torch.Tensor, stage: str) -> None:
     for row in step.rows:
         if row.error is None:
             for name, key in row.selected.batched_reads:
-                if _stage(key) == stage:
+                if _stage(key) in stages:
                     groups.setdefault(key, []).append((row, name))
     for block in step.blocks:
         for name, key in block.ops.batched_reads:
-            if _stage(key) == stage:
+            if _stage(key) in stages:
                 groups.setdefault(key, []).append((block, name))
     for key, targets in groups.items():
         try:
@@ -930,7 +938,7 @@ class PlanHooks:
             try:
                 step = self._traced_step()
                 if step:  # raw-stage reads: before vLLM's processors change the logits
-                    _launch_batched(step, logits, "raw")
+                    _launch_batched(step, logits, _RAW)
             except Exception as e:  # noqa: BLE001 - vLLM's step must go on
                 self._fail_batch("before the draw", e)
                 step = None
@@ -959,8 +967,15 @@ class PlanHooks:
             if step:
                 started = time.perf_counter() if times else 0.0
                 try:
+                    writes = any(row.selected.logits_writes for row in step.rows)
+                    if writes:
+                        # Launched before the writes change rows in place (on a GPU, stream
+                        # order puts these reads first).
+                        _launch_batched(step, logits, _BEFORE_WRITES)
                     self._write_and_capture(step.rows, logits)
-                    _launch_batched(step, logits, "processed")  # after the writes: what is drawn from
+                    # After the writes: what is drawn from. Without writes this step both
+                    # stages are the same row, read in one pass.
+                    _launch_batched(step, logits, _PROCESSED if writes else _UNWRITTEN)
                 except Exception as e:  # noqa: BLE001 - vLLM's step must go on
                     self._fail_batch("at the logits writes", e, step)
                 if times:
@@ -1285,11 +1300,13 @@ class PlanHooks:
             try:
                 wrote = False
                 ctx = _Context(row)
+                if any(op.condition is not None for op in row.selected.logits_writes):
+                    # Conditions see the row as vLLM made it, before any of our writes (a
+                    # LOGITS_STAGE_BEFORE_WRITES read): captured before the first write,
+                    # whatever order the writes come in.
+                    self.collector.drain()  # the text so far includes every finished step
+                    (row.processed,) = _capture(logits, [row])
                 for op in row.selected.logits_writes:
-                    if op.condition is not None and row.processed is None:
-                        self.collector.drain()  # the text so far includes every finished step
-                        (row.processed,) = _capture(logits, [row])
-                    # Conditions see the row as vLLM made it, before any of our writes.
                     if _holds(op.condition, ctx):
                         _apply_write(op.action, logits[row.index], row.seq, self.fault_injection)
                         wrote = True

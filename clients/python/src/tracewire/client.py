@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
 
 import grpc
 
@@ -15,6 +15,13 @@ from .sampling import sampling_params
 from .tokenizer import RemoteTokenizer
 from .tracing import Step, Tracer
 from .v1 import service_pb2, service_pb2_grpc
+
+EngineMode = Literal["eager", "compiled", "compiled_steering", "unspecified"]
+_ENGINE_MODES: dict[int, EngineMode] = {
+    service_pb2.ENGINE_MODE_EAGER: "eager",
+    service_pb2.ENGINE_MODE_COMPILED: "compiled",
+    service_pb2.ENGINE_MODE_COMPILED_STEERING: "compiled_steering",
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,11 @@ class ModelInfo:
     modules: list[ModuleInfo]
     vllm_version: str
     server_version: str
+    # How the engine runs: "eager" serves every module read / write and the logit lens;
+    # "compiled" none of them; "compiled_steering" add / replace / zero writes on the
+    # decoder layers in `steerable_layers` only ("unspecified": an older server).
+    engine_mode: EngineMode = "unspecified"
+    steerable_layers: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -176,6 +188,8 @@ def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
         modules=[ModuleInfo(m.path, m.kind, m.output_size) for m in r.modules],
         vllm_version=r.vllm_version,
         server_version=r.server_version,
+        engine_mode=_ENGINE_MODES.get(r.engine_mode, "unspecified"),
+        steerable_layers=list(r.steerable_layers),
     )
 
 

@@ -10,7 +10,10 @@
     tw.entropy() > 2.5                       # entropy (nats) of the distribution
     (a & b), (a | b), ~a                     # combinators
 
-Writes act before the draw, so their conditions cannot look at the drawn token.
+Writes act before the draw, so their conditions cannot look at the drawn token, and
+argmax_in / prob / entropy on a write see the row before any of the step's writes (what
+`view.logits.before_writes` reads). Reads and stops are decided after the draw, on the row
+drawn from (`view.logits`, the writes included).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ to the request, and the saved handles fill up when the block exits (or as a
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +38,22 @@ DEFAULT_MAX_TOKENS = 16  # vLLM's
 
 class TraceWarning(UserWarning):
     """The server's warnings about a trace, e.g. a selected step the generation never reached."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warn_at_caller(message: str) -> None:
+    """Warn at the first frame outside this package: the user's line that ran the trace,
+    however it ran (a `with` block's exit, `.run()`, iterating `stream_trace`, the async
+    client's `async with` / `async for`), each reaching here through a different number
+    of SDK frames. (warnings.warn's skip_file_prefixes would do this from Python 3.12.)"""
+    frame = sys._getframe(0)
+    level = 1  # this function's frame: warnings.warn's stacklevel=1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, TraceWarning, stacklevel=level)
 
 
 class TopK(NamedTuple):
@@ -142,6 +160,23 @@ class _Decode:
         return TopK(to_numpy(value.values), to_numpy(value.token_ids))
 
     @staticmethod
+    def rows(value: trace_pb2.ReadValue) -> Any:
+        """A module read over positions: always [positions, hidden]. (The server sends a
+        read of "all" positions after step 0 as the new token's [hidden] row alone.)"""
+        values = to_numpy(value.values)
+        return values if values.ndim == 2 else values.reshape(1, -1)
+
+    @staticmethod
+    def lens(value: trace_pb2.ReadValue) -> Any:
+        """A logit-lens read: a TopK whatever top_k. Full rows (top_k=0) come without ids:
+        theirs are the vocabulary in order, a read-only broadcast of arange(vocab) (no
+        memory of its own)."""
+        values = to_numpy(value.values)
+        if value.HasField("token_ids"):
+            return TopK(values, to_numpy(value.token_ids))
+        return TopK(values, np.broadcast_to(np.arange(values.shape[-1], dtype=np.int32), values.shape))
+
+    @staticmethod
     def sample(value: trace_pb2.ReadValue) -> Any:
         return int(to_numpy(value.values))
 
@@ -164,7 +199,11 @@ class _Read:
 
 
 class LogitsRef(_Read):
-    """`view.logits`: the row the sampler draws from (`.raw`: lm_head's output)."""
+    """`view.logits`: the row the sampler draws from, after vLLM's processing and this
+    trace's writes (a forced token reads 0 at its id, -inf elsewhere); read and stop
+    conditions see it. `.raw`: lm_head's output. `.before_writes`: after vLLM's processing
+    (logit_bias, penalties, ...), before this trace's writes: exactly the row that write
+    conditions (`argmax_in`, `prob`, `entropy` on a write's `.when`) decide from."""
 
     def __init__(self, view: StepView, stage: ipb.LogitsStage) -> None:
         self._stage = stage
@@ -176,7 +215,13 @@ class LogitsRef(_Read):
 
     @property
     def raw(self) -> LogitsRef:
+        """lm_head's output, before any processing."""
         return LogitsRef(self._view, ipb.LOGITS_STAGE_RAW)
+
+    @property
+    def before_writes(self) -> LogitsRef:
+        """vLLM's processed row before this trace's writes (what write conditions see)."""
+        return LogitsRef(self._view, ipb.LOGITS_STAGE_BEFORE_WRITES)
 
     def top_k(self, k: int) -> _Read:
         def build(iv: ipb.Intervention) -> None:
@@ -289,11 +334,16 @@ class StepView:
         to `.save()` or to write (`.add(vector, scale)`, `.replace(vector)`, `.zero()`,
         `.mean_ablate()`).
 
-        positions: "new" (the token processed at each step: [hidden] per step), "prompt"
-        (every prompt position, at step 0: [positions, hidden]), "all" (the prompt at step
-        0, then the new token), a slice or a list of prompt positions (negative counts
-        from the end). mean=True averages a read over the positions server-side.
-        Needs a server started with --enforce-eager.
+        positions: "new" (the token processed at each step), "prompt" (every prompt
+        position, at step 0), "all" (the prompt at step 0, then the new token), a slice or
+        a list of prompt positions (negative counts from the end). mean=True averages a
+        read over the positions server-side.
+
+        Shapes of a saved read, one rule per read: "new" gives [hidden] per step; any other
+        positions give [positions, hidden] at every step ("all": [prompt_len, hidden] at
+        step 0, then [1, hidden]); mean=True gives [hidden].
+        Needs a server started with --enforce-eager (module writes on decoder layers also
+        serve on --compiled-steering; `client.model_info().engine_mode` says which).
         """
         return ModuleRef(self, path, _positions(positions), mean)
 
@@ -305,15 +355,17 @@ class StepView:
     def logit_lens(
         self, layers: int | Sequence[int], *, positions: str | slice | Sequence[int] = "new", top_k: int = 5
     ) -> _Read:
-        """Final norm + lm_head on these layers' residual streams: per step a `TopK` of
-        [layers, positions, k] logprobs and ids (top_k=0: full [layers, positions, vocab])."""
+        """Final norm + lm_head on these layers' residual streams, as logprobs: per step
+        always a `TopK`, values and ids of shape [layers, positions, k], positions 1 for
+        "new" (and for "all" after step 0). top_k=0 gives the full rows, k = vocab, with
+        ids a read-only broadcast of arange(vocab)."""
         selected = _positions(positions)
         layer_list = [layers] if isinstance(layers, int) else [int(x) for x in layers]
 
         def build(iv: ipb.Intervention) -> None:
             iv.read_logit_lens.CopyFrom(ipb.ReadLogitLens(layers=layer_list, positions=selected, top_k=top_k))
 
-        return _Read(self, build, _Decode.top_k if top_k else _Decode.logits)
+        return _Read(self, build, _Decode.lens)
 
     def stop(self) -> None:
         """End the sequence at the first of these steps (where the condition holds)."""
@@ -330,7 +382,8 @@ class ModuleRef(_Read):
             reduction = ipb.REDUCTION_MEAN if mean else ipb.REDUCTION_UNSPECIFIED
             iv.read_module.CopyFrom(ipb.ReadModule(module=path, positions=positions, reduction=reduction))
 
-        super().__init__(view, build, _Decode.logits)
+        one_row = mean or positions.WhichOneof("kind") == "new_token"
+        super().__init__(view, build, _Decode.logits if one_row else _Decode.rows)
 
     def _edit(self, **op: Any) -> None:
         self._view._write(write_module=ipb.WriteModule(module=self._path, positions=self._selected, **op))
@@ -603,7 +656,7 @@ class Tracer(Invoke):
             self.usage = event.end.usage
             for w in event.end.warnings:
                 self.warnings.append(w.message)
-                warnings.warn(w.message, TraceWarning, stacklevel=4)
+                _warn_at_caller(w.message)
 
     def run(self) -> Tracer:
         for _ in self.events():

@@ -13,6 +13,7 @@ class LogitsStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOGITS_STAGE_UNSPECIFIED: _ClassVar[LogitsStage]
     LOGITS_STAGE_RAW: _ClassVar[LogitsStage]
     LOGITS_STAGE_PROCESSED: _ClassVar[LogitsStage]
+    LOGITS_STAGE_BEFORE_WRITES: _ClassVar[LogitsStage]
 
 class Reduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,6 +30,7 @@ class Comparison(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 LOGITS_STAGE_UNSPECIFIED: LogitsStage
 LOGITS_STAGE_RAW: LogitsStage
 LOGITS_STAGE_PROCESSED: LogitsStage
+LOGITS_STAGE_BEFORE_WRITES: LogitsStage
 REDUCTION_UNSPECIFIED: Reduction
 REDUCTION_MEAN: Reduction
 COMPARISON_UNSPECIFIED: Comparison

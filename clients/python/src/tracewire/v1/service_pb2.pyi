@@ -3,12 +3,24 @@ from tracewire.v1 import prompt_pb2 as _prompt_pb2
 from tracewire.v1 import sampling_pb2 as _sampling_pb2
 from tracewire.v1 import trace_pb2 as _trace_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class EngineMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE_MODE_UNSPECIFIED: _ClassVar[EngineMode]
+    ENGINE_MODE_EAGER: _ClassVar[EngineMode]
+    ENGINE_MODE_COMPILED: _ClassVar[EngineMode]
+    ENGINE_MODE_COMPILED_STEERING: _ClassVar[EngineMode]
+ENGINE_MODE_UNSPECIFIED: EngineMode
+ENGINE_MODE_EAGER: EngineMode
+ENGINE_MODE_COMPILED: EngineMode
+ENGINE_MODE_COMPILED_STEERING: EngineMode
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompts", "sampling_params", "model")
@@ -101,7 +113,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "dtype", "num_layers", "hidden_size", "architecture", "modules", "vllm_version", "server_version", "tensor_parallel_size")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "dtype", "num_layers", "hidden_size", "architecture", "modules", "vllm_version", "server_version", "tensor_parallel_size", "engine_mode", "steerable_layers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +127,8 @@ class GetModelInfoResponse(_message.Message):
     VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_MODE_FIELD_NUMBER: _ClassVar[int]
+    STEERABLE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -128,7 +142,9 @@ class GetModelInfoResponse(_message.Message):
     vllm_version: str
     server_version: str
     tensor_parallel_size: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., architecture: _Optional[str] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., vllm_version: _Optional[str] = ..., server_version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    engine_mode: EngineMode
+    steerable_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., architecture: _Optional[str] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., vllm_version: _Optional[str] = ..., server_version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., engine_mode: _Optional[_Union[EngineMode, str]] = ..., steerable_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("path", "kind", "output_size")

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tracewire/v1/intervention.proto.
  */
 export const file_tracewire_v1_intervention: GenFile = /*@__PURE__*/
-  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEiugQKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABIxCgxmb3JjZV9zYW1wbGUYFCABKAsyGS50cmFjZXdpcmUudjEuRm9yY2VTYW1wbGVIABIxCgx3cml0ZV9sb2dpdHMYFSABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVMb2dpdHNIABIxCgx3cml0ZV9tb2R1bGUYFiABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVNb2R1bGVIABIiCgRzdG9wGB4gASgLMhIudHJhY2V3aXJlLnYxLlN0b3BIAEIICgZhY3Rpb24ijwEKDFN0ZXBTZWxlY3RvchIlCgNhbGwYASABKAsyFi50cmFjZXdpcmUudjEuQWxsU3RlcHNIABIoCgVyYW5nZRgCIAEoCzIXLnRyYWNld2lyZS52MS5TdGVwUmFuZ2VIABImCgRsaXN0GAMgASgLMhYudHJhY2V3aXJlLnYxLlN0ZXBMaXN0SABCBgoEa2luZCIKCghBbGxTdGVwcyI2CglTdGVwUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIhkKCFN0ZXBMaXN0Eg0KBXN0ZXBzGAEgAygFIh0KCFRva2VuU2V0EhEKCXRva2VuX2lkcxgBIAMoBSK8AQoKUmVhZExvZ2l0cxIoCgVzdGFnZRgBIAEoDjIZLnRyYWNld2lyZS52MS5Mb2dpdHNTdGFnZRIlCgRmdWxsGAIgASgLMhUudHJhY2V3aXJlLnYxLkZ1bGxSb3dIABIjCgV0b3BfaxgDIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSAASKwoJdG9rZW5faWRzGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCCwoJc2VsZWN0aW9uIgkKB0Z1bGxSb3ciEQoEVG9wSxIJCgFrGAEgASgFIgwKClJlYWRTYW1wbGUiHQoMUmVhZExvZ3Byb2JzEg0KBXRvcF9rGAEgASgFIoICCglQb3NpdGlvbnMSKwoJbmV3X3Rva2VuGAEgASgLMhYudHJhY2V3aXJlLnYxLk5ld1Rva2VuSAASLQoKYWxsX3Byb21wdBgCIAEoCzIXLnRyYWNld2lyZS52MS5BbGxQcm9tcHRIABIzCgxwcm9tcHRfcmFuZ2UYAyABKAsyGy50cmFjZXdpcmUudjEuUG9zaXRpb25SYW5nZUgAEjEKC3Byb21wdF9saXN0GAQgASgLMhoudHJhY2V3aXJlLnYxLlBvc2l0aW9uTGlzdEgAEikKA2FsbBgFIAEoCzIaLnRyYWNld2lyZS52MS5BbGxQb3NpdGlvbnNIAEIGCgRraW5kIgoKCE5ld1Rva2VuIgsKCUFsbFByb21wdCIOCgxBbGxQb3NpdGlvbnMiOgoNUG9zaXRpb25SYW5nZRINCgVzdGFydBgBIAEoBRIRCgRzdG9wGAIgASgFSACIAQFCBwoFX3N0b3AiIQoMUG9zaXRpb25MaXN0EhEKCXBvc2l0aW9ucxgBIAMoBSJ0CgpSZWFkTW9kdWxlEg4KBm1vZHVsZRgBIAEoCRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEioKCXJlZHVjdGlvbhgDIAEoDjIXLnRyYWNld2lyZS52MS5SZWR1Y3Rpb24iWgoNUmVhZExvZ2l0TGVucxIOCgZsYXllcnMYASADKAUSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxINCgV0b3BfaxgDIAEoBSIfCgtGb3JjZVNhbXBsZRIQCgh0b2tlbl9pZBgBIAEoBSKyAQoLV3JpdGVMb2dpdHMSJwoHcmVwbGFjZRgBIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABIjCgNhZGQYAiABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASJwoEYmlhcxgDIAEoCzIXLnRyYWNld2lyZS52MS5Ub2tlbkJpYXNIABImCgRtYXNrGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCBAoCb3AiaQoJVG9rZW5CaWFzEi8KBGJpYXMYASADKAsyIS50cmFjZXdpcmUudjEuVG9rZW5CaWFzLkJpYXNFbnRyeRorCglCaWFzRW50cnkSCwoDa2V5GAEgASgFEg0KBXZhbHVlGAIgASgCOgI4ASKTAgoLV3JpdGVNb2R1bGUSDgoGbW9kdWxlGAEgASgJEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSIwoDYWRkGAMgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEicKB3JlcGxhY2UYBCABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASKgoEemVybxgFIAEoCzIaLnRyYWNld2lyZS52MS5aZXJvQWJsYXRpb25IABIqCgRtZWFuGAYgASgLMhoudHJhY2V3aXJlLnYxLk1lYW5BYmxhdGlvbkgAEhIKBXNjYWxlGAcgASgCSAGIAQFCBAoCb3BCCAoGX3NjYWxlIg4KDFplcm9BYmxhdGlvbiIOCgxNZWFuQWJsYXRpb24iBgoEU3RvcCKIAwoJQ29uZGl0aW9uEiwKCnNhbXBsZWRfaW4YASABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIrCglhcmdtYXhfaW4YAiABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIXCg10ZXh0X2NvbnRhaW5zGAMgASgJSAASFgoMdGV4dF9tYXRjaGVzGAQgASgJSAASOwoRdG9rZW5fcHJvYmFiaWxpdHkYBSABKAsyHi50cmFjZXdpcmUudjEuVG9rZW5Qcm9iYWJpbGl0eUgAEioKB2VudHJvcHkYBiABKAsyFy50cmFjZXdpcmUudjEuVGhyZXNob2xkSAASKgoGYWxsX29mGAcgASgLMhgudHJhY2V3aXJlLnYxLkNvbmRpdGlvbnNIABIqCgZhbnlfb2YYCCABKAsyGC50cmFjZXdpcmUudjEuQ29uZGl0aW9uc0gAEiYKA25vdBgJIAEoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb25IAEIGCgRraW5kIjkKCkNvbmRpdGlvbnMSKwoKY29uZGl0aW9ucxgBIAMoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb24iYgoQVG9rZW5Qcm9iYWJpbGl0eRIVCgh0b2tlbl9pZBgBIAEoBUgAiAEBEioKCXRocmVzaG9sZBgCIAEoCzIXLnRyYWNld2lyZS52MS5UaHJlc2hvbGRCCwoJX3Rva2VuX2lkIkgKCVRocmVzaG9sZBIsCgpjb21wYXJpc29uGAEgASgOMhgudHJhY2V3aXJlLnYxLkNvbXBhcmlzb24SDQoFdmFsdWUYAiABKAEqXQoLTG9naXRzU3RhZ2USHAoYTE9HSVRTX1NUQUdFX1VOU1BFQ0lGSUVEEAASFAoQTE9HSVRTX1NUQUdFX1JBVxABEhoKFkxPR0lUU19TVEFHRV9QUk9DRVNTRUQQAio6CglSZWR1Y3Rpb24SGQoVUkVEVUNUSU9OX1VOU1BFQ0lGSUVEEAASEgoOUkVEVUNUSU9OX01FQU4QASqOAQoKQ29tcGFyaXNvbhIaChZDT01QQVJJU09OX1VOU1BFQ0lGSUVEEAASFgoSQ09NUEFSSVNPTl9HUkVBVEVSEAESHAoYQ09NUEFSSVNPTl9HUkVBVEVSX0VRVUFMEAISEwoPQ09NUEFSSVNPTl9MRVNTEAMSGQoVQ09NUEFSSVNPTl9MRVNTX0VRVUFMEARiBnByb3RvMw", [file_tracewire_v1_tensor]);
+  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEiugQKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABIxCgxmb3JjZV9zYW1wbGUYFCABKAsyGS50cmFjZXdpcmUudjEuRm9yY2VTYW1wbGVIABIxCgx3cml0ZV9sb2dpdHMYFSABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVMb2dpdHNIABIxCgx3cml0ZV9tb2R1bGUYFiABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVNb2R1bGVIABIiCgRzdG9wGB4gASgLMhIudHJhY2V3aXJlLnYxLlN0b3BIAEIICgZhY3Rpb24ijwEKDFN0ZXBTZWxlY3RvchIlCgNhbGwYASABKAsyFi50cmFjZXdpcmUudjEuQWxsU3RlcHNIABIoCgVyYW5nZRgCIAEoCzIXLnRyYWNld2lyZS52MS5TdGVwUmFuZ2VIABImCgRsaXN0GAMgASgLMhYudHJhY2V3aXJlLnYxLlN0ZXBMaXN0SABCBgoEa2luZCIKCghBbGxTdGVwcyI2CglTdGVwUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIhkKCFN0ZXBMaXN0Eg0KBXN0ZXBzGAEgAygFIh0KCFRva2VuU2V0EhEKCXRva2VuX2lkcxgBIAMoBSK8AQoKUmVhZExvZ2l0cxIoCgVzdGFnZRgBIAEoDjIZLnRyYWNld2lyZS52MS5Mb2dpdHNTdGFnZRIlCgRmdWxsGAIgASgLMhUudHJhY2V3aXJlLnYxLkZ1bGxSb3dIABIjCgV0b3BfaxgDIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSAASKwoJdG9rZW5faWRzGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCCwoJc2VsZWN0aW9uIgkKB0Z1bGxSb3ciEQoEVG9wSxIJCgFrGAEgASgFIgwKClJlYWRTYW1wbGUiHQoMUmVhZExvZ3Byb2JzEg0KBXRvcF9rGAEgASgFIoICCglQb3NpdGlvbnMSKwoJbmV3X3Rva2VuGAEgASgLMhYudHJhY2V3aXJlLnYxLk5ld1Rva2VuSAASLQoKYWxsX3Byb21wdBgCIAEoCzIXLnRyYWNld2lyZS52MS5BbGxQcm9tcHRIABIzCgxwcm9tcHRfcmFuZ2UYAyABKAsyGy50cmFjZXdpcmUudjEuUG9zaXRpb25SYW5nZUgAEjEKC3Byb21wdF9saXN0GAQgASgLMhoudHJhY2V3aXJlLnYxLlBvc2l0aW9uTGlzdEgAEikKA2FsbBgFIAEoCzIaLnRyYWNld2lyZS52MS5BbGxQb3NpdGlvbnNIAEIGCgRraW5kIgoKCE5ld1Rva2VuIgsKCUFsbFByb21wdCIOCgxBbGxQb3NpdGlvbnMiOgoNUG9zaXRpb25SYW5nZRINCgVzdGFydBgBIAEoBRIRCgRzdG9wGAIgASgFSACIAQFCBwoFX3N0b3AiIQoMUG9zaXRpb25MaXN0EhEKCXBvc2l0aW9ucxgBIAMoBSJ0CgpSZWFkTW9kdWxlEg4KBm1vZHVsZRgBIAEoCRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEioKCXJlZHVjdGlvbhgDIAEoDjIXLnRyYWNld2lyZS52MS5SZWR1Y3Rpb24iWgoNUmVhZExvZ2l0TGVucxIOCgZsYXllcnMYASADKAUSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxINCgV0b3BfaxgDIAEoBSIfCgtGb3JjZVNhbXBsZRIQCgh0b2tlbl9pZBgBIAEoBSKyAQoLV3JpdGVMb2dpdHMSJwoHcmVwbGFjZRgBIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABIjCgNhZGQYAiABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASJwoEYmlhcxgDIAEoCzIXLnRyYWNld2lyZS52MS5Ub2tlbkJpYXNIABImCgRtYXNrGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCBAoCb3AiaQoJVG9rZW5CaWFzEi8KBGJpYXMYASADKAsyIS50cmFjZXdpcmUudjEuVG9rZW5CaWFzLkJpYXNFbnRyeRorCglCaWFzRW50cnkSCwoDa2V5GAEgASgFEg0KBXZhbHVlGAIgASgCOgI4ASKTAgoLV3JpdGVNb2R1bGUSDgoGbW9kdWxlGAEgASgJEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSIwoDYWRkGAMgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEicKB3JlcGxhY2UYBCABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASKgoEemVybxgFIAEoCzIaLnRyYWNld2lyZS52MS5aZXJvQWJsYXRpb25IABIqCgRtZWFuGAYgASgLMhoudHJhY2V3aXJlLnYxLk1lYW5BYmxhdGlvbkgAEhIKBXNjYWxlGAcgASgCSAGIAQFCBAoCb3BCCAoGX3NjYWxlIg4KDFplcm9BYmxhdGlvbiIOCgxNZWFuQWJsYXRpb24iBgoEU3RvcCKIAwoJQ29uZGl0aW9uEiwKCnNhbXBsZWRfaW4YASABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIrCglhcmdtYXhfaW4YAiABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIXCg10ZXh0X2NvbnRhaW5zGAMgASgJSAASFgoMdGV4dF9tYXRjaGVzGAQgASgJSAASOwoRdG9rZW5fcHJvYmFiaWxpdHkYBSABKAsyHi50cmFjZXdpcmUudjEuVG9rZW5Qcm9iYWJpbGl0eUgAEioKB2VudHJvcHkYBiABKAsyFy50cmFjZXdpcmUudjEuVGhyZXNob2xkSAASKgoGYWxsX29mGAcgASgLMhgudHJhY2V3aXJlLnYxLkNvbmRpdGlvbnNIABIqCgZhbnlfb2YYCCABKAsyGC50cmFjZXdpcmUudjEuQ29uZGl0aW9uc0gAEiYKA25vdBgJIAEoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb25IAEIGCgRraW5kIjkKCkNvbmRpdGlvbnMSKwoKY29uZGl0aW9ucxgBIAMoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb24iYgoQVG9rZW5Qcm9iYWJpbGl0eRIVCgh0b2tlbl9pZBgBIAEoBUgAiAEBEioKCXRocmVzaG9sZBgCIAEoCzIXLnRyYWNld2lyZS52MS5UaHJlc2hvbGRCCwoJX3Rva2VuX2lkIkgKCVRocmVzaG9sZBIsCgpjb21wYXJpc29uGAEgASgOMhgudHJhY2V3aXJlLnYxLkNvbXBhcmlzb24SDQoFdmFsdWUYAiABKAEqfQoLTG9naXRzU3RhZ2USHAoYTE9HSVRTX1NUQUdFX1VOU1BFQ0lGSUVEEAASFAoQTE9HSVRTX1NUQUdFX1JBVxABEhoKFkxPR0lUU19TVEFHRV9QUk9DRVNTRUQQAhIeChpMT0dJVFNfU1RBR0VfQkVGT1JFX1dSSVRFUxADKjoKCVJlZHVjdGlvbhIZChVSRURVQ1RJT05fVU5TUEVDSUZJRUQQABISCg5SRURVQ1RJT05fTUVBThABKo4BCgpDb21wYXJpc29uEhoKFkNPTVBBUklTT05fVU5TUEVDSUZJRUQQABIWChJDT01QQVJJU09OX0dSRUFURVIQARIcChhDT01QQVJJU09OX0dSRUFURVJfRVFVQUwQAhITCg9DT01QQVJJU09OX0xFU1MQAxIZChVDT01QQVJJU09OX0xFU1NfRVFVQUwQBGIGcHJvdG8z", [file_tracewire_v1_tensor]);
 
 /**
  * One declarative intervention on a traced generation: at the selected steps,
@@ -824,9 +824,11 @@ export const StopSchema: GenMessage<Stop> = /*@__PURE__*/
  * A declarative predicate over the state of one sequence at one step.
  *
  * Conditions on writes are evaluated before the draw, on the row as vLLM
- * processed it before any tracewire write (the text so far excludes
- * the token about to be drawn, and drawn-token conditions are refused);
- * conditions on reads and stops are evaluated after it.
+ * processed it before any tracewire write of that step, i.e. the values a
+ * LOGITS_STAGE_BEFORE_WRITES read returns (the text so far excludes the token
+ * about to be drawn, and drawn-token conditions are refused). Conditions on
+ * reads and stops are evaluated after the draw, on the row the sampler drew
+ * from (LOGITS_STAGE_PROCESSED), with the drawn token in the text.
  *
  * @generated from message tracewire.v1.Condition
  */
@@ -844,7 +846,7 @@ export type Condition = Message<"tracewire.v1.Condition"> & {
     case: "sampledIn";
   } | {
     /**
-     * The argmax of the processed logits is in the set.
+     * The argmax of the logits is in the set (the stage: see above).
      *
      * @generated from field: tracewire.v1.TokenSet argmax_in = 2;
      */
@@ -882,8 +884,8 @@ export type Condition = Message<"tracewire.v1.Condition"> & {
     case: "tokenProbability";
   } | {
     /**
-     * The entropy (nats) of the processed distribution compares to a
-     * threshold.
+     * The entropy (nats) of softmax(logits) compares to a threshold (the
+     * stage: see above).
      *
      * @generated from field: tracewire.v1.Threshold entropy = 6;
      */
@@ -943,8 +945,8 @@ export const ConditionsSchema: GenMessage<Conditions> = /*@__PURE__*/
   messageDesc(file_tracewire_v1_intervention, 27);
 
 /**
- * Comparison of a token's probability (softmax of the processed logits)
- * against a threshold.
+ * Comparison of a token's probability (softmax of the logits at the stage the
+ * condition sees: see Condition) against a threshold.
  *
  * @generated from message tracewire.v1.TokenProbability
  */
@@ -996,9 +998,18 @@ export const ThresholdSchema: GenMessage<Threshold> = /*@__PURE__*/
   messageDesc(file_tracewire_v1_intervention, 29);
 
 /**
- * Which logits: the engine's raw lm_head output, or the row the sampler
- * actually draws from after logit_bias, penalties, allowed / bad words and
- * tracewire's own writes (before temperature, top-k and top-p).
+ * Which logits a read sees. At each step the row passes three stages, in
+ * this order:
+ *   RAW            lm_head's output, before any processing;
+ *   BEFORE_WRITES  after vLLM's processing (logit_bias, penalties, allowed /
+ *                  bad words, min_tokens), before any tracewire write (force,
+ *                  replace, add, bias, mask): the row write conditions decide
+ *                  from;
+ *   PROCESSED      after tracewire's writes: the row the sampler draws from
+ *                  (before temperature, top-k and top-p), which read and stop
+ *                  conditions and logprobs see.
+ * At a step without tracewire writes BEFORE_WRITES equals PROCESSED. A
+ * forced token shows in PROCESSED as 0 at its id and -inf elsewhere.
  *
  * @generated from enum tracewire.v1.LogitsStage
  */
@@ -1018,11 +1029,20 @@ export enum LogitsStage {
   RAW = 1,
 
   /**
-   * The row the sampler draws from (before temperature / top-k / top-p).
+   * The row the sampler draws from: vLLM's processing, then tracewire's
+   * writes (before temperature / top-k / top-p).
    *
    * @generated from enum value: LOGITS_STAGE_PROCESSED = 2;
    */
   PROCESSED = 2,
+
+  /**
+   * vLLM's processing only, before tracewire's writes: exactly what
+   * conditions on writes (argmax_in, token_probability, entropy) look at.
+   *
+   * @generated from enum value: LOGITS_STAGE_BEFORE_WRITES = 3;
+   */
+  BEFORE_WRITES = 3,
 }
 
 /**

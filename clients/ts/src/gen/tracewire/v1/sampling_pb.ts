@@ -114,7 +114,10 @@ export type SamplingParams = Message<"tracewire.v1.SamplingParams"> & {
   ignoreEos?: boolean | undefined;
 
   /**
-   * Most tokens to generate per sequence (default 16).
+   * Most tokens to generate per sequence. Prompt + max_tokens must fit in
+   * the model's max_model_len (GetModelInfo): a larger value is refused with
+   * INVALID_ARGUMENT rather than cut short. Unset: 16, or what the prompt
+   * leaves of max_model_len when that is fewer.
    *
    * @generated from field: optional int32 max_tokens = 14;
    */

@@ -2,8 +2,8 @@
 // @generated from file tracewire/v1/service.proto (package tracewire.v1, syntax proto3)
 /* eslint-disable */
 
-import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
-import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
+import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
+import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { RequestOutput } from "./output_pb.js";
 import { file_tracewire_v1_output } from "./output_pb.js";
 import type { Prompt } from "./prompt_pb.js";
@@ -18,7 +18,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tracewire/v1/service.proto.
  */
 export const file_tracewire_v1_service: GenFile = /*@__PURE__*/
-  fileDesc("Chp0cmFjZXdpcmUvdjEvc2VydmljZS5wcm90bxIMdHJhY2V3aXJlLnYxIn4KD0dlbmVyYXRlUmVxdWVzdBIlCgdwcm9tcHRzGAEgAygLMhQudHJhY2V3aXJlLnYxLlByb21wdBI1Cg9zYW1wbGluZ19wYXJhbXMYAiABKAsyHC50cmFjZXdpcmUudjEuU2FtcGxpbmdQYXJhbXMSDQoFbW9kZWwYAyABKAkiQAoQR2VuZXJhdGVSZXNwb25zZRIsCgdvdXRwdXRzGAEgAygLMhsudHJhY2V3aXJlLnYxLlJlcXVlc3RPdXRwdXQihAEKFUdlbmVyYXRlU3RyZWFtUmVxdWVzdBIlCgdwcm9tcHRzGAEgAygLMhQudHJhY2V3aXJlLnYxLlByb21wdBI1Cg9zYW1wbGluZ19wYXJhbXMYAiABKAsyHC50cmFjZXdpcmUudjEuU2FtcGxpbmdQYXJhbXMSDQoFbW9kZWwYAyABKAkiWwoWR2VuZXJhdGVTdHJlYW1SZXNwb25zZRIUCgxwcm9tcHRfaW5kZXgYASABKAUSKwoGb3V0cHV0GAIgASgLMhsudHJhY2V3aXJlLnYxLlJlcXVlc3RPdXRwdXQiqAEKDFRyYWNlUmVxdWVzdBI1Cg9zYW1wbGluZ19wYXJhbXMYASABKAsyHC50cmFjZXdpcmUudjEuU2FtcGxpbmdQYXJhbXMSJQoHaW52b2tlcxgCIAMoCzIULnRyYWNld2lyZS52MS5JbnZva2USKwoHb3B0aW9ucxgDIAEoCzIaLnRyYWNld2lyZS52MS5UcmFjZU9wdGlvbnMSDQoFbW9kZWwYBCABKAkioAEKDVRyYWNlUmVzcG9uc2USKgoFc3RlcHMYASABKAsyGS50cmFjZXdpcmUudjEuU3RlcFJlc3VsdHNIABIzCg1pbnZva2VfcmVzdWx0GAIgASgLMhoudHJhY2V3aXJlLnYxLkludm9rZVJlc3VsdEgAEiUKA2VuZBgDIAEoCzIWLnRyYWNld2lyZS52MS5UcmFjZUVuZEgAQgcKBWV2ZW50IlcKD1Rva2VuaXplUmVxdWVzdBIMCgR0ZXh0GAEgASgJEh8KEmFkZF9zcGVjaWFsX3Rva2VucxgCIAEoCEgAiAEBQhUKE19hZGRfc3BlY2lhbF90b2tlbnMiNQoQVG9rZW5pemVSZXNwb25zZRIRCgl0b2tlbl9pZHMYASADKAUSDgoGdG9rZW5zGAIgAygJImAKEURldG9rZW5pemVSZXF1ZXN0EhEKCXRva2VuX2lkcxgBIAMoBRIgChNza2lwX3NwZWNpYWxfdG9rZW5zGAIgASgISACIAQFCFgoUX3NraXBfc3BlY2lhbF90b2tlbnMiIgoSRGV0b2tlbml6ZVJlc3BvbnNlEgwKBHRleHQYASABKAkiFQoTR2V0TW9kZWxJbmZvUmVxdWVzdCLYAgoUR2V0TW9kZWxJbmZvUmVzcG9uc2USDQoFbW9kZWwYASABKAkSEgoKdm9jYWJfc2l6ZRgCIAEoBRIVCg1lb3NfdG9rZW5faWRzGAMgAygFEhkKDGJvc190b2tlbl9pZBgEIAEoBUgAiAEBEhUKDW1heF9tb2RlbF9sZW4YBSABKAUSDQoFZHR5cGUYBiABKAkSEgoKbnVtX2xheWVycxgHIAEoBRITCgtoaWRkZW5fc2l6ZRgIIAEoBRIUCgxhcmNoaXRlY3R1cmUYCSABKAkSKQoHbW9kdWxlcxgKIAMoCzIYLnRyYWNld2lyZS52MS5Nb2R1bGVJbmZvEhQKDHZsbG1fdmVyc2lvbhgLIAEoCRIWCg5zZXJ2ZXJfdmVyc2lvbhgMIAEoCRIcChR0ZW5zb3JfcGFyYWxsZWxfc2l6ZRgNIAEoBUIPCg1fYm9zX3Rva2VuX2lkIj0KCk1vZHVsZUluZm8SDAoEcGF0aBgBIAEoCRIMCgRraW5kGAIgASgJEhMKC291dHB1dF9zaXplGAMgASgFIhcKFUdldEVuZ2luZVN0YXRzUmVxdWVzdCJ1ChZHZXRFbmdpbmVTdGF0c1Jlc3BvbnNlEh8KF251bV91bmZpbmlzaGVkX3JlcXVlc3RzGAEgASgFEhwKFG51bV9ydW5uaW5nX3JlcXVlc3RzGAIgASgFEhwKFG51bV93YWl0aW5nX3JlcXVlc3RzGAMgASgFMswECgxUcmFjZVNlcnZpY2USSQoIR2VuZXJhdGUSHS50cmFjZXdpcmUudjEuR2VuZXJhdGVSZXF1ZXN0Gh4udHJhY2V3aXJlLnYxLkdlbmVyYXRlUmVzcG9uc2USXQoOR2VuZXJhdGVTdHJlYW0SIy50cmFjZXdpcmUudjEuR2VuZXJhdGVTdHJlYW1SZXF1ZXN0GiQudHJhY2V3aXJlLnYxLkdlbmVyYXRlU3RyZWFtUmVzcG9uc2UwARJCCgVUcmFjZRIaLnRyYWNld2lyZS52MS5UcmFjZVJlcXVlc3QaGy50cmFjZXdpcmUudjEuVHJhY2VSZXNwb25zZTABEkkKCFRva2VuaXplEh0udHJhY2V3aXJlLnYxLlRva2VuaXplUmVxdWVzdBoeLnRyYWNld2lyZS52MS5Ub2tlbml6ZVJlc3BvbnNlEk8KCkRldG9rZW5pemUSHy50cmFjZXdpcmUudjEuRGV0b2tlbml6ZVJlcXVlc3QaIC50cmFjZXdpcmUudjEuRGV0b2tlbml6ZVJlc3BvbnNlElUKDEdldE1vZGVsSW5mbxIhLnRyYWNld2lyZS52MS5HZXRNb2RlbEluZm9SZXF1ZXN0GiIudHJhY2V3aXJlLnYxLkdldE1vZGVsSW5mb1Jlc3BvbnNlElsKDkdldEVuZ2luZVN0YXRzEiMudHJhY2V3aXJlLnYxLkdldEVuZ2luZVN0YXRzUmVxdWVzdBokLnRyYWNld2lyZS52MS5HZXRFbmdpbmVTdGF0c1Jlc3BvbnNlYgZwcm90bzM", [file_tracewire_v1_output, file_tracewire_v1_prompt, file_tracewire_v1_sampling, file_tracewire_v1_trace]);
+  fileDesc("Chp0cmFjZXdpcmUvdjEvc2VydmljZS5wcm90bxIMdHJhY2V3aXJlLnYxIn4KD0dlbmVyYXRlUmVxdWVzdBIlCgdwcm9tcHRzGAEgAygLMhQudHJhY2V3aXJlLnYxLlByb21wdBI1Cg9zYW1wbGluZ19wYXJhbXMYAiABKAsyHC50cmFjZXdpcmUudjEuU2FtcGxpbmdQYXJhbXMSDQoFbW9kZWwYAyABKAkiQAoQR2VuZXJhdGVSZXNwb25zZRIsCgdvdXRwdXRzGAEgAygLMhsudHJhY2V3aXJlLnYxLlJlcXVlc3RPdXRwdXQihAEKFUdlbmVyYXRlU3RyZWFtUmVxdWVzdBIlCgdwcm9tcHRzGAEgAygLMhQudHJhY2V3aXJlLnYxLlByb21wdBI1Cg9zYW1wbGluZ19wYXJhbXMYAiABKAsyHC50cmFjZXdpcmUudjEuU2FtcGxpbmdQYXJhbXMSDQoFbW9kZWwYAyABKAkiWwoWR2VuZXJhdGVTdHJlYW1SZXNwb25zZRIUCgxwcm9tcHRfaW5kZXgYASABKAUSKwoGb3V0cHV0GAIgASgLMhsudHJhY2V3aXJlLnYxLlJlcXVlc3RPdXRwdXQiqAEKDFRyYWNlUmVxdWVzdBI1Cg9zYW1wbGluZ19wYXJhbXMYASABKAsyHC50cmFjZXdpcmUudjEuU2FtcGxpbmdQYXJhbXMSJQoHaW52b2tlcxgCIAMoCzIULnRyYWNld2lyZS52MS5JbnZva2USKwoHb3B0aW9ucxgDIAEoCzIaLnRyYWNld2lyZS52MS5UcmFjZU9wdGlvbnMSDQoFbW9kZWwYBCABKAkioAEKDVRyYWNlUmVzcG9uc2USKgoFc3RlcHMYASABKAsyGS50cmFjZXdpcmUudjEuU3RlcFJlc3VsdHNIABIzCg1pbnZva2VfcmVzdWx0GAIgASgLMhoudHJhY2V3aXJlLnYxLkludm9rZVJlc3VsdEgAEiUKA2VuZBgDIAEoCzIWLnRyYWNld2lyZS52MS5UcmFjZUVuZEgAQgcKBWV2ZW50IlcKD1Rva2VuaXplUmVxdWVzdBIMCgR0ZXh0GAEgASgJEh8KEmFkZF9zcGVjaWFsX3Rva2VucxgCIAEoCEgAiAEBQhUKE19hZGRfc3BlY2lhbF90b2tlbnMiNQoQVG9rZW5pemVSZXNwb25zZRIRCgl0b2tlbl9pZHMYASADKAUSDgoGdG9rZW5zGAIgAygJImAKEURldG9rZW5pemVSZXF1ZXN0EhEKCXRva2VuX2lkcxgBIAMoBRIgChNza2lwX3NwZWNpYWxfdG9rZW5zGAIgASgISACIAQFCFgoUX3NraXBfc3BlY2lhbF90b2tlbnMiIgoSRGV0b2tlbml6ZVJlc3BvbnNlEgwKBHRleHQYASABKAkiFQoTR2V0TW9kZWxJbmZvUmVxdWVzdCKhAwoUR2V0TW9kZWxJbmZvUmVzcG9uc2USDQoFbW9kZWwYASABKAkSEgoKdm9jYWJfc2l6ZRgCIAEoBRIVCg1lb3NfdG9rZW5faWRzGAMgAygFEhkKDGJvc190b2tlbl9pZBgEIAEoBUgAiAEBEhUKDW1heF9tb2RlbF9sZW4YBSABKAUSDQoFZHR5cGUYBiABKAkSEgoKbnVtX2xheWVycxgHIAEoBRITCgtoaWRkZW5fc2l6ZRgIIAEoBRIUCgxhcmNoaXRlY3R1cmUYCSABKAkSKQoHbW9kdWxlcxgKIAMoCzIYLnRyYWNld2lyZS52MS5Nb2R1bGVJbmZvEhQKDHZsbG1fdmVyc2lvbhgLIAEoCRIWCg5zZXJ2ZXJfdmVyc2lvbhgMIAEoCRIcChR0ZW5zb3JfcGFyYWxsZWxfc2l6ZRgNIAEoBRItCgtlbmdpbmVfbW9kZRgOIAEoDjIYLnRyYWNld2lyZS52MS5FbmdpbmVNb2RlEhgKEHN0ZWVyYWJsZV9sYXllcnMYDyADKAVCDwoNX2Jvc190b2tlbl9pZCI9CgpNb2R1bGVJbmZvEgwKBHBhdGgYASABKAkSDAoEa2luZBgCIAEoCRITCgtvdXRwdXRfc2l6ZRgDIAEoBSIXChVHZXRFbmdpbmVTdGF0c1JlcXVlc3QidQoWR2V0RW5naW5lU3RhdHNSZXNwb25zZRIfChdudW1fdW5maW5pc2hlZF9yZXF1ZXN0cxgBIAEoBRIcChRudW1fcnVubmluZ19yZXF1ZXN0cxgCIAEoBRIcChRudW1fd2FpdGluZ19yZXF1ZXN0cxgDIAEoBSp9CgpFbmdpbmVNb2RlEhsKF0VOR0lORV9NT0RFX1VOU1BFQ0lGSUVEEAASFQoRRU5HSU5FX01PREVfRUFHRVIQARIYChRFTkdJTkVfTU9ERV9DT01QSUxFRBACEiEKHUVOR0lORV9NT0RFX0NPTVBJTEVEX1NURUVSSU5HEAMyzAQKDFRyYWNlU2VydmljZRJJCghHZW5lcmF0ZRIdLnRyYWNld2lyZS52MS5HZW5lcmF0ZVJlcXVlc3QaHi50cmFjZXdpcmUudjEuR2VuZXJhdGVSZXNwb25zZRJdCg5HZW5lcmF0ZVN0cmVhbRIjLnRyYWNld2lyZS52MS5HZW5lcmF0ZVN0cmVhbVJlcXVlc3QaJC50cmFjZXdpcmUudjEuR2VuZXJhdGVTdHJlYW1SZXNwb25zZTABEkIKBVRyYWNlEhoudHJhY2V3aXJlLnYxLlRyYWNlUmVxdWVzdBobLnRyYWNld2lyZS52MS5UcmFjZVJlc3BvbnNlMAESSQoIVG9rZW5pemUSHS50cmFjZXdpcmUudjEuVG9rZW5pemVSZXF1ZXN0Gh4udHJhY2V3aXJlLnYxLlRva2VuaXplUmVzcG9uc2USTwoKRGV0b2tlbml6ZRIfLnRyYWNld2lyZS52MS5EZXRva2VuaXplUmVxdWVzdBogLnRyYWNld2lyZS52MS5EZXRva2VuaXplUmVzcG9uc2USVQoMR2V0TW9kZWxJbmZvEiEudHJhY2V3aXJlLnYxLkdldE1vZGVsSW5mb1JlcXVlc3QaIi50cmFjZXdpcmUudjEuR2V0TW9kZWxJbmZvUmVzcG9uc2USWwoOR2V0RW5naW5lU3RhdHMSIy50cmFjZXdpcmUudjEuR2V0RW5naW5lU3RhdHNSZXF1ZXN0GiQudHJhY2V3aXJlLnYxLkdldEVuZ2luZVN0YXRzUmVzcG9uc2ViBnByb3RvMw", [file_tracewire_v1_output, file_tracewire_v1_prompt, file_tracewire_v1_sampling, file_tracewire_v1_trace]);
 
 /**
  * Request for Generate.
@@ -446,6 +446,25 @@ export type GetModelInfoResponse = Message<"tracewire.v1.GetModelInfoResponse"> 
    * @generated from field: int32 tensor_parallel_size = 13;
    */
   tensorParallelSize: number;
+
+  /**
+   * How the engine runs, which decides the module interventions (read_module,
+   * read_logit_lens, write_module) it serves; others are refused with
+   * FAILED_PRECONDITION. Logits reads and writes, samples, logprobs and stops
+   * are served in every mode.
+   *
+   * @generated from field: tracewire.v1.EngineMode engine_mode = 14;
+   */
+  engineMode: EngineMode;
+
+  /**
+   * The decoder layers (layers.N) whose compiled steering tables serve add /
+   * replace / zero writes, ascending: set with ENGINE_MODE_COMPILED_STEERING
+   * only (an eager engine writes every module; a plain compiled one none).
+   *
+   * @generated from field: repeated int32 steerable_layers = 15;
+   */
+  steerableLayers: number[];
 };
 
 /**
@@ -544,6 +563,49 @@ export type GetEngineStatsResponse = Message<"tracewire.v1.GetEngineStatsRespons
  */
 export const GetEngineStatsResponseSchema: GenMessage<GetEngineStatsResponse> = /*@__PURE__*/
   messageDesc(file_tracewire_v1_service, 14);
+
+/**
+ * How the engine runs.
+ *
+ * @generated from enum tracewire.v1.EngineMode
+ */
+export enum EngineMode {
+  /**
+   * Not reported.
+   *
+   * @generated from enum value: ENGINE_MODE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * Eager (--enforce-eager): every module read and write, the logit lens.
+   *
+   * @generated from enum value: ENGINE_MODE_EAGER = 1;
+   */
+  EAGER = 1,
+
+  /**
+   * Compiled (torch.compile, CUDA graphs): no module interventions.
+   *
+   * @generated from enum value: ENGINE_MODE_COMPILED = 2;
+   */
+  COMPILED = 2,
+
+  /**
+   * Compiled with steering tables (--compiled-steering): add / replace / zero
+   * writes on the decoder layers in steerable_layers; no module reads, no
+   * logit lens, no mean ablation, no writes to other modules.
+   *
+   * @generated from enum value: ENGINE_MODE_COMPILED_STEERING = 3;
+   */
+  COMPILED_STEERING = 3,
+}
+
+/**
+ * Describes the enum tracewire.v1.EngineMode.
+ */
+export const EngineModeSchema: GenEnum<EngineMode> = /*@__PURE__*/
+  enumDesc(file_tracewire_v1_service, 0);
 
 /**
  * Observe and steer LLM generation on a vLLM engine.
