@@ -248,6 +248,17 @@ def test_health_stays_open_on_both_ports(tls_server, pki):
         assert r.status_code == 200 and r.json() == {"status": "SERVING"}
 
 
+def test_browsers_may_send_the_token(tls_server, pki):
+    """The CORS preflight allows the Authorization header, or no page could send its token."""
+    origin = "http://localhost:5173"
+    with https(pki) as http:
+        r = http.options(f"{tls_server.http_url}/{SERVICE}/Trace", headers={
+            "origin": origin, "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization,content-type,connect-protocol-version"})
+    assert r.status_code == 200, r.text
+    assert "authorization" in {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
+
+
 def test_reflection_needs_a_token_when_tokens_are_on(tls_server):
     def services(metadata: tuple[tuple[str, str], ...]) -> list[str]:
         with tls_server.channel() as channel:
