@@ -52,14 +52,21 @@ class ServerProcess:
     target: str
     process: subprocess.Popen[bytes]
     log_path: Path
-    http_url: str = ""  # base URL of the HTTP port: http://127.0.0.1:N
+    http_url: str = ""  # base URL of the HTTP port: http://127.0.0.1:N (https:// with TLS)
     health_seen: list[str] = field(default_factory=list)
+    # TLS servers (--tls-cert): how the health checks connect.
+    credentials: grpc.ChannelCredentials | None = None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def channel(self) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(self.target)
+        return grpc.secure_channel(self.target, self.credentials)
+
     def health(self, timeout: float = 2.0) -> str:
-        with grpc.insecure_channel(self.target) as channel:
+        with self.channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
@@ -91,19 +98,24 @@ class PortTaken(RuntimeError):
     """A port picked as free was taken before the server bound it."""
 
 
-def start_server(tmp_dir: Path, *extra: str) -> ServerProcess:
+def start_server(
+    tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None = None
+) -> ServerProcess:
     """A server on fresh ports. Ports are free when picked but can be taken before the
-    server binds them (vLLM's engines pick random free ports too): then again, on others."""
+    server binds them (vLLM's engines pick random free ports too): then again, on others.
+    `credentials`: the server serves TLS (`extra` has --tls-cert), connect with these."""
     for attempt in range(3):
         try:
-            return _start_server_once(tmp_dir, *extra)
+            return _start_server_once(tmp_dir, *extra, credentials=credentials)
         except PortTaken:
             if attempt == 2:
                 raise
     raise AssertionError("unreachable")
 
 
-def _start_server_once(tmp_dir: Path, *extra: str) -> ServerProcess:
+def _start_server_once(
+    tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None
+) -> ServerProcess:
     port, http_port = free_ports(2)
     log_path = tmp_dir / f"server-{port}.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
@@ -111,7 +123,9 @@ def _start_server_once(tmp_dir: Path, *extra: str) -> ServerProcess:
            "--port", str(port), "--http-port", str(http_port), *ENGINE_ARGS, *extra]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(f"127.0.0.1:{port}", process, log_path, f"http://127.0.0.1:{http_port}")
+    scheme = "https" if credentials is not None else "http"
+    server = ServerProcess(f"127.0.0.1:{port}", process, log_path, f"{scheme}://127.0.0.1:{http_port}",
+                           credentials=credentials)
     try:
         server.wait_serving()
     except RuntimeError as e:

@@ -22,6 +22,8 @@ import {
 export interface ClientOptions {
   /** Default deadline of every call, in milliseconds (none when unset). */
   readonly timeoutMs?: number;
+  /** Bearer token for a server started with --auth-tokens: sent as `authorization: Bearer TOKEN`. */
+  readonly token?: string;
 }
 
 /** Per-call options: a deadline and / or a signal that cancels the call. */

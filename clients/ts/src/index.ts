@@ -5,6 +5,7 @@
 
 export { TracewireClient, type CallOptions, type ClientOptions, type Tokenized } from "./client.js";
 export { createWebClient, type WebClientOptions, type WebProtocol } from "./web.js";
+export { bearerToken } from "./auth.js";
 export {
   InvokeBuilder,
   invoke,

@@ -5,6 +5,7 @@
 
 import { createConnectTransport, createGrpcWebTransport } from "@connectrpc/connect-web";
 import type { Interceptor } from "@connectrpc/connect";
+import { withToken } from "./auth.js";
 import { Code, TracewireError } from "./errors.js";
 import { TracewireClient, type ClientOptions } from "./client.js";
 
@@ -26,7 +27,7 @@ export function createWebClient(baseUrl: string, options: WebClientOptions = {})
   const common = {
     baseUrl,
     useBinaryFormat: !options.useJson,
-    interceptors: options.interceptors ?? [],
+    interceptors: withToken(options.token, options.interceptors),
     ...(options.fetch ? { fetch: options.fetch } : {}),
   };
   const protocol = options.protocol ?? "grpc-web";

@@ -1,7 +1,8 @@
 /**
  * The Node test entry point: start one real server, run every compiled *.test.js
  * against it with node's built-in runner (TRACEWIRE_TEST_URL / TRACEWIRE_TEST_HTTP_URL tell
- * them where: the gRPC port and the HTTP port), stop it.
+ * them where: the gRPC port and the HTTP port), stop it. *.standalone.test.js files start
+ * servers of their own (other flags); when only they are selected, no shared server starts.
  *
  *   node dist/test/run.js            (npm test / make test-ts build first)
  *   node dist/test/run.js dashboard  (only the test files whose name contains "dashboard")
@@ -21,24 +22,27 @@ const files = readdirSync(here)
   .map((f) => join(here, f));
 
 const started = Date.now();
-const server = await startServer();
-console.log(`tracewire server at ${server.url}, HTTP port ${server.httpUrl} (up in ${((Date.now() - started) / 1000).toFixed(1)} s, log ${server.logPath})`);
+const shared = files.some((f) => !f.endsWith(".standalone.test.js"));
+const server = shared ? await startServer() : undefined;
+if (server) {
+  console.log(`tracewire server at ${server.url}, HTTP port ${server.httpUrl} (up in ${((Date.now() - started) / 1000).toFixed(1)} s, log ${server.logPath})`);
+}
 
 let code = 1;
 const stopOnSignal = (signal: NodeJS.Signals): void => {
-  void server.stop().finally(() => process.exit(128 + (signal === "SIGINT" ? 2 : 15)));
+  void (server?.stop() ?? Promise.resolve()).finally(() => process.exit(128 + (signal === "SIGINT" ? 2 : 15)));
 };
 process.once("SIGINT", stopOnSignal);
 process.once("SIGTERM", stopOnSignal);
 try {
   // One file at a time: they share one small server on a 2-core machine.
   const runner = spawn(process.execPath, ["--test", "--test-concurrency=1", "--test-reporter=spec", ...files], {
-    env: { ...process.env, TRACEWIRE_TEST_URL: server.url, TRACEWIRE_TEST_HTTP_URL: server.httpUrl },
+    env: server ? { ...process.env, TRACEWIRE_TEST_URL: server.url, TRACEWIRE_TEST_HTTP_URL: server.httpUrl } : process.env,
     stdio: "inherit",
   });
   code = await new Promise<number>((done) => runner.on("exit", (c) => done(c ?? 1)));
 } finally {
-  const exitCode = await server.stop();
-  console.log(`server stopped (exit ${exitCode}); tests took ${((Date.now() - started) / 1000).toFixed(1)} s in all`);
+  const exitCode = await server?.stop();
+  console.log(`server stopped (exit ${exitCode ?? "none started"}); tests took ${((Date.now() - started) / 1000).toFixed(1)} s in all`);
 }
 process.exit(code);

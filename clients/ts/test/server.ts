@@ -10,7 +10,7 @@ import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
-import { createNodeClient } from "../src/node.js";
+import { createNodeClient, type NodeClientOptions } from "../src/node.js";
 
 /** The repository root (this file runs from clients/ts/dist/test/). */
 export const REPO = resolve(dirname(fileURLToPath(import.meta.url)), "../../../..");
@@ -31,21 +31,28 @@ export interface RunningServer {
   stop(): Promise<number | null>;
 }
 
+/** A server of its own for a test file: more flags, and how to reach it (TLS, a token). */
+export interface ServerOptions {
+  readonly extraArgs?: readonly string[];
+  /** How the readiness poll connects; with `tls`, the URLs are https://. */
+  readonly client?: NodeClientOptions;
+}
+
 /**
  * Ports are free when picked but can be taken before the server binds them (vLLM's engines
  * pick random free ports too): then the server says "cannot listen on" and we try others.
  */
-export async function startServer(): Promise<RunningServer> {
+export async function startServer(options: ServerOptions = {}): Promise<RunningServer> {
   for (let attempt = 1; ; attempt++) {
     try {
-      return await startServerOnce();
+      return await startServerOnce(options);
     } catch (error) {
       if (attempt >= 3 || !String(error).includes("cannot listen on")) throw error;
     }
   }
 }
 
-async function startServerOnce(): Promise<RunningServer> {
+async function startServerOnce(options: ServerOptions): Promise<RunningServer> {
   const port = await freePort();
   let httpPort = await freePort();
   while (httpPort === port) httpPort = await freePort();
@@ -57,19 +64,20 @@ async function startServerOnce(): Promise<RunningServer> {
     VLLM_LOGGING_LEVEL: process.env.VLLM_LOGGING_LEVEL ?? "WARNING",
   };
   const args = ["-m", "tracewire_server", "--model", MODEL, "--host", "127.0.0.1", "--port", String(port),
-    "--http-port", String(httpPort), ...ENGINE_ARGS];
+    "--http-port", String(httpPort), ...ENGINE_ARGS, ...(options.extraArgs ?? [])];
   // Its own process group: the engine core is a child of the server, and a hard kill must reach it too.
   const child = spawn(PYTHON, args, { cwd: REPO, env, stdio: ["ignore", log, log], detached: true });
   const target = `127.0.0.1:${port}`;
+  const scheme = options.client?.tls ? "https" : "http";
   const server: RunningServer = {
-    url: `http://${target}`,
-    httpUrl: `http://127.0.0.1:${httpPort}`,
+    url: `${scheme}://${target}`,
+    httpUrl: `${scheme}://127.0.0.1:${httpPort}`,
     target,
     logPath,
     stop: () => stopProcess(child),
   };
   try {
-    await waitServing(child, server);
+    await waitServing(child, server, options.client ?? {});
   } catch (error) {
     await stopProcess(child);
     throw error;
@@ -77,8 +85,8 @@ async function startServerOnce(): Promise<RunningServer> {
   return server;
 }
 
-async function waitServing(child: ChildProcess, server: RunningServer): Promise<void> {
-  const client = createNodeClient(server.url, { timeoutMs: 2_000 });
+async function waitServing(child: ChildProcess, server: RunningServer, options: NodeClientOptions): Promise<void> {
+  const client = createNodeClient(server.url, { ...options, timeoutMs: 2_000 });
   const deadline = Date.now() + START_TIMEOUT_MS;
   try {
     await pollModelInfo(child, server, client, deadline);

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import sys
 from pathlib import Path
 
+from .auth import TokenFileError, TokenTable
 from .server import ServerConfig, serve
 from .servicer import TraceOptions
+from .tenants import TenantQuotas
+from .tls import ServerTls, TlsConfigError
+
+log = logging.getLogger("tracewire_server")
 
 # The embedded default model, when running from a checkout of the project.
 _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-tiny"
@@ -107,6 +113,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         action="store_true",
         help="testing only: interventions named '__fault__:<message>' raise in the engine hooks",
     )
+    _security_flags(parser)
     parser = AsyncEngineArgs.add_cli_args(parser)
     if _EMBEDDED_MODEL.is_dir():
         parser.set_defaults(model=str(_EMBEDDED_MODEL))
@@ -118,6 +125,14 @@ def parse_args(argv: list[str]) -> ServerConfig:
     engine_args = AsyncEngineArgs.from_cli_args(args)
     if args.compiled_steering:
         use_compiled_steering(engine_args, _layer_list(parser, args.compiled_steering))
+    try:
+        tls = ServerTls.load(args.tls_cert, args.tls_key, args.tls_client_ca)
+        tokens = TokenTable.load(Path(args.auth_tokens)) if args.auth_tokens else None
+    except (TlsConfigError, TokenFileError) as e:
+        parser.error(str(e))
+    quotas = _tenant_quotas(parser, args, auth=tokens is not None)
+    if tokens is None and not _loopback(args.host):
+        log.warning("listening on %s without --auth-tokens: anyone who can reach it may call it", args.host)
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -134,7 +149,85 @@ def parse_args(argv: list[str]) -> ServerConfig:
         http_port=args.http_port,
         cors_origins=tuple(args.cors_origin),
         frontends=args.frontends,
+        tls=tls,
+        tokens=tokens,
+        tenant_quotas=quotas,
+        reflection=not args.no_reflection,
     )
+
+
+def _security_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security (README: Security)")
+    group.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve TLS on both ports")
+    group.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    group.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help="PEM CA certificates: mutual TLS, clients must present a certificate they signed (both ports)",
+    )
+    group.add_argument(
+        "--auth-tokens",
+        metavar="FILE",
+        help="bearer tokens, one 'TENANT TOKEN' a line ('#' comments): every call but health's "
+        "needs 'authorization: Bearer TOKEN' (reflection too), and tenants get quotas",
+    )
+    defaults = TenantQuotas()
+    group.add_argument(
+        "--tenant-max-calls", type=int, metavar="N",
+        help=f"with --auth-tokens: calls one tenant may have in flight (default {defaults.max_calls}; 0: unlimited)",
+    )
+    group.add_argument(
+        "--tenant-max-sequences", type=int, metavar="N",
+        help="with --auth-tokens: engine requests (prompts or invokes x n) one tenant may have in "
+        f"flight over all its calls (default {defaults.max_sequences}; 0: unlimited)",
+    )
+    group.add_argument(
+        "--tenant-read-bytes-per-minute", type=int, metavar="B",
+        help="with --auth-tokens: read bytes one tenant's traces may ask for in a sliding minute, "
+        "each charged its worst case when admitted (default "
+        f"{defaults.read_bytes_per_minute or 'unlimited'}; 0: unlimited)",
+    )
+    group.add_argument(
+        "--no-reflection", action="store_true",
+        help="do not serve gRPC server reflection (on by default; needs a token with --auth-tokens)",
+    )
+
+
+def _tenant_quotas(parser: argparse.ArgumentParser, args: argparse.Namespace, *, auth: bool) -> TenantQuotas:
+    """The flags' quotas over the defaults; tenants exist only with tokens, so a quota
+    without --auth-tokens is a mistake, not something to ignore."""
+    given = {
+        "max_calls": args.tenant_max_calls,
+        "max_sequences": args.tenant_max_sequences,
+        "read_bytes_per_minute": args.tenant_read_bytes_per_minute,
+    }
+    flags = {name: "--" + f"tenant_{name}".replace("_", "-") for name in given}
+    for name, value in given.items():
+        if value is None:
+            continue
+        if not auth:
+            parser.error(f"{flags[name]} needs --auth-tokens (quotas are per tenant, tenants come from tokens)")
+        if value < 0:
+            parser.error(f"{flags[name]} must be >= 0 (0: unlimited)")
+    defaults = TenantQuotas()
+    return TenantQuotas(
+        max_calls=defaults.max_calls if args.tenant_max_calls is None else args.tenant_max_calls,
+        max_sequences=defaults.max_sequences if args.tenant_max_sequences is None else args.tenant_max_sequences,
+        read_bytes_per_minute=(
+            defaults.read_bytes_per_minute
+            if args.tenant_read_bytes_per_minute is None
+            else args.tenant_read_bytes_per_minute
+        ),
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _layer_list(parser: argparse.ArgumentParser, value: str) -> list[int] | None:

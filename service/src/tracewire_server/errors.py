@@ -37,6 +37,12 @@ class ResourceExhausted(TracewireError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class Unauthenticated(TracewireError):
+    """No valid bearer token (--auth-tokens)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class FailedPrecondition(TracewireError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -82,6 +88,7 @@ def to_rpc_status(error: TracewireError) -> status_pb2.Status:
 _CODE_VALUES = {
     grpc.StatusCode.INVALID_ARGUMENT: code_pb2.INVALID_ARGUMENT,
     grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED: code_pb2.UNAUTHENTICATED,
     grpc.StatusCode.FAILED_PRECONDITION: code_pb2.FAILED_PRECONDITION,
     grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
     grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,

@@ -33,6 +33,7 @@ import contextlib
 import inspect
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Generator, Mapping, Sequence
 from typing import Any, NoReturn, cast
 
@@ -49,6 +50,8 @@ from google.rpc import status_pb2
 from protobuf.wkt import Any as ConnectAny
 from starlette.middleware.cors import CORSMiddleware
 
+from .tls import ServerTls
+
 log = logging.getLogger(__name__)
 
 # Browser origins allowed when no --cors-origin is given: pages served from this machine
@@ -59,6 +62,7 @@ LOCALHOST_ORIGINS = r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$"
 # without these in the preflight / response, the browser blocks the call or hides its status.
 CORS_ALLOWED_METHODS = ("POST", "GET")
 CORS_ALLOWED_HEADERS = (
+    "Authorization",  # the bearer token (--auth-tokens)
     "Content-Type",
     "Connect-Protocol-Version",
     "Connect-Timeout-Ms",
@@ -310,10 +314,12 @@ class HttpGateway:
         self.address = address
 
     @classmethod
-    async def start(cls, app: Any, host: str, port: int, *, shared: bool = False) -> HttpGateway:
+    async def start(
+        cls, app: Any, host: str, port: int, *, shared: bool = False, tls: ServerTls | None = None
+    ) -> HttpGateway:
         """Serve `app` on host:port; `shared`: with SO_REUSEPORT, so that every frontend
         process of `--frontends N` listens on the same port and the kernel spreads the
-        connections over them."""
+        connections over them. `tls`: HTTPS, requiring client certificates when mutual."""
         sockets = [_reuse_port_socket(host, port)] if shared else None
         config = uvicorn.Config(
             app,
@@ -323,6 +329,11 @@ class HttpGateway:
             log_config=None,  # keep the process's logging as __main__ set it up
             log_level="warning",
             access_log=False,
+            # TLS is uvicorn's (the ssl module); with a client CA, no certificate, no connection.
+            ssl_certfile=str(tls.cert_file) if tls else None,
+            ssl_keyfile=str(tls.key_file) if tls else None,
+            ssl_ca_certs=str(tls.client_ca_file) if tls and tls.client_ca_file else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.mutual else ssl.CERT_NONE,
         )
         server = _Server(config)
         task = asyncio.create_task(_serve(server, sockets))

@@ -22,8 +22,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tracewire.v1 import service_pb2
 
+from .auth import ReflectionAuth, TokenTable
 from .engine import Engine
 from .servicer import TraceOptions, TraceServicer, add_to_server
+from .tenants import TenantQuotas
+from .tls import ServerTls
 
 if TYPE_CHECKING:
     from .frontends import GroupReadiness
@@ -51,6 +54,12 @@ class ServerConfig:
     # Largest request received on either port, after decompression: requests are small
     # (prompts, plans); a larger one is refused before it is decoded.
     max_request_bytes: int = 8 << 20
+    # The boundary (README "Security"): TLS / mutual TLS on both ports; bearer tokens for
+    # every call but health's, each tenant's calls held to `tenant_quotas`; reflection.
+    tls: ServerTls | None = None
+    tokens: TokenTable | None = None
+    tenant_quotas: TenantQuotas = TenantQuotas()
+    reflection: bool = True
 
 
 async def serve(
@@ -61,8 +70,10 @@ async def serve(
     """Serve until SIGTERM/SIGINT. `client`: this process is one of `config.frontends`
     frontends, connecting to an engine core started by frontends.py; it reports
     SERVING only once `readiness` says that every frontend is up."""
-    servicer = TraceServicer(config.trace)
+    servicer = TraceServicer(config.trace, config.tokens, config.tenant_quotas)
     server = grpc.aio.server(
+        interceptors=[ReflectionAuth(config.tokens, (reflection.SERVICE_NAME,))]
+        if config.tokens is not None and config.reflection else None,
         options=[
             ("grpc.max_receive_message_length", config.max_request_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -75,11 +86,17 @@ async def serve(
     add_to_server(servicer, server)  # (request bodies that do not parse: INVALID_ARGUMENT)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    if config.reflection:
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
     address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
+    bound = (
+        server.add_secure_port(address, config.tls.grpc_credentials())
+        if config.tls is not None
+        else server.add_insecure_port(address)
+    )
+    if bound == 0:
         raise SystemExit(f"tracewire: cannot listen on {address}")
 
     async def set_health(status: int) -> None:
@@ -177,9 +194,12 @@ async def _start_http(
         health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer, methods={"Check"}
     )
     app = build_app(endpoints, config.cors_origins, read_max_bytes=config.max_request_bytes)
-    gateway = await HttpGateway.start(app, config.host, config.http_port, shared=config.frontends > 1)
+    gateway = await HttpGateway.start(
+        app, config.host, config.http_port, shared=config.frontends > 1, tls=config.tls
+    )
     log.info(
-        "tracewire HTTP (Connect, gRPC-Web) on http://%s; CORS origins: %s",
+        "tracewire HTTP (Connect, gRPC-Web) on %s://%s; CORS origins: %s",
+        "https" if config.tls else "http",
         gateway.address,
         ", ".join(config.cors_origins) or "localhost pages only",
     )

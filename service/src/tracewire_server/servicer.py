@@ -8,6 +8,7 @@ codes; everything below raises them where the problem is detected.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -21,6 +22,7 @@ from grpc_status import rpc_status
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 from . import __version__, outputs, vllm_compat
+from .auth import TokenTable
 from .bounds import RequestBounds
 from .compiler import check_sequences, compile_trace
 from .engine import Engine
@@ -28,6 +30,7 @@ from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_r
 from .limits import EngineMode
 from .prompts import EnginePrompt, to_engine_prompt
 from .sampling import fit_max_tokens, to_vllm_kwargs
+from .tenants import TenantCall, TenantLedger, TenantQuotas
 from .trace import TraceRun
 
 log = logging.getLogger(__name__)
@@ -90,18 +93,22 @@ def _unexpected(method: str, error: Exception) -> TracewireError:
 
 
 def unary(
-    fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext, TenantCall], Awaitable[Resp]],
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
-    """Map errors of a handler to status codes: a unary one, or a server-streaming one
-    that writes its messages with context.write (no async generator per message)."""
+    """Admit the call (token, tenant quotas: `TraceServicer._open_call`) and map errors of
+    a handler to status codes: a unary one, or a server-streaming one that writes its
+    messages with context.write (no async generator per message). The handler gets the
+    call's hold on its tenant's quotas, given back however the call ends."""
 
     @functools.wraps(fn)
     async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         self.in_flight += 1
+        tenant = TenantCall.unmetered()
         try:
+            tenant = self._open_call(context)  # (UNAUTHENTICATED before anything else)
             if isinstance(request, Undecodable):
                 raise request.error()
-            return await fn(self, request, context)
+            return await fn(self, request, context, tenant)
         except TracewireError as e:
             await _abort(context, e)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -109,6 +116,7 @@ def unary(
         except Exception as e:  # noqa: BLE001 - a bug must not look like success
             await _abort(context, _unexpected(fn.__name__, e))
         finally:
+            tenant.close()
             self.in_flight -= 1
         raise AssertionError("unreachable: abort raises")
 
@@ -116,20 +124,25 @@ def unary(
 
 
 def streaming(
-    fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]],
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext, TenantCall], AsyncIterator[Resp]],
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]:
-    """Map errors of a server-streaming handler to status codes."""
+    """`unary`'s admission and error mapping for an async-generator handler."""
 
     @functools.wraps(fn)
     async def handler(
         self: Any, request: Req, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Resp]:
         self.in_flight += 1
+        tenant = TenantCall.unmetered()
         try:
+            tenant = self._open_call(context)  # (UNAUTHENTICATED before anything else)
             if isinstance(request, Undecodable):
                 raise request.error()
-            async for item in fn(self, request, context):
-                yield item
+            # aclosing: the handler's own cleanup (aborting its engine requests) runs before
+            # its sequences are given back, not whenever the generator is collected.
+            async with contextlib.aclosing(fn(self, request, context, tenant)) as items:
+                async for item in items:
+                    yield item
         except TracewireError as e:
             await _abort(context, e)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -137,6 +150,7 @@ def streaming(
         except Exception as e:  # noqa: BLE001
             await _abort(context, _unexpected(fn.__name__, e))
         finally:
+            tenant.close()
             self.in_flight -= 1
 
     return handler
@@ -171,13 +185,29 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
     # client; vLLM merges deltas meanwhile, so a slow reader loses nothing.
     STREAM_BUFFER = 64
 
-    def __init__(self, options: TraceOptions | None = None) -> None:
+    def __init__(
+        self,
+        options: TraceOptions | None = None,
+        tokens: TokenTable | None = None,
+        quotas: TenantQuotas | None = None,
+    ) -> None:
         self.engine: Engine | None = None
         self.draining = False
         self.in_flight = 0  # tracewire calls being served (health and reflection not counted)
         self.options = options or TraceOptions()
         self._traces = itertools.count()
         self._bounds: tuple[Engine, RequestBounds] | None = None
+        # --auth-tokens: every call needs a token, and each tenant's calls are counted.
+        self._tokens = tokens
+        self._ledger = TenantLedger(quotas or TenantQuotas())
+
+    def _open_call(self, context: grpc.aio.ServicerContext) -> TenantCall:
+        """Who is calling, and their hold on a call slot; the one check on both ports (the
+        HTTP gateway's context gives its headers as invocation metadata)."""
+        if self._tokens is None:
+            return TenantCall.unmetered()
+        tenant = self._tokens.tenant_for(context.invocation_metadata() or ())
+        return self._ledger.open_call(tenant)
 
     def _admit(self, request: Any) -> Engine:
         """The engine, once the request is within its bounds (bounds.py)."""
@@ -231,10 +261,11 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
 
     @unary
     async def Generate(
-        self, request: service_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: service_pb2.GenerateRequest, context: grpc.aio.ServicerContext, tenant: TenantCall
     ) -> service_pb2.GenerateResponse:
         engine = self._admit(request)
         planned = await self._off_loop(request, self._plain_request, engine, request)
+        tenant.reserve_sequences(sum(kw.get("n", 1) for _, kw in planned))
 
         async def run(prompt: EnginePrompt, sampling: dict[str, Any]) -> Any:
             final = None
@@ -254,10 +285,11 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
 
     @streaming
     async def GenerateStream(
-        self, request: service_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+        self, request: service_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext, tenant: TenantCall
     ) -> AsyncIterator[service_pb2.GenerateStreamResponse]:
         engine = self._admit(request)
         planned = await self._off_loop(request, self._plain_request, engine, request)
+        tenant.reserve_sequences(sum(kw.get("n", 1) for _, kw in planned))
         queue: asyncio.Queue[service_pb2.GenerateStreamResponse | BaseException | None] = (
             asyncio.Queue(self.STREAM_BUFFER)
         )
@@ -294,7 +326,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
 
     @unary
     async def Trace(  # type: ignore[override]
-        self, request: service_pb2.TraceRequest, context: grpc.aio.ServicerContext
+        self, request: service_pb2.TraceRequest, context: grpc.aio.ServicerContext, tenant: TenantCall
     ) -> None:
         # Streams through context.write (grpc.aio: a coroutine handler that returns None).
         engine = self._admit(request)
@@ -310,11 +342,13 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             fault_injection=self.options.fault_injection,
             route=engine.route,
         ))
+        tenant.reserve_sequences(sum(len(invoke.sequences) for invoke in compiled.invokes))
+        tenant.charge_reads(compiled.read_bytes_bound)
         await TraceRun(engine, engine.receiver, compiled, self.options.buffer_bytes).send(context.write)
 
     @unary
     async def Tokenize(
-        self, request: service_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+        self, request: service_pb2.TokenizeRequest, context: grpc.aio.ServicerContext, tenant: TenantCall
     ) -> service_pb2.TokenizeResponse:
         engine = self._admit(request)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -327,7 +361,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
 
     @unary
     async def Detokenize(
-        self, request: service_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+        self, request: service_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext, tenant: TenantCall
     ) -> service_pb2.DetokenizeResponse:
         engine = self._admit(request)
         vocab = engine.limits.vocab_size
@@ -345,7 +379,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
 
     @unary
     async def GetModelInfo(
-        self, request: service_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self, request: service_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext, tenant: TenantCall
     ) -> service_pb2.GetModelInfoResponse:
         engine = self._ready()
         d = engine.description
@@ -374,7 +408,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
 
     @unary
     async def GetEngineStats(
-        self, request: service_pb2.GetEngineStatsRequest, context: grpc.aio.ServicerContext
+        self, request: service_pb2.GetEngineStatsRequest, context: grpc.aio.ServicerContext, tenant: TenantCall
     ) -> service_pb2.GetEngineStatsResponse:
         stats = self._ready().stats()
         return service_pb2.GetEngineStatsResponse(

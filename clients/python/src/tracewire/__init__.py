@@ -23,6 +23,7 @@ from .errors import (
 )
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling import SAMPLING_KEYWORDS
+from .tls import Tls
 from .tokenizer import RemoteTokenizer
 from .tracing import Invoke, Logprobs, ModuleRef, Saved, Step, StepView, TopK, Tracer, TraceWarning
 
@@ -39,6 +40,7 @@ __all__ = [
     "Saved",
     "Step",
     "StepView",
+    "Tls",
     "TopK",
     "TraceWarning",
     "Tracer",

@@ -21,6 +21,7 @@ from .errors import InvalidArgument, from_rpc_error
 from .outputs import RequestOutput, request_output
 from .prompts import PromptLike, to_prompt
 from .sampling import sampling_params
+from .tls import Tls, bearer_metadata, channel_credentials
 from .tracing import Step, Tracer
 from .v1 import service_pb2, service_pb2_grpc
 
@@ -53,7 +54,8 @@ class AsyncTracer(Tracer):
         self._client = client
 
     async def astream(self) -> AsyncIterator[Step]:
-        call = self._client._stub.Trace(self.start(), timeout=self._client.timeout)
+        client = self._client
+        call = client._stub.Trace(self.start(), timeout=client.timeout, metadata=client._metadata)
         try:
             async for event in call:
                 for step in self.handle(event):
@@ -90,18 +92,23 @@ class AsyncClient:
         self,
         target: str,
         *,
+        token: str | None = None,
+        tls: Tls | bool = False,
         credentials: grpc.ChannelCredentials | None = None,
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self._channel: grpc.aio.Channel = open_channel(grpc.aio, target, credentials, options)
+        self._channel: grpc.aio.Channel = open_channel(
+            grpc.aio, target, channel_credentials(tls, credentials), options
+        )
         self._stub = service_pb2_grpc.TraceServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._metadata = bearer_metadata(token)
         self.timeout = timeout
         self.tokenizer = AsyncTokenizer(self)
 
     async def _unary(self, method: str, request: Any) -> Any:
         try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout)
+            return await getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -118,7 +125,7 @@ class AsyncClient:
         request = service_pb2.GenerateStreamRequest(
             prompts=[to_prompt(p) for p in _prompt_list(prompts)], sampling_params=sampling_params(**sampling)
         )
-        call = self._stub.GenerateStream(request, timeout=self.timeout)
+        call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
         try:
             async for message in call:
                 yield StreamUpdate(message.prompt_index, request_output(message.output))

@@ -7,6 +7,10 @@
     tracewire tokenize " Berlin"
 
 The server address comes from --target or $TRACEWIRE_TARGET (default 127.0.0.1:50051).
+A server started with --auth-tokens needs a token: --token-file FILE, or $TRACEWIRE_TOKEN
+(--token TOKEN works too, but shows the token to anyone who can list processes). TLS:
+--tls (the system's CAs), --tls-ca FILE, and for mutual TLS --tls-cert / --tls-key
+($TRACEWIRE_TLS_CA, $TRACEWIRE_TLS_CERT, $TRACEWIRE_TLS_KEY).
 Any vLLM sampling parameter: -s name=value (value parsed as JSON when it can be).
 """
 
@@ -22,6 +26,7 @@ from typing import Any
 
 from .client import Client
 from .errors import TracewireError
+from .tls import Tls
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,6 +144,15 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default=os.environ.get("TRACEWIRE_TARGET", "127.0.0.1:50051"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per call")
+    p.add_argument("--token", help="bearer token (default: $TRACEWIRE_TOKEN)")
+    p.add_argument("--token-file", metavar="FILE", help="read the bearer token from FILE")
+    p.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs (implied by --tls-ca)")
+    p.add_argument("--tls-ca", metavar="FILE", default=os.environ.get("TRACEWIRE_TLS_CA"),
+                   help="PEM CA certificates to trust ($TRACEWIRE_TLS_CA)")
+    p.add_argument("--tls-cert", metavar="FILE", default=os.environ.get("TRACEWIRE_TLS_CERT"),
+                   help="client certificate for mutual TLS ($TRACEWIRE_TLS_CERT)")
+    p.add_argument("--tls-key", metavar="FILE", default=os.environ.get("TRACEWIRE_TLS_KEY"),
+                   help="its private key ($TRACEWIRE_TLS_KEY)")
     sub = p.add_subparsers(dest="command", required=True)
 
     def sampling_flags(sp: argparse.ArgumentParser) -> None:
@@ -166,10 +180,34 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    if args.token is not None and args.token_file is not None:
+        raise SystemExit("tracewire: --token or --token-file, not both")
+    if args.token_file is not None:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError as e:
+            raise SystemExit(f"tracewire: --token-file {args.token_file}: {e.strerror or e}") from e
+    token: str | None = args.token if args.token is not None else os.environ.get("TRACEWIRE_TOKEN")
+    return token
+
+
+def _tls(args: argparse.Namespace) -> Tls | bool:
+    if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
+        return bool(args.tls)
+    try:
+        return Tls.from_files(args.tls_ca, args.tls_cert, args.tls_key)
+    except OSError as e:
+        raise SystemExit(f"tracewire: {e.filename}: {e.strerror or e}") from e
+    except ValueError as e:
+        raise SystemExit(f"tracewire: --tls-cert / --tls-key: {e}") from e
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        with Client(args.target, timeout=args.timeout) as client:
+        with Client(args.target, token=_token(args), tls=_tls(args), timeout=args.timeout) as client:
             commands = {"generate": _generate, "trace": _trace, "lens": _lens, "tokenize": _tokenize}
             commands[args.command](client, args)
     except TracewireError as e:

@@ -12,6 +12,7 @@ from .errors import InvalidArgument, from_rpc_error
 from .outputs import RequestOutput, request_output
 from .prompts import PromptLike, to_prompt
 from .sampling import sampling_params
+from .tls import Tls, bearer_metadata, channel_credentials
 from .tokenizer import RemoteTokenizer
 from .tracing import Step, Tracer
 from .v1 import service_pb2, service_pb2_grpc
@@ -75,20 +76,26 @@ def open_channel(
 class Client:
     """A connection to a tracewire server.
 
-    `target` is "host:port". `credentials` (grpc.ChannelCredentials) selects TLS;
-    `timeout` is the default deadline in seconds for every call.
+    `target` is "host:port". `token`: the bearer token of a server started with
+    --auth-tokens, sent with every call. `tls`: True for TLS trusting the system's CAs, or
+    a `Tls` (a CA to trust, a client certificate for mutual TLS); `credentials`, any
+    grpc.ChannelCredentials instead. `timeout` is the default deadline in seconds for
+    every call.
     """
 
     def __init__(
         self,
         target: str,
         *,
+        token: str | None = None,
+        tls: Tls | bool = False,
         credentials: grpc.ChannelCredentials | None = None,
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self._channel: grpc.Channel = open_channel(grpc, target, credentials, options)
+        self._channel: grpc.Channel = open_channel(grpc, target, channel_credentials(tls, credentials), options)
         self._stub = service_pb2_grpc.TraceServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._metadata = bearer_metadata(token)
         self.timeout = timeout
         self.tokenizer = RemoteTokenizer(self._unary)
 
@@ -96,7 +103,7 @@ class Client:
 
     def _unary(self, method: str, request: Any) -> Any:
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout)
+            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -125,7 +132,7 @@ class Client:
             prompts=[to_prompt(p) for p in _prompt_list(prompts)],
             sampling_params=sampling_params(**sampling),
         )
-        call = self._stub.GenerateStream(request, timeout=self.timeout)
+        call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
         try:
             for message in call:
                 yield StreamUpdate(message.prompt_index, request_output(message.output))
@@ -151,7 +158,7 @@ class Client:
         return trace.events()
 
     def _run_trace(self, request: service_pb2.TraceRequest) -> Iterator[service_pb2.TraceResponse]:
-        call = self._stub.Trace(request, timeout=self.timeout)
+        call = self._stub.Trace(request, timeout=self.timeout, metadata=self._metadata)
         try:
             yield from call
         except grpc.RpcError as e:

@@ -4,6 +4,7 @@
  *
  * The server's HTTP port is `?server=` (default http://127.0.0.1:8080, what `make serve`
  * opens); `?protocol=grpc-web` switches from the Connect protocol (binary either way).
+ * A server started with --auth-tokens needs `#token=TOKEN` (see readToken).
  */
 
 import { createWebClient, type TracewireClient, type WebProtocol } from "@tracewire/client";
@@ -31,6 +32,29 @@ function readConfig(search: string): Config {
   }
   const protocol = params.get("protocol") === "grpc-web" ? "grpc-web" : "connect";
   return { server: url.origin + url.pathname.replace(/\/+$/, ""), protocol };
+}
+
+const TOKEN_KEY = "tracewire.token";
+
+/**
+ * The bearer token, from the URL's fragment (`#token=...`) or this tab's sessionStorage. A
+ * fragment, not `?token=`: browsers never send it to a server, so it stays out of access logs
+ * and Referer headers. Once read it is moved to sessionStorage (this tab only, gone when the
+ * tab closes) and wiped from the address bar and history. Any script of this page's origin
+ * can still read it: serve the dashboard from an origin you trust, and give it a token of a
+ * tenant with small quotas.
+ */
+function readToken(location: Location, storage: Storage): string | undefined {
+  const fragment = new URLSearchParams(location.hash.slice(1));
+  const token = fragment.get("token");
+  if (token) {
+    storage.setItem(TOKEN_KEY, token);
+    fragment.delete("token");
+    const rest = fragment.toString();
+    history.replaceState(null, "", `${location.pathname}${location.search}${rest ? `#${rest}` : ""}`);
+    return token;
+  }
+  return storage.getItem(TOKEN_KEY) ?? undefined;
 }
 
 /** The form's values as typed; the server validates them (and says which field is wrong). */
@@ -132,7 +156,8 @@ function main(): void {
     return;
   }
   els.server.textContent = `${config.server} (${config.protocol})`;
-  const client = createWebClient(config.server, { protocol: config.protocol });
+  const token = readToken(window.location, window.sessionStorage);
+  const client = createWebClient(config.server, { protocol: config.protocol, ...(token ? { token } : {}) });
   new Dashboard(els, client, config.server).start();
   setStatus(els, "idle", 0, "ready");
 }
