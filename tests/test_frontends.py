@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import ServerProcess, start_server
+from conftest import ServerProcess, free_port, start_server
 from trace_requests import invoke, iv, logits, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2, service_pb2_grpc
@@ -28,9 +28,13 @@ PROMPTS = ["The capital of France is", "Once upon a time", "One, two, three,"]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
+METRICS_PORT = free_port()  # frontend i serves its metrics on METRICS_PORT + i
+
+
 @pytest.fixture(scope="module")
 def frontends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_server(tmp_path_factory.mktemp("frontends"), "--frontends", "2")
+    server = start_server(tmp_path_factory.mktemp("frontends"), "--frontends", "2",
+                          "--metrics-port", str(METRICS_PORT))
     yield server
     assert server.stop() == 0, server.log()[-3000:]
 
@@ -100,6 +104,27 @@ def test_both_frontends_serve_traces_with_their_own_values(frontends, hf):
         expected = [berlin] + hf.greedy(hf.encode(PROMPTS[0]) + [berlin], 5)
         for future in forces:
             assert future.result().tokens() == expected
+    for channel in channels.values():
+        channel.close()
+
+
+def test_each_frontend_serves_its_own_metrics(frontends):
+    def model_info_calls() -> list[float]:
+        key = ('tracewire_rpcs_total{code="OK",method="tracewire.v1.TraceService/GetModelInfo",'
+               'tenant="",transport="grpc"} ')
+        counts = []
+        for port in (METRICS_PORT, METRICS_PORT + 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            counts.append(sum(float(line[len(key):]) for line in text.splitlines() if line.startswith(key)))
+        return counts
+
+    channels = _channel_per_frontend(frontends)  # one GetModelInfo on each frontend
+    before = model_info_calls()
+    for channel in channels.values():
+        service_pb2_grpc.TraceServiceStub(channel).GetModelInfo(service_pb2.GetModelInfoRequest(), timeout=10)
+    after = model_info_calls()
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
     for channel in channels.values():
         channel.close()
 

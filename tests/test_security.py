@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import ssl
 import struct
 import subprocess
@@ -21,10 +22,11 @@ from dataclasses import dataclass
 
 import grpc
 import httpx
+import psutil
 import pytest
 import tracewire
 from certs import Pki, make_pki
-from conftest import ServerProcess, start_server
+from conftest import ServerProcess, free_port, start_server
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -88,8 +90,10 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[S
         "--auth-tokens", str(tokens),
         "--tenant-max-calls", str(MAX_CALLS), "--tenant-max-sequences", str(MAX_SEQUENCES),
         "--tenant-read-bytes-per-minute", str(READ_BYTES_PER_MINUTE),
+        "--access-log", str(directory / "access.log"), "--metrics-port", str(free_port()),
         credentials=grpc.ssl_channel_credentials(pki.ca.read_bytes()),
     )
+    server.access_log = directory / "access.log"  # type: ignore[attr-defined]
     yield server
     assert server.stop() == 0
 
@@ -362,3 +366,19 @@ def test_read_bytes_per_minute_per_tenant(tls_server, pki):
         assert erin.tokenizer.encode(" Paris") == [806]  # calls without reads are not held back
     with client(tls_server, pki, "alice") as alice:
         full_logits(alice, 8)  # nor is another tenant
+
+
+def test_the_tenant_is_in_the_access_log_and_the_metrics(tls_server, pki):
+    """Authentication names the tenant of each call for the access log and the metrics."""
+    with client(tls_server, pki, "bob") as c:
+        c.tokenizer.encode("which tenant am I")
+    lines = [json.loads(line) for line in tls_server.access_log.read_text().splitlines()]
+    assert any(line["method"].endswith("Tokenize") and line["tenant"] == "bob" for line in lines), lines[-3:]
+    port = _flag(tls_server, "--metrics-port")
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    assert re.search(r'tracewire_rpcs_total\{[^}]*method="Tokenize"[^}]*tenant="bob"[^}]*\} [1-9]', text), text[:2000]
+
+
+def _flag(server: ServerProcess, name: str) -> str:
+    args = psutil.Process(server.process.pid).cmdline()
+    return args[args.index(name) + 1]

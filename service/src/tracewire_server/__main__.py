@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from . import connection_limits
 from .auth import TokenFileError, TokenTable
 from .server import ServerConfig, serve
 from .servicer import TraceOptions
@@ -109,11 +110,34 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "compiled engine refuses module interventions (--enforce-eager serves them all)",
     )
     group.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics at http://HOST:N/metrics, on --host; with --frontends K, "
+        "frontend i on N+i (each counts what it serves); 0: off",
+    )
+    group.add_argument(
+        "--access-log",
+        default="",
+        metavar="FILE",
+        help="one JSON line per call (both ports) appended to FILE; default: the normal log "
+        "(logger tracewire.access); 'off': none",
+    )
+    group.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name the HTTP ports answer for in the Host header besides the listening address "
+        "(repeatable; '*': any). Others get 421: DNS rebinding protection",
+    )
+    group.add_argument(
         "--enable-fault-injection",
         action="store_true",
         help="testing only: interventions named '__fault__:<message>' raise in the engine hooks",
     )
     _security_flags(parser)
+    connection_limits.add_flags(parser)
     parser = AsyncEngineArgs.add_cli_args(parser)
     if _EMBEDDED_MODEL.is_dir():
         parser.set_defaults(model=str(_EMBEDDED_MODEL))
@@ -153,6 +177,10 @@ def parse_args(argv: list[str]) -> ServerConfig:
         tokens=tokens,
         tenant_quotas=quotas,
         reflection=not args.no_reflection,
+        connections=connection_limits.from_args(parser, args),
+        metrics_port=args.metrics_port,
+        access_log=args.access_log,
+        allowed_hosts=tuple(args.allowed_host),
     )
 
 

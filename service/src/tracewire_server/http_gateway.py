@@ -50,6 +50,9 @@ from google.rpc import status_pb2
 from protobuf.wkt import Any as ConnectAny
 from starlette.middleware.cors import CORSMiddleware
 
+from .connection_limits import ConnectionLimits
+from .http_calls import CallStatus
+from .http_protocol import GuardedHttpToolsProtocol
 from .tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ CORS_ALLOWED_HEADERS = (
     "Grpc-Message-Type",
     "X-Grpc-Web",
     "X-User-Agent",
+    "X-Request-Id",
 )
 CORS_EXPOSED_HEADERS = (
     "Grpc-Status",
@@ -81,6 +85,7 @@ CORS_EXPOSED_HEADERS = (
     "Grpc-Status-Details-Bin",
     "Content-Encoding",
     "Connect-Content-Encoding",
+    "X-Request-Id",
 )
 CORS_MAX_AGE_SECONDS = 7200
 
@@ -275,6 +280,7 @@ def build_app(
         # JSON is what people type (curl): a misspelt field is an INVALID_ARGUMENT naming it,
         # not silently ignored, as binary protobuf cannot misspell one.
         codecs=[google_protobuf_binary_codec(), google_protobuf_json_codec(ignore_unknown_fields=False)],
+        interceptors=[CallStatus()],  # the status each call ended with, for metrics and the access log
     )
     return CORSMiddleware(
         _RefuseGrpc(app),
@@ -315,11 +321,14 @@ class HttpGateway:
 
     @classmethod
     async def start(
-        cls, app: Any, host: str, port: int, *, shared: bool = False, tls: ServerTls | None = None
+        cls, app: Any, host: str, port: int, *, shared: bool = False, tls: ServerTls | None = None,
+        limits: ConnectionLimits | None = None,
     ) -> HttpGateway:
         """Serve `app` on host:port; `shared`: with SO_REUSEPORT, so that every frontend
         process of `--frontends N` listens on the same port and the kernel spreads the
-        connections over them. `tls`: HTTPS, requiring client certificates when mutual."""
+        connections over them. `tls`: HTTPS, requiring client certificates when mutual.
+        `limits`: timeouts and limits (connection_limits.py)."""
+        limits = limits or ConnectionLimits()
         sockets = [_reuse_port_socket(host, port)] if shared else None
         config = uvicorn.Config(
             app,
@@ -328,7 +337,11 @@ class HttpGateway:
             lifespan="off",
             log_config=None,  # keep the process's logging as __main__ set it up
             log_level="warning",
-            access_log=False,
+            access_log=False,  # tracewire's own (access_log.py)
+            http=GuardedHttpToolsProtocol.with_limits(limits),
+            timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]  # (a float works)
+            limit_concurrency=limits.max_concurrent_calls,
+            ws="none",  # nothing here speaks WebSocket: no upgrades
             # TLS is uvicorn's (the ssl module); with a client CA, no certificate, no connection.
             ssl_certfile=str(tls.cert_file) if tls else None,
             ssl_keyfile=str(tls.key_file) if tls else None,

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from tracewire.v1 import service_pb2, trace_pb2
 
+from . import metrics
 from .errors import ResourceExhausted, TracewireError
 
 # Steps ready together go out in one message up to this size (a step larger than
@@ -19,6 +21,8 @@ from .errors import ResourceExhausted, TracewireError
 BATCH_BYTES = 1 << 20
 
 Write = Callable[[service_pb2.TraceResponse], Awaitable[None]]
+
+_observe_latency = metrics.ENGINE_TO_CLIENT.observe
 
 
 class Outbox:
@@ -45,20 +49,26 @@ class Outbox:
         self.interval_s = interval_s
         self.queued = 0
         self._last_steps = -math.inf  # loop time the last steps message was taken
-        # messages ready to write, the bytes each counted against the cap, whether it ends an invoke
-        self._ready: deque[tuple[service_pb2.TraceResponse, int, bool]] = deque()
+        # messages ready to write, the bytes each counted against the cap, whether it ends
+        # an invoke, and its steps' engine times (time.time_ns(), for the latency metric)
+        self._ready: deque[tuple[service_pb2.TraceResponse, int, bool, list[int]]] = deque()
         self._open: service_pb2.TraceResponse | None = None
         self._open_bytes = 0
+        self._open_times: list[int] = []
         self._writer: asyncio.Task[None] | None = None
         self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        metrics.OUTBOXES.add(self)
 
-    def new_step(self, size_hint: int) -> trace_pb2.StepResult:
-        """A StepResult to fill in place, already queued; `count` it once filled."""
+    def new_step(self, size_hint: int, engine_ns: int = 0) -> trace_pb2.StepResult:
+        """A StepResult to fill in place, already queued; `count` it once filled.
+        `engine_ns`: its engine_time, as time.time_ns()."""
         if self._open is not None and self._open_bytes + size_hint > BATCH_BYTES:
             self._close_open()
         if self._open is None:
             self._open = service_pb2.TraceResponse()
             self._open_bytes = 0
+        if engine_ns:
+            self._open_times.append(engine_ns)
         return self._open.steps.results.add()
 
     def count(self, size: int) -> None:
@@ -73,7 +83,7 @@ class Outbox:
     def put_invoke_result(self, result: trace_pb2.InvokeResult) -> None:
         """After all the invoke's steps; written at once."""
         self._close_open()
-        self._ready.append((service_pb2.TraceResponse(invoke_result=result), 0, True))
+        self._ready.append((service_pb2.TraceResponse(invoke_result=result), 0, True, []))
         self.flush()
 
     def flush(self) -> None:
@@ -86,8 +96,13 @@ class Outbox:
         if not self.finished.done():
             self.finished.set_exception(error)
 
+    def waiting_messages(self) -> int:
+        """Messages queued and not yet handed to the transport (metrics)."""
+        return len(self._ready) + (self._open is not None)
+
     def close(self) -> None:
         """The trace is over: stop writing."""
+        metrics.OUTBOXES.discard(self)
         if self._writer is not None:
             self._writer.cancel()
         if not self.finished.done():
@@ -98,7 +113,11 @@ class Outbox:
     async def _drain(self) -> None:
         try:
             while not self.finished.done() and (item := await self._next()) is not None:
-                message, ends_invoke = item
+                message, ends_invoke, engine_times = item
+                if engine_times:
+                    now = time.time_ns()
+                    for engine_ns in engine_times:
+                        _observe_latency((now - engine_ns) * 1e-9)
                 await self._write(message)
                 if ends_invoke:
                     self._invokes_left -= 1
@@ -110,7 +129,7 @@ class Outbox:
         finally:
             self._writer = None
 
-    async def _next(self) -> tuple[service_pb2.TraceResponse, bool] | None:
+    async def _next(self) -> tuple[service_pb2.TraceResponse, bool, list[int]] | None:
         loop = asyncio.get_running_loop()
         if self.interval_s and not self._ready:  # only open steps: let more join them
             delay = self._last_steps + self.interval_s - loop.time()
@@ -119,16 +138,17 @@ class Outbox:
         self._close_open()
         if not self._ready or self.finished.done():  # (it may have failed while we slept)
             return None
-        message, size, ends_invoke = self._ready.popleft()
+        message, size, ends_invoke, engine_times = self._ready.popleft()
         self.queued -= size
         if not ends_invoke:
             self._last_steps = loop.time()
-        return message, ends_invoke
+        return message, ends_invoke, engine_times
 
     def _close_open(self) -> None:
         if self._open is not None:
-            self._ready.append((self._open, self._open_bytes, False))
+            self._ready.append((self._open, self._open_bytes, False, self._open_times))
             self._open = None
+            self._open_times = []
 
 
 if sys.version_info >= (3, 12):

@@ -22,8 +22,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tracewire.v1 import service_pb2
 
+from . import access_log
 from .auth import ReflectionAuth, TokenTable
+from .connection_limits import ConnectionLimits
 from .engine import Engine
+from .grpc_calls import CallObserver
 from .servicer import TraceOptions, TraceServicer, add_to_server
 from .tenants import TenantQuotas
 from .tls import ServerTls
@@ -60,6 +63,14 @@ class ServerConfig:
     tokens: TokenTable | None = None
     tenant_quotas: TenantQuotas = TenantQuotas()
     reflection: bool = True
+    # Timeouts and limits of both ports' connections.
+    connections: ConnectionLimits = ConnectionLimits()
+    # Prometheus metrics on this port (frontend i of --frontends N: this port + i); 0: off.
+    metrics_port: int = 0
+    # Access log: "" the normal log, a file path, or "off" (access_log.py).
+    access_log: str = ""
+    # Names the HTTP ports answer for besides the listening address (host_check.py).
+    allowed_hosts: tuple[str, ...] = ()
 
 
 async def serve(
@@ -71,10 +82,15 @@ async def serve(
     frontends, connecting to an engine core started by frontends.py; it reports
     SERVING only once `readiness` says that every frontend is up."""
     servicer = TraceServicer(config.trace, config.tokens, config.tenant_quotas)
+    access_log.configure(config.access_log)
+    interceptors: list[grpc.aio.ServerInterceptor] = [CallObserver()]  # request ids, metrics, the access log
+    if config.tokens is not None and config.reflection:
+        interceptors.append(ReflectionAuth(config.tokens, (reflection.SERVICE_NAME,)))
     server = grpc.aio.server(
-        interceptors=[ReflectionAuth(config.tokens, (reflection.SERVICE_NAME,))]
-        if config.tokens is not None and config.reflection else None,
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=config.connections.max_concurrent_calls,
         options=[
+            *config.connections.grpc_options(),
             ("grpc.max_receive_message_length", config.max_request_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             # Only the frontends of one engine share a port (the kernel spreads the
@@ -111,6 +127,7 @@ async def serve(
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     gateway = await _start_http(config, servicer, health_servicer)
+    metrics_gateway = await _start_metrics(config, client["client_index"] if client else 0)
     log.info("tracewire listening on %s; starting the engine", address)
 
     started = time.monotonic()
@@ -125,8 +142,9 @@ async def serve(
     try:
         engine = await engine_task  # a stop during start still waits for the engine to exist
     except BaseException:
-        if gateway is not None:
-            await gateway.stop()
+        for http in (gateway, metrics_gateway):
+            if http is not None:
+                await http.stop()
         await server.stop(0)
         raise
     engine_died = False
@@ -158,8 +176,9 @@ async def serve(
     deadline = time.monotonic() + config.grace_seconds
     while servicer.in_flight and time.monotonic() < deadline:  # counts HTTP calls too
         await asyncio.sleep(0.05)
-    if gateway is not None:
-        await gateway.stop()
+    for http in (gateway, metrics_gateway):
+        if http is not None:
+            await http.stop()
     await server.stop(0)
     engine.shutdown()
     log.info("tracewire stopped")
@@ -187,6 +206,8 @@ async def _start_http(
     if not config.http_port:
         return None
     # Imported only when serving HTTP: a gRPC-only server loads none of the HTTP stack.
+    from .host_check import AllowedHosts, HostCheck
+    from .http_calls import CallObserver as HttpCallObserver
     from .http_gateway import HttpGateway, build_app, service_endpoints
 
     endpoints = service_endpoints(service_pb2.DESCRIPTOR.services_by_name["TraceService"], servicer)
@@ -194,8 +215,12 @@ async def _start_http(
         health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer, methods={"Check"}
     )
     app = build_app(endpoints, config.cors_origins, read_max_bytes=config.max_request_bytes)
+    # Outermost the observer (a refused Host is logged too), then the Host check, before
+    # CORS or any handler.
+    app = HttpCallObserver(HostCheck(app, AllowedHosts.for_listener(config.host, config.allowed_hosts)), endpoints)
     gateway = await HttpGateway.start(
-        app, config.host, config.http_port, shared=config.frontends > 1, tls=config.tls
+        app, config.host, config.http_port, shared=config.frontends > 1, tls=config.tls,
+        limits=config.connections,
     )
     log.info(
         "tracewire HTTP (Connect, gRPC-Web) on %s://%s; CORS origins: %s",
@@ -203,6 +228,21 @@ async def _start_http(
         gateway.address,
         ", ".join(config.cors_origins) or "localhost pages only",
     )
+    return gateway
+
+
+async def _start_metrics(config: ServerConfig, frontend: int) -> HttpGateway | None:
+    """Prometheus text on --metrics-port (+ this frontend's index), or nothing."""
+    if not config.metrics_port:
+        return None
+    from . import metrics
+    from .host_check import AllowedHosts, HostCheck
+    from .http_gateway import HttpGateway
+
+    port = config.metrics_port + frontend
+    app = HostCheck(metrics.asgi_app(), AllowedHosts.for_listener(config.host, config.allowed_hosts))
+    gateway = await HttpGateway.start(app, config.host, port, limits=config.connections)
+    log.info("tracewire metrics on http://%s/metrics", gateway.address)
     return gateway
 
 

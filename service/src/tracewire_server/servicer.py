@@ -24,6 +24,7 @@ from tracewire.v1 import service_pb2, service_pb2_grpc
 from . import __version__, outputs, vllm_compat
 from .auth import TokenTable
 from .bounds import RequestBounds
+from .calls import current_call
 from .compiler import check_sequences, compile_trace
 from .engine import Engine
 from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
@@ -207,6 +208,9 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         if self._tokens is None:
             return TenantCall.unmetered()
         tenant = self._tokens.tenant_for(context.invocation_metadata() or ())
+        call = current_call()  # the access log's and metrics' record of this call
+        if call is not None:
+            call.tenant = tenant
         return self._ledger.open_call(tenant)
 
     def _admit(self, request: Any) -> Engine:

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from .metrics import observe_hook_times
 from .tensors import RawTensor
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,10 @@ class StepBatch(msgspec.Struct, array_like=True, frozen=True):
     records: list[StepRecord]
     columns: list[ReadResult]
     blocks: list[RowBlock] = msgspec.field(default_factory=list)
+    # The worker hooks' time on this step: on the engine's thread, and finishing it (the
+    # collector thread; inline on CPUs). For the frontend's metrics.
+    engine_s: float = 0.0
+    collector_s: float = 0.0
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -221,6 +226,7 @@ class Receiver:
             except msgspec.DecodeError:
                 log.exception("dropping an undecodable side-channel message")
                 continue
+            observe_hook_times(batch.engine_s, batch.collector_s)
             routes = self._routes
             for record in batch.records:
                 deliver = routes.get(record.key)

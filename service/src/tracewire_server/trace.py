@@ -19,9 +19,11 @@ from typing import Any
 from tracewire.v1 import output_pb2, service_pb2, trace_pb2
 
 from . import outputs
+from .calls import current_tenant
 from .compiler import CompiledInvoke, CompiledTrace, EngineSequence
 from .engine import Engine
 from .errors import Internal, TracewireError
+from .metrics import TraceMetrics
 from .outbox import Outbox, Write
 from .sidechannel import Receiver, StepRecord
 
@@ -44,6 +46,7 @@ class TraceRun:
     trace: CompiledTrace
     buffer_cap_bytes: int
     _outbox: Outbox = field(init=False)
+    _metrics: TraceMetrics = field(init=False)
     _warnings: list[trace_pb2.TraceWarning] = field(default_factory=list)
     _generated: int = 0
     _read_bytes: int = 0
@@ -51,6 +54,13 @@ class TraceRun:
     async def send(self, write: Write) -> None:
         """Run the trace, handing each event to `write` (the call's context.write: one
         await per message, no async generators stacked between the steps and gRPC)."""
+        self._metrics = TraceMetrics.start(self.trace, current_tenant())
+        try:
+            await self._run(write)
+        finally:
+            self._metrics.finish()
+
+    async def _run(self, write: Write) -> None:
         started = time.monotonic()
         self._outbox = Outbox(write, len(self.trace.invokes), self.buffer_cap_bytes, self.trace.stream_interval_s)
         tasks = [asyncio.create_task(self._invoke(inv)) for inv in self.trace.invokes]
@@ -121,6 +131,7 @@ class TraceRun:
                             stopped_at = step
                             break
                     self._outbox.flush()  # this output's steps go to the client now
+                    self._metrics.maybe_publish()
                     if stopped_at is not None:
                         break  # leaving the stream aborts the request in the engine
                     vllm_text.append(c.text)
@@ -181,7 +192,7 @@ class TraceRun:
             return
         size_hint = sum(len(v.values.data) for v in values.values())
         # Built in place inside the outgoing message: no intermediate copies.
-        result = self._outbox.new_step(size_hint)
+        result = self._outbox.new_step(size_hint, now_ns)
         result.invoke_index = seq.invoke_index
         result.sequence_index = seq.sequence_index
         result.step = step
@@ -190,7 +201,13 @@ class TraceRun:
         result.stopped = stopped
         # (the fields directly: protobuf's FromNanoseconds is Python, and this runs per token)
         result.engine_time.seconds, result.engine_time.nanos = divmod(now_ns, 1_000_000_000)
+        self._metrics.step_count += 1
+        reads = self._metrics.reads[seq.invoke_index]
         for name, value in values.items():
+            counts = reads.get(name)
+            if counts is not None:
+                counts.count += 1
+                counts.size += len(value.values.data)
             target = result.values[name]
             value.values.fill(target.values)
             if value.token_ids is not None:

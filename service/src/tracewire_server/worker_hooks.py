@@ -356,6 +356,9 @@ class _Step:
     # Logprobs reads waiting for the draw: (key, logprobs [G, vocab], and where their
     # rows are, as _assign takes it: logits rows, first row, row map, targets).
     logprobs: list[tuple[Any, ...]] = field(default_factory=list)
+    # Seconds the hooks spent on this step on the engine's thread, up to handing it to
+    # the collector; sent with its records (the frontends' hook-time metric).
+    engine_s: float = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.rows or self.blocks)
@@ -873,7 +876,7 @@ class _Outgoing:
             self._use(batch, rows)
         self._blocks.append((block, tokens))
 
-    def message(self) -> StepBatch:
+    def message(self, engine_s: float, collector_s: float) -> StepBatch:
         columns: list[ReadResult] = []
         # id(batch) -> (its column, batch row -> column row; None: the same)
         place: dict[int, tuple[int, dict[int, int] | None]] = {}
@@ -900,7 +903,7 @@ class _Outgoing:
                 reads.append((name, c, batch_rows if where is None else [where[r] for r in batch_rows]))
             keys = [seq.plan.key for seq in block.seqs]
             blocks.append(RowBlock(keys, block.steps, tokens, reads, list(block.ops.samples)))
-        return StepBatch(records, columns, blocks)
+        return StepBatch(records, columns, blocks, engine_s, collector_s)
 
 
 class PlanHooks:
@@ -934,7 +937,7 @@ class PlanHooks:
         times = self.times
 
         def forward(logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kw: Any) -> Any:
-            started = time.perf_counter() if times else 0.0
+            started = time.perf_counter()
             try:
                 step = self._traced_step()
                 if step:  # raw-stage reads: before vLLM's processors change the logits
@@ -945,8 +948,7 @@ class PlanHooks:
             if not step:
                 return original_forward(logits, sampling_metadata, *args, **kw)
             self._step = step
-            if times:
-                spent = time.perf_counter() - started
+            spent = step.engine_s = time.perf_counter() - started
             try:
                 out = original_forward(logits, sampling_metadata, *args, **kw)
             finally:
@@ -965,7 +967,7 @@ class PlanHooks:
             logits = original_apply(logits, *args, **kw)
             step = self._step
             if step:
-                started = time.perf_counter() if times else 0.0
+                started = time.perf_counter()
                 try:
                     writes = any(row.selected.logits_writes for row in step.rows)
                     if writes:
@@ -978,8 +980,10 @@ class PlanHooks:
                     _launch_batched(step, logits, _PROCESSED if writes else _UNWRITTEN)
                 except Exception as e:  # noqa: BLE001 - vLLM's step must go on
                     self._fail_batch("at the logits writes", e, step)
+                spent = time.perf_counter() - started
+                step.engine_s += spent
                 if times:
-                    times.add(engine_s=time.perf_counter() - started)
+                    times.add(engine_s=spent)
             return logits
 
         sampler.forward = forward
@@ -1322,6 +1326,7 @@ class PlanHooks:
     def _after_sample(self, step: _Step, sampled: torch.Tensor) -> None:
         """Launch the rest of the step's reads (every read selected now, its condition
         decided later) and hand the step to the collector. No waiting for the device."""
+        started = time.perf_counter()
         drawn = sampled.view(sampled.shape[0], -1)[:, 0]
         _launch_logprobs(step, drawn)
         fired = [row for row in step.rows if row.error is None and row.selected.row_reads]
@@ -1343,6 +1348,7 @@ class PlanHooks:
         for row in step.rows:
             row.step = row.seq.step
             row.seq.step += 1
+        step.engine_s += time.perf_counter() - started  # (before: on the CPU submit finishes the step)
         self.collector.submit(_StepWork(step, tokens, done))
 
     def _finish(self, work: _StepWork) -> None:
@@ -1378,10 +1384,11 @@ class PlanHooks:
             for seq, step, token in zip(block.seqs, block.steps, block_tokens, strict=True):
                 seq.error, seq.error_reported = block.error, True
                 out.add_failed(seq.plan.key, step, token, block.error)
+        finished = time.perf_counter() - ready  # up to the sends (their cost is the pipe's)
         for route, out in batches.items():
             sender = self.senders.get(route)
             if sender is not None:
-                sender.send(out.message())
+                sender.send(out.message(work.step.engine_s, finished))
         if self.times:
             self.times.add(collector_s=time.perf_counter() - ready, wait_s=ready - started)
 
