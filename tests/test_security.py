@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import ssl
 import struct
 import subprocess
@@ -376,7 +375,9 @@ def test_the_tenant_is_in_the_access_log_and_the_metrics(tls_server, pki):
     assert any(line["method"].endswith("Tokenize") and line["tenant"] == "bob" for line in lines), lines[-3:]
     port = _flag(tls_server, "--metrics-port")
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    assert re.search(r'tracewire_rpcs_total\{[^}]*method="Tokenize"[^}]*tenant="bob"[^}]*\} [1-9]', text), text[:2000]
+    rpcs = [line for line in text.splitlines() if line.startswith("tracewire_rpcs_total{")]
+    assert any('Tokenize"' in line and 'tenant="bob"' in line and not line.endswith(" 0.0")
+               for line in rpcs), rpcs
 
 
 def _flag(server: ServerProcess, name: str) -> str:
