@@ -6,8 +6,10 @@ The rest of the server talks to vLLM only through this module and engine.py.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+from collections.abc import Iterator
 from typing import Any
 
 # tracewire's worker hooks wrap the V1 GPU model runner's sampler
@@ -22,7 +24,10 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.engine.core import EngineCoreProc  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
+
+from . import engine_session  # noqa: E402
 
 VLLM_VERSION: str = vllm.__version__
 
@@ -106,7 +111,8 @@ def start_async_llm(
     config a frontend process got from `launch_frontends`), one that connects to the
     shared engine core as frontend `client_index` of `client_count`."""
     if client is None:
-        return AsyncLLM.from_engine_args(engine_args, stat_loggers=stat_loggers)
+        with engine_core_in_own_session():
+            return AsyncLLM.from_engine_args(engine_args, stat_loggers=stat_loggers)
     from vllm.usage.usage_lib import UsageContext
 
     addresses = dict(client)
@@ -164,7 +170,14 @@ class FrontendGroup:
 def launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payload: Any) -> FrontendGroup:
     """Start one engine core and `count` processes running
     `target(None, None, payload, client_config)`, as vLLM's `--api-server-count` does;
-    returns once the engine core is up (the frontends connect to it meanwhile)."""
+    returns once the engine core is up (the frontends connect to it meanwhile). The
+    frontends stay in this process's group (a signal to it reaches them, and they
+    drain); the engine core leaves it (engine_session.py)."""
+    with engine_core_in_own_session():
+        return _launch_frontends(engine_args, count, target, payload)
+
+
+def _launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payload: Any) -> FrontendGroup:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine import utils as engine_utils
     from vllm.v1.executor import Executor
@@ -213,3 +226,37 @@ def launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payl
 
 def _stats_address(coordinator: Any) -> str | None:
     return coordinator.get_stats_publish_address() if coordinator else None
+
+
+# -- the engine core out of the server's process group (engine_session.py) -----------
+
+# vLLM's entry point of an engine core process, taken before any patch below: a child
+# started with `fork` inherits the patched class, and must still reach the original.
+_RUN_ENGINE_CORE: Any = EngineCoreProc.__dict__.get("run_engine_core")
+
+
+def _run_engine_core_in_own_session(*args: Any, **kwargs: Any) -> Any:
+    """An engine core process's entry point: vLLM's, in a session of its own. Found by
+    name in the child (a `spawn` child imports this module to unpickle it)."""
+    engine_session.enter_own_session()
+    return _RUN_ENGINE_CORE.__func__(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def engine_core_in_own_session() -> Iterator[None]:
+    """Engine core processes started meanwhile start in a session of their own.
+
+    vLLM's V1 engine starts them as
+    `context.Process(target=EngineCoreProc.run_engine_core)` and has no hook to run
+    anything first, so the attribute is swapped for the time of the start. Without
+    that entry point (another vLLM), the engine starts as before: in the server's
+    process group, where a signal to the group stops it without a drain.
+    """
+    if not isinstance(_RUN_ENGINE_CORE, staticmethod):
+        yield
+        return
+    EngineCoreProc.run_engine_core = staticmethod(_run_engine_core_in_own_session)
+    try:
+        yield
+    finally:
+        EngineCoreProc.run_engine_core = _RUN_ENGINE_CORE

@@ -1,0 +1,67 @@
+"""The engine's processes in a session of their own, tied to the server's life.
+
+Ctrl-C in a terminal, or `kill -- -PGID` from a supervisor, signals every process in
+the server's process group. vLLM's engine core and its workers answer SIGINT/SIGTERM
+by stopping at once (a worker leaves mid-step, the engine core dies with it), so a
+group signal used to kill the engine under the calls the server was draining. The
+engine core therefore starts a session (and so a process group) of its own, which its
+workers inherit: only the server stops it, once it has drained, exactly as after a
+SIGTERM to the server's PID alone.
+
+Outside the server's group, nothing would stop the engine when the server dies
+without stopping it (SIGKILL, a crash): a watchdog thread in the engine core stops it
+when its parent goes.
+
+`enter_own_session` runs first thing in the engine core process (vllm_compat wraps
+vLLM's entry point with it), before vLLM installs its signal handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+# How often the engine core checks that the server is still its parent.
+PARENT_POLL_S = 1.0
+# What an orphaned engine core gets to stop cleanly (its workers too) before its
+# whole session is killed.
+ORPHAN_GRACE_S = 10.0
+
+
+def enter_own_session() -> None:
+    """Leave the server's session and process group (this process and every process it
+    starts from now on), and stop when the server goes."""
+    parent = _parent_pid()
+    try:
+        os.setsid()
+    except OSError as e:  # already a group leader: signals to the group still reach it
+        log.warning("tracewire: the engine core stays in the server's process group: %s", e)
+    threading.Thread(
+        target=_stop_when_orphaned, args=(parent,), name="tracewire-orphan-watch", daemon=True
+    ).start()
+
+
+def _parent_pid() -> int:
+    """The process that started this one: multiprocessing records it at start, so a
+    parent that died before this line is still noticed (getppid would already name
+    the reaper that adopted this process)."""
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid is not None else os.getppid()
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """Once `parent` is gone (this process was adopted by another), stop through vLLM's
+    own SIGTERM handling, which stops the workers too; kill the whole session if that
+    has not ended it in ORPHAN_GRACE_S."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    log.warning("tracewire: the server (pid %d) is gone; stopping the engine", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(ORPHAN_GRACE_S)
+    os.killpg(0, signal.SIGKILL)
