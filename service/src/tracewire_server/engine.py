@@ -218,7 +218,7 @@ class Engine:
         return bool(self.llm.errored)
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        vllm_compat.stop_engine(self.llm)
         self.receiver.close()
 
 
