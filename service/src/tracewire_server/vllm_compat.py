@@ -27,7 +27,7 @@ from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.core import EngineCoreProc  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
-from . import engine_session  # noqa: E402
+from . import engine_group  # noqa: E402
 
 VLLM_VERSION: str = vllm.__version__
 
@@ -128,7 +128,7 @@ def start_async_llm(
     config a frontend process got from `launch_frontends`), one that connects to the
     shared engine core as frontend `client_index` of `client_count`."""
     if client is None:
-        with engine_core_in_own_session():
+        with engine_core_in_own_group():
             return AsyncLLM.from_engine_args(engine_args, stat_loggers=stat_loggers)
     from vllm.usage.usage_lib import UsageContext
 
@@ -189,8 +189,8 @@ def launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payl
     `target(None, None, payload, client_config)`, as vLLM's `--api-server-count` does;
     returns once the engine core is up (the frontends connect to it meanwhile). The
     frontends stay in this process's group (a signal to it reaches them, and they
-    drain); the engine core leaves it (engine_session.py)."""
-    with engine_core_in_own_session():
+    drain); the engine core leaves it (engine_group.py)."""
+    with engine_core_in_own_group():
         return _launch_frontends(engine_args, count, target, payload)
 
 
@@ -245,23 +245,23 @@ def _stats_address(coordinator: Any) -> str | None:
     return coordinator.get_stats_publish_address() if coordinator else None
 
 
-# -- the engine core out of the server's process group (engine_session.py) -----------
+# -- the engine core out of the server's process group (engine_group.py) -------------
 
 # vLLM's entry point of an engine core process, taken before any patch below: a child
 # started with `fork` inherits the patched class, and must still reach the original.
 _RUN_ENGINE_CORE: Any = EngineCoreProc.__dict__.get("run_engine_core")
 
 
-def _run_engine_core_in_own_session(*args: Any, **kwargs: Any) -> Any:
-    """An engine core process's entry point: vLLM's, in a session of its own. Found by
-    name in the child (a `spawn` child imports this module to unpickle it)."""
-    engine_session.enter_own_session()
+def _run_engine_core_in_own_group(*args: Any, **kwargs: Any) -> Any:
+    """An engine core process's entry point: vLLM's, in a process group of its own.
+    Found by name in the child (a `spawn` child imports this module to unpickle it)."""
+    engine_group.leave_server_group()
     return _RUN_ENGINE_CORE.__func__(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def engine_core_in_own_session() -> Iterator[None]:
-    """Engine core processes started meanwhile start in a session of their own.
+def engine_core_in_own_group() -> Iterator[None]:
+    """Engine core processes started meanwhile start in a process group of their own.
 
     vLLM's V1 engine starts them as
     `context.Process(target=EngineCoreProc.run_engine_core)` and has no hook to run
@@ -272,7 +272,7 @@ def engine_core_in_own_session() -> Iterator[None]:
     if not isinstance(_RUN_ENGINE_CORE, staticmethod):
         yield
         return
-    EngineCoreProc.run_engine_core = staticmethod(_run_engine_core_in_own_session)
+    EngineCoreProc.run_engine_core = staticmethod(_run_engine_core_in_own_group)
     try:
         yield
     finally:
