@@ -93,20 +93,29 @@ class ServerProcess:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=timeout)
 
+    def signal_group(self, sig: int) -> None:
+        """Signal the server's whole process group, as Ctrl-C in a terminal or
+        `kill -- -PGID` does (a server started with `own_session=True` leads its group,
+        which holds neither pytest nor any other test's server)."""
+        assert os.getpgid(self.process.pid) == self.process.pid, "started without own_session"
+        os.killpg(self.process.pid, sig)
+
 
 class PortTaken(RuntimeError):
     """A port picked as free was taken before the server bound it."""
 
 
 def start_server(
-    tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None = None
+    tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None = None, own_session: bool = False
 ) -> ServerProcess:
     """A server on fresh ports. Ports are free when picked but can be taken before the
     server binds them (vLLM's engines pick random free ports too): then again, on others.
-    `credentials`: the server serves TLS (`extra` has --tls-cert), connect with these."""
+    `credentials`: the server serves TLS (`extra` has --tls-cert), connect with these.
+    `own_session`: the server leads a session and process group of its own, for
+    `ServerProcess.signal_group`."""
     for attempt in range(3):
         try:
-            return _start_server_once(tmp_dir, *extra, credentials=credentials)
+            return _start_server_once(tmp_dir, *extra, credentials=credentials, own_session=own_session)
         except PortTaken:
             if attempt == 2:
                 raise
@@ -114,7 +123,7 @@ def start_server(
 
 
 def _start_server_once(
-    tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None
+    tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None, own_session: bool
 ) -> ServerProcess:
     port, http_port = free_ports(2)
     log_path = tmp_dir / f"server-{port}.log"
@@ -122,7 +131,8 @@ def _start_server_once(
     cmd = [sys.executable, "-m", "tracewire_server", "--model", str(MODEL),
            "--port", str(port), "--http-port", str(http_port), *ENGINE_ARGS, *extra]
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=own_session)
     scheme = "https" if credentials is not None else "http"
     server = ServerProcess(f"127.0.0.1:{port}", process, log_path, f"{scheme}://127.0.0.1:{http_port}",
                            credentials=credentials)

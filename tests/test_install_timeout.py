@@ -27,10 +27,10 @@ class _EngineCore:
         return await future
 
 
-def test_install_sends_the_frontends_route_and_the_engine_cores_owner():
+def test_install_sends_the_frontends_route():
     core = _EngineCore(answers=True)
-    asyncio.run(engine._install_worker_hooks(core, "ipc://x", False, 1, 4242))
-    assert core.calls == [("tracewire_install", ("ipc://x", False, 1, 4242))]
+    asyncio.run(engine._install_worker_hooks(core, "ipc://x", False, 1))
+    assert core.calls == [("tracewire_install", ("ipc://x", False, 1))]
 
 
 def test_an_unanswered_install_fails_the_start_clearly(monkeypatch):
@@ -39,7 +39,7 @@ def test_an_unanswered_install_fails_the_start_clearly(monkeypatch):
 
     async def install() -> None:
         with pytest.raises(RuntimeError, match=r"did not answer tracewire_install \(frontend 2\) in 0 s"):
-            await engine._install_worker_hooks(core, "ipc://x", False, 2, 4242)
+            await engine._install_worker_hooks(core, "ipc://x", False, 2)
         # Shielded, not cancelled: vLLM's output handler may still resolve it.
         assert not core.pending[0].cancelled()
 

@@ -1,17 +1,25 @@
-"""A second server process, to watch it drain (both ports) and exit on SIGTERM."""
+"""More server processes, to watch them drain (both ports) and exit on SIGTERM to the
+server alone, or on a signal to its whole process group; and to watch one that dies
+take its engine with it."""
 
 from __future__ import annotations
 
+import glob
+import os
 import signal
+import tempfile
 import threading
 import time
 
 import grpc
 import httpx
+import psutil
 import pytest
 import tracewire
-from conftest import start_server, wait_for_unfinished
+from conftest import ServerProcess, start_server, wait_for_unfinished
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from trace_requests import TraceResult, invoke, iv, logits, trace
+from tracewire.v1 import service_pb2_grpc
 
 
 def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
@@ -95,3 +103,115 @@ def test_a_dead_engine_stops_the_server_with_exit_1(tmp_path):
     code = server.process.wait(timeout=120)
     assert code == 1, server.log()[-3000:]
     assert "engine has died" in server.log()
+
+
+# What a log must not show after a clean stop: the engine dying under the drain, and
+# the noise of a dirty exit.
+DIRTY_EXIT = ("Traceback", "EngineCore encountered a fatal error", "died unexpectedly",
+              "nanobind: leaked", "resource_tracker")
+# Steps of the trace in flight: ~2.5 s of the tiny model on 2 CPU cores, which leaves
+# the drain time to be watched (400 steps, the limit of --max-model-len 512, take 1 s).
+STEPS = 1000
+
+
+@pytest.mark.parametrize("sig, extra", [
+    pytest.param(signal.SIGINT, (), id="SIGINT"),
+    pytest.param(signal.SIGTERM, (), id="SIGTERM"),
+    pytest.param(signal.SIGINT, ("--frontends", "2"), id="SIGINT-frontends"),
+])
+def test_a_signal_to_the_process_group_drains_like_sigterm_to_the_server(tmp_path, sig, extra):
+    """Ctrl-C in a terminal (SIGINT) and `kill -- -PGID` from a supervisor (SIGTERM)
+    signal every process of the server's group, vLLM's engine core and workers included.
+    The server must still drain: the trace in flight finishes, new calls get
+    UNAVAILABLE, the process exits 0 with a clean log and leaves no process behind."""
+    server = start_server(tmp_path, "--grace-period", "60", "--max-model-len", "1024", *extra,
+                          own_session=True)
+    processes = psutil.Process(server.process.pid).children(recursive=True)
+    try:
+        other = tracewire.Client(server.target, timeout=5)
+        other.tokenizer.encode("warm the connection")  # a connection open before the signal
+        traced = _TraceInFlight(server)
+        assert traced.started.wait(60), traced.error
+        server.signal_group(sig)
+        refused = _refused_while(traced, other)
+        code = server.process.wait(timeout=180)
+        traced.join(timeout=60)
+        log = server.log()
+        assert code == 0, log[-5000:]
+        assert refused is not None and "shutting down" in refused.message, refused
+        assert traced.error is None, traced.error  # neither INTERNAL nor "the engine died"
+        result = TraceResult(traced.events)
+        assert len(result.tokens()) == STEPS and len(result.values("top")) == STEPS
+        assert [line for line in log.splitlines() if any(s in line for s in DIRTY_EXIT)] == []
+        assert "draining" in log
+        _, alive = psutil.wait_procs(processes, timeout=30)
+        assert alive == [], [(p.pid, p.name()) for p in alive]
+    finally:
+        _kill(server, processes)
+
+
+def test_a_killed_server_takes_its_engine_with_it(tmp_path):
+    """SIGKILL (or a crash) leaves the server no time to stop vLLM's engine processes;
+    they must notice and stop on their own rather than hold the model's memory forever.
+    (A SIGKILL to the server's whole group is the same case for the engine, which runs
+    in a process group of its own.)"""
+    server = start_server(tmp_path)
+    processes = psutil.Process(server.process.pid).children(recursive=True)
+    assert any("EngineCore" in p.name() for p in processes), [p.name() for p in processes]
+    sockets = glob.glob(os.path.join(tempfile.gettempdir(), f"tracewire-{server.process.pid}-*"))
+    assert sockets  # the side channel's
+    try:
+        server.process.kill()
+        server.process.wait(timeout=30)
+        _, alive = psutil.wait_procs(processes, timeout=60)
+        assert alive == [], [(p.pid, p.name()) for p in alive]
+        assert [path for path in sockets if os.path.exists(path)] == []  # removed for it
+    finally:
+        _kill(server, processes)
+
+
+class _TraceInFlight(threading.Thread):
+    """A long trace (STEPS steps, each read) on its own connection; `started` is set
+    once its first step has arrived, so it is running in the engine."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        super().__init__(daemon=True)
+        self.channel = grpc.insecure_channel(server.target)
+        self.started = threading.Event()
+        self.events: list[object] = []
+        self.error: grpc.RpcError | None = None
+        self.start()
+
+    def run(self) -> None:
+        request = trace(invoke("The capital of France is", iv("top", read_logits=logits(k=3))),
+                        max_tokens=STEPS, ignore_eos=True, temperature=0.0)
+        try:
+            for event in service_pb2_grpc.TraceServiceStub(self.channel).Trace(request, timeout=120):
+                self.events.append(event)
+                self.started.set()
+        except grpc.RpcError as e:
+            self.error = e
+        finally:
+            self.started.set()
+            self.channel.close()
+
+
+def _refused_while(traced: _TraceInFlight, client: tracewire.Client) -> tracewire.Unavailable | None:
+    """The UNAVAILABLE a new call gets while `traced` is still draining (None: none)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and traced.is_alive():
+        try:
+            client.generate("a", max_tokens=1)
+        except tracewire.Unavailable as e:
+            return e if traced.is_alive() else None
+        time.sleep(0.01)
+    return None
+
+
+def _kill(server: ServerProcess, processes: list[psutil.Process]) -> None:
+    """Whatever a failed test left running."""
+    for process in [server.process, *processes]:
+        try:
+            process.kill()
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass

@@ -143,9 +143,7 @@ class Engine:
             steerable_layers=steerable_layers(engine_args, description.num_layers),
         )
         try:
-            # The engine core's parent: this process, or the launcher of the frontends.
-            owner = os.getpid() if client is None else os.getppid()
-            await _install_worker_hooks(llm, receiver.address, fault_injection, route, owner)
+            await _install_worker_hooks(llm, receiver.address, fault_injection, route)
             if readiness is not None:
                 readiness.arrive()
         except BaseException:
@@ -215,7 +213,7 @@ class Engine:
         return bool(self.llm.errored)
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        vllm_compat.stop_engine(self.llm)
         self.receiver.close()
 
 
@@ -295,13 +293,13 @@ def default_cpu_environment() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, route: int, owner: int) -> None:
+async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, route: int) -> None:
     """Wrap every worker's sampler (once per engine); rank 0 sends frontend `route`'s
     records to `address`. An engine core that never answers fails the start with a
     clear error instead of hanging it (as a lost answer once did: vllm_compat's
     FrontendGroup says why). Shielded: cancelling vLLM's utility future would break
     its output handler if the answer came late."""
-    call = asyncio.ensure_future(llm.collective_rpc("tracewire_install", args=(address, fault_injection, route, owner)))
+    call = asyncio.ensure_future(llm.collective_rpc("tracewire_install", args=(address, fault_injection, route)))
     try:
         await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S)
     except TimeoutError:

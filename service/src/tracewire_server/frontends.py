@@ -16,7 +16,9 @@ connection will be served.
 
 This process supervises: it forwards SIGTERM/SIGINT to the frontends (which
 drain), stops everything when a frontend or the engine core dies, and stops
-the engine core last.
+the engine core last. A signal to the whole process group (Ctrl-C) reaches the
+frontends directly too, but not the engine core, which runs in a process group
+of its own (engine_group.py).
 """
 
 from __future__ import annotations

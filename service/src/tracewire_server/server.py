@@ -181,6 +181,10 @@ async def serve(
             await http.stop()
     await server.stop(0)
     engine.shutdown()
+    # The interpreter never collects what _freeze_startup_heap froze, not even at exit,
+    # and triton's bindings (nanobind) then report each of their objects still alive
+    # as a leak, screens of them.
+    gc.unfreeze()
     log.info("tracewire stopped")
     return 1 if engine_died else 0
 

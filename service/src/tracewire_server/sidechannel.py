@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import glob
 import logging
 import os
 import tempfile
@@ -197,11 +198,21 @@ class Sender:
         self._socket.close(linger=0)
 
 
+def _socket_path(pid: int, suffix: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"tracewire-{pid}-{suffix}")
+
+
+def socket_paths(pid: int) -> list[str]:
+    """The socket files server process `pid`'s Receivers bound: for whoever outlives a
+    server killed outright (engine_group.py) to remove."""
+    return glob.glob(_socket_path(pid, "*"))
+
+
 class Receiver:
     """Server side: routes each record to the callback registered for its key."""
 
     def __init__(self) -> None:
-        self.address = f"ipc://{tempfile.gettempdir()}/tracewire-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.address = "ipc://" + _socket_path(os.getpid(), uuid.uuid4().hex[:8])
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.RCVHWM, 100_000)

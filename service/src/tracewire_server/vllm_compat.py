@@ -6,8 +6,10 @@ The rest of the server talks to vLLM only through this module and engine.py.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+from collections.abc import Iterator
 from typing import Any
 
 # tracewire's worker hooks wrap the V1 GPU model runner's sampler
@@ -22,7 +24,10 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.engine.core import EngineCoreProc  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
+
+from . import engine_group  # noqa: E402
 
 VLLM_VERSION: str = vllm.__version__
 
@@ -55,6 +60,7 @@ __all__ = [
     "tokenizer_from_config",
     "make_sampling_params",
     "num_unfinished_requests",
+    "stop_engine",
     "tokens_prompt",
 ]
 
@@ -109,6 +115,22 @@ def num_unfinished_requests(llm: AsyncLLM) -> int:
     return int(llm.output_processor.get_num_unfinished_requests())
 
 
+# What the engine core gets to stop (its workers, its shared memory) once asked to,
+# before it is killed. vLLM's default, 5 s, is too short on a busy CPU machine, where a
+# killed engine core leaves its shared memory to the resource tracker's warnings.
+ENGINE_STOP_TIMEOUT_S = 30.0
+
+
+def stop_engine(owner: Any) -> None:
+    """Stop the engine core that `owner` (an AsyncLLM, or the engine core manager of
+    `--frontends N`) started, within ENGINE_STOP_TIMEOUT_S where this vLLM's shutdown
+    takes a timeout, else within vLLM's default."""
+    if "timeout" in inspect.signature(owner.shutdown).parameters:
+        owner.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
+    else:  # pragma: no cover - older versions
+        owner.shutdown()
+
+
 # -- several frontend processes sharing one engine core (`--frontends N`) -------------
 
 
@@ -121,7 +143,8 @@ def start_async_llm(
     config a frontend process got from `launch_frontends`), one that connects to the
     shared engine core as frontend `client_index` of `client_count`."""
     if client is None:
-        return AsyncLLM.from_engine_args(engine_args, stat_loggers=stat_loggers)
+        with engine_core_in_own_group():
+            return AsyncLLM.from_engine_args(engine_args, stat_loggers=stat_loggers)
     from vllm.usage.usage_lib import UsageContext
 
     addresses = dict(client)
@@ -169,7 +192,7 @@ class FrontendGroup:
         stop the engine core."""
         self._frontends.shutdown(timeout=timeout)
         if self._engine_manager is not None:
-            self._engine_manager.shutdown()
+            stop_engine(self._engine_manager)
         if self._coordinator is not None:
             self._coordinator.shutdown()
         if self._listeners is not None:
@@ -179,7 +202,14 @@ class FrontendGroup:
 def launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payload: Any) -> FrontendGroup:
     """Start one engine core and `count` processes running
     `target(None, None, payload, client_config)`, as vLLM's `--api-server-count` does;
-    returns once the engine core is up (the frontends connect to it meanwhile)."""
+    returns once the engine core is up (the frontends connect to it meanwhile). The
+    frontends stay in this process's group (a signal to it reaches them, and they
+    drain); the engine core leaves it (engine_group.py)."""
+    with engine_core_in_own_group():
+        return _launch_frontends(engine_args, count, target, payload)
+
+
+def _launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payload: Any) -> FrontendGroup:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine import utils as engine_utils
     from vllm.v1.executor import Executor
@@ -228,3 +258,37 @@ def launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payl
 
 def _stats_address(coordinator: Any) -> str | None:
     return coordinator.get_stats_publish_address() if coordinator else None
+
+
+# -- the engine core out of the server's process group (engine_group.py) -------------
+
+# vLLM's entry point of an engine core process, taken before any patch below: a child
+# started with `fork` inherits the patched class, and must still reach the original.
+_RUN_ENGINE_CORE: Any = EngineCoreProc.__dict__.get("run_engine_core")
+
+
+def _run_engine_core_in_own_group(*args: Any, **kwargs: Any) -> Any:
+    """An engine core process's entry point: vLLM's, in a process group of its own.
+    Found by name in the child (a `spawn` child imports this module to unpickle it)."""
+    engine_group.leave_server_group()
+    return _RUN_ENGINE_CORE.__func__(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def engine_core_in_own_group() -> Iterator[None]:
+    """Engine core processes started meanwhile start in a process group of their own.
+
+    vLLM's V1 engine starts them as
+    `context.Process(target=EngineCoreProc.run_engine_core)` and has no hook to run
+    anything first, so the attribute is swapped for the time of the start. Without
+    that entry point (another vLLM), the engine starts as before: in the server's
+    process group, where a signal to the group stops it without a drain.
+    """
+    if not isinstance(_RUN_ENGINE_CORE, staticmethod):
+        yield
+        return
+    EngineCoreProc.run_engine_core = staticmethod(_run_engine_core_in_own_group)
+    try:
+        yield
+    finally:
+        EngineCoreProc.run_engine_core = _RUN_ENGINE_CORE

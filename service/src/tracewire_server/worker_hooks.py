@@ -56,7 +56,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import detokenize, steering, textmatch, watchdog
+from . import detokenize, steering, textmatch
 from . import plan as P
 from .collector import StepCollector
 from .sidechannel import ReadResult, RowBlock, Sender, StepBatch, StepRecord, token_read
@@ -1415,14 +1415,10 @@ class PlanHooks:
 class TracewireWorkerExtension:
     """Mixed into vLLM's worker class (worker_extension_cls)."""
 
-    def tracewire_install(
-        self, address: str, fault_injection: bool = False, route: int = 0, owner_pid: int = 0
-    ) -> int:
+    def tracewire_install(self, address: str, fault_injection: bool = False, route: int = 0) -> int:
         """Wrap the sampler (once) and connect frontend `route`'s side channel. Every
-        frontend process sharing this engine calls this with its own address and route;
-        `owner_pid`, the process that started the engine core, is watched (watchdog.py)."""
+        frontend process sharing this engine calls this with its own address and route."""
         rank = getattr(self, "rank", 0)
-        watchdog.watch_owner(owner_pid, [address.removeprefix("ipc://")] if address.startswith("ipc://") else [])
         hooks: PlanHooks | None = getattr(self, "tracewire_hooks", None)
         if hooks is None:
             runner = self.model_runner  # type: ignore[attr-defined]
