@@ -90,3 +90,27 @@ def test_large_tokenizing_runs_off_the_event_loop(server):
             answered_during += 1
         assert len(big.result().token_ids) > 1_000_000
     assert answered_during >= 2
+
+
+@pytest.mark.parametrize("body", [b"\xff\xff\xff\xff", "nested 150 deep"])
+def test_undecodable_bodies_are_invalid_argument(server, body):
+    """Corrupt bytes, or conditions nested past protobuf's recursion limit: grpc answered
+    UNKNOWN and logged a traceback each time."""
+    from fuzz_requests import nested_conditions
+
+    data = nested_conditions(150) if body == "nested 150 deep" else body
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            list(channel.unary_stream("/tracewire.v1.TraceService/Trace")(data, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert "not a valid tracewire.v1.TraceRequest" in info.value.details()
+
+
+def test_unknown_enum_values_are_refused(stub):
+    """protobuf keeps enum values it does not know; they read as some default."""
+    mean_of_99 = I.ReadModule(module="layers.1", reduction=99)
+    expect_invalid(lambda: list(stub.Trace(trace(invoke("a", iv("m", read_module=mean_of_99))), timeout=30)),
+                   "invokes[0].interventions[0].read_module.reduction")
+    odd = I.Condition(entropy=I.Threshold(comparison=42, value=1.0))
+    expect_invalid(lambda: list(stub.Trace(trace(invoke("a", iv(when=odd, stop=I.Stop()))), timeout=30)),
+                   "invokes[0].interventions[0].condition.entropy.comparison")
