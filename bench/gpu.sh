@@ -15,7 +15,7 @@ fi
 # The machine's grpcio is older than the generated code needs, and grpcio's health,
 # reflection and status packages are missing there: carried as wheels.
 if [ ! -f /tmp/tw/.done ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tw .vc/whl/grpcio_* .vc/whl/googleapis_* .vc/whl/google_re2-*
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tw .vc/whl/grpcio_* .vc/whl/googleapis_* .vc/whl/google_re2-* .vc/whl/httptools-*
   too_old=$(PYTHONPATH=/tmp/site python3 -c "
 import grpc, google.protobuf as p
 v = lambda s: tuple(int(x) for x in s.split('.')[:3])
