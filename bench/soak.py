@@ -41,7 +41,8 @@ MODEL = ROOT / "models" / "tracewire-tiny"
 SERVER_FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "64",
                 "--http-port", "0"]
 PROMPTS = ("The capital of France is", "Once upon a time", "One, two, three,",
-           # longer than one KV block (128 tokens on the CPU backend): prefix caching in play
+           # longer than one KV block (128 tokens on the CPU backend): prefix caching in play;
+           # with the longest generation (300) within the context (512)
            " ".join(["The capital of France is Paris."] * 24))
 TIMEOUT_S = 120.0
 
@@ -135,7 +136,7 @@ def kinds(hidden: int, period_token: int) -> list[Kind]:
     def cancel(stub: Any, prompt: str) -> Signature:
         call = stub.Trace(service_pb2.TraceRequest(
             invokes=[trace_pb2.Invoke(prompt=prompt_pb2.Prompt(text=prompt))],
-            sampling_params=_sampling(max_tokens=400, **GREEDY)), timeout=TIMEOUT_S)
+            sampling_params=_sampling(max_tokens=300, **GREEDY)), timeout=TIMEOUT_S)
         for seen, _ in enumerate(call):
             if seen == 2:
                 call.cancel()
@@ -143,7 +144,7 @@ def kinds(hidden: int, period_token: int) -> list[Kind]:
 
     def deadline(stub: Any, prompt: str) -> Signature:
         stub.Generate(service_pb2.GenerateRequest(prompts=[prompt_pb2.Prompt(text=prompt)],
-                                                  sampling_params=_sampling(max_tokens=400, **GREEDY)), timeout=0.05)
+                                                  sampling_params=_sampling(max_tokens=300, **GREEDY)), timeout=0.05)
         return None
 
     return [Kind("generate", generate), Kind("generate_stream", stream), Kind("trace_top_k", top_k),
