@@ -266,9 +266,12 @@ def soak(target: str, server: Process, args: argparse.Namespace) -> dict[str, An
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
     for t in threads:
         t.start()
+    started = time.monotonic()
+    timeline: list[tuple[float, int]] = []  # (seconds in, RSS MiB): does it level off?
     while any(t.is_alive() for t in threads):
         sample = server.sample()
         peak = {k: max(peak[k], sample[k]) for k in peak}
+        timeline.append((round(time.monotonic() - started, 1), sample["rss_bytes"] >> 20))
         time.sleep(2)
     after = server.sample()
     health = stub.GetEngineStats(service_pb2.GetEngineStatsRequest(), timeout=10)
@@ -287,6 +290,8 @@ def soak(target: str, server: Process, args: argparse.Namespace) -> dict[str, An
     print(f"server RSS {before['rss_bytes'] / 2**20:.0f} -> {after['rss_bytes'] / 2**20:.0f} MiB "
           f"(peak {peak['rss_bytes'] / 2**20:.0f}); open fds {before['fds']} -> {after['fds']} (peak {peak['fds']}); "
           f"requests left in the engine: {health.num_unfinished_requests}")
+    every = max(1, len(timeline) // 6)
+    print("RSS MiB over the run: " + ", ".join(f"{t:.0f} s {mib}" for t, mib in timeline[::every]))
     return {
         "machine": {"host": platform.node(), "cpus": psutil.cpu_count(), "python": platform.python_version()},
         "date": dt.datetime.now().isoformat(timespec="seconds"),
@@ -296,6 +301,7 @@ def soak(target: str, server: Process, args: argparse.Namespace) -> dict[str, An
         "mismatches": mismatches[:20], "mismatch_count": len(mismatches),
         "server_before": before, "server_after": after, "server_peak": peak,
         "unfinished_after": health.num_unfinished_requests,
+        "rss_mib_timeline": timeline,
     }
 
 
