@@ -179,6 +179,17 @@ class Process:
                 pass
         return {"rss_bytes": rss, "fds": fds, "processes": len(procs)}
 
+    def rss_by_process(self) -> dict[str, int]:
+        """MiB per process of the tree, by name (the server, the engine core, its worker)."""
+        out: dict[str, int] = {}
+        for p in [self.root, *self.root.children(recursive=True)]:
+            try:
+                name = "server" if p.pid == self.root.pid else p.name()
+                out[name] = out.get(name, 0) + (p.memory_info().rss >> 20)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -268,10 +279,14 @@ def soak(target: str, server: Process, args: argparse.Namespace) -> dict[str, An
         t.start()
     started = time.monotonic()
     timeline: list[tuple[float, int]] = []  # (seconds in, RSS MiB): does it level off?
+    by_process: list[tuple[float, dict[str, int]]] = []  # and which process holds it
     while any(t.is_alive() for t in threads):
         sample = server.sample()
         peak = {k: max(peak[k], sample[k]) for k in peak}
-        timeline.append((round(time.monotonic() - started, 1), sample["rss_bytes"] >> 20))
+        seconds = round(time.monotonic() - started, 1)
+        timeline.append((seconds, sample["rss_bytes"] >> 20))
+        if len(timeline) % 15 == 1:
+            by_process.append((seconds, server.rss_by_process()))
         time.sleep(2)
     after = server.sample()
     health = stub.GetEngineStats(service_pb2.GetEngineStatsRequest(), timeout=10)
@@ -292,6 +307,7 @@ def soak(target: str, server: Process, args: argparse.Namespace) -> dict[str, An
           f"requests left in the engine: {health.num_unfinished_requests}")
     every = max(1, len(timeline) // 6)
     print("RSS MiB over the run: " + ", ".join(f"{t:.0f} s {mib}" for t, mib in timeline[::every]))
+    print("by process: " + "; ".join(f"{t:.0f} s {procs}" for t, procs in by_process))
     return {
         "machine": {"host": platform.node(), "cpus": psutil.cpu_count(), "python": platform.python_version()},
         "date": dt.datetime.now().isoformat(timespec="seconds"),
@@ -302,6 +318,7 @@ def soak(target: str, server: Process, args: argparse.Namespace) -> dict[str, An
         "server_before": before, "server_after": after, "server_peak": peak,
         "unfinished_after": health.num_unfinished_requests,
         "rss_mib_timeline": timeline,
+        "rss_mib_by_process": by_process,
     }
 
 
