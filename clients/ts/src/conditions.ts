@@ -1,6 +1,6 @@
 /**
  * Declarative conditions (tracewire.v1.Condition), evaluated on the server per
- * step. Data only: a regex travels as a string and runs in the server's Python `re`.
+ * step. Data only: a regex travels as a string and runs in the server's RE2 (linear time).
  *
  * The logits they look at: on a write, before the draw, the row before any of the step's
  * writes (read.logits({ stage: "before_writes" })); on a read or a stop, after the draw,
@@ -32,12 +32,15 @@ export function argmaxIn(tokenIds: number | readonly number[]): Condition {
   return create(ConditionSchema, { kind: { case: "argmaxIn", value: { tokenIds: idList(tokenIds) } } });
 }
 
-/** The generated text so far contains `text`. */
+/** The generated text so far (as streamed, whole) contains `text` (at most 1024 characters). */
 export function textContains(text: string): Condition {
   return create(ConditionSchema, { kind: { case: "textContains", value: text } });
 }
 
-/** The generated text so far matches this Python `re` pattern (searched, not anchored). */
+/**
+ * The generated text so far (as streamed) matches this pattern: RE2 syntax (no backreferences
+ * or lookaround), at most 1024 characters, searched in the last 4096 characters of the text.
+ */
 export function textMatches(pattern: string): Condition {
   return create(ConditionSchema, { kind: { case: "textMatches", value: pattern } });
 }
