@@ -16,27 +16,36 @@ from tracewire_server.textmatch import TEXT_WINDOW, TextScan
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
+def scanned(text: str, needles: tuple[str, ...] = (), piece: int = 997) -> TextScan:
+    """A TextScan extended with `text` in pieces, as a generation's steps would."""
+    scan = TextScan(needles)
+    for i in range(0, len(text), piece):
+        scan.extend(text[i:i + piece])
+    return scan
+
+
 def test_contains_is_exact_over_the_whole_text_as_it_grows():
-    scan = TextScan()
-    text = "x" * 10_000
-    assert not scan.contains(text, "needle")
-    text += "nee"
-    assert not scan.contains(text, "needle")
-    text += "dle" + "y" * 10_000  # the needle straddles two checks
-    assert scan.contains(text, "needle")
-    assert scan.contains(text + "z", "needle")  # found stays found
-    assert TextScan().contains("a needle at the start" + "y" * 10_000, "needle")
+    scan = TextScan(["needle"])
+    scan.extend("x" * 10_000)
+    assert not scan.contains("needle")
+    scan.extend("nee")
+    assert not scan.contains("needle")
+    scan.extend("dle" + "y" * 10_000)  # the needle straddles two steps
+    assert scan.contains("needle")
+    scan.extend("z")
+    assert scan.contains("needle")  # found stays found
+    assert scanned("a needle at the start" + "y" * 10_000, ("needle",)).contains("needle")
+    assert scanned("x" * 10_000 + "needle", ("needle",), piece=1).contains("needle")  # a character a step
 
 
 def test_matches_searches_the_window_with_its_context():
-    scan = TextScan()
-    assert scan.matches("Paris.", r"[.!?]$")
-    assert scan.matches("start " + "y" * 10, r"^start")
+    assert scanned("Paris.").matches(r"[.!?]$")
+    assert scanned("start " + "y" * 10).matches(r"^start")
     long = "start " + "y" * (2 * TEXT_WINDOW)
-    assert not scan.matches(long, r"^start")  # outside the window
-    assert not scan.matches(long, r"^y")  # `^` is the text's start, not the window's
-    assert not scan.matches(long, r"\by")  # the character before the window is context
-    assert scan.matches(long + " end", r"\bend$")
+    assert not scanned(long).matches(r"^start")  # outside the window
+    assert not scanned(long).matches(r"^y")  # `^` is the text's start, not the window's
+    assert not scanned(long).matches(r"\by")  # the character before the window is context
+    assert scanned(long + " end").matches(r"\bend$")
 
 
 @pytest.mark.parametrize("pattern, why", [

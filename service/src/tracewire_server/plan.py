@@ -10,7 +10,7 @@ conditions.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal, Union
 
 import msgspec
@@ -272,6 +272,9 @@ class SequencePlan(msgspec.Struct, frozen=True):
     def needs_text(self) -> bool:
         return any(_uses_text(op.condition) for op in self.ops)
 
+    def text_needles(self) -> frozenset[str]:
+        """The strings of every text_contains in the plan's conditions."""
+        return frozenset(c.text for op in self.ops for c in _leaves(op.condition) if isinstance(c, TextContains))
 
 
 def conditions_use_logits(ops: tuple[Op, ...]) -> bool:
@@ -280,15 +283,22 @@ def conditions_use_logits(ops: tuple[Op, ...]) -> bool:
     return any(_uses_logits(op.condition) for op in ops)
 
 
+def _leaves(condition: Condition | None) -> Iterator[Condition]:
+    """The leaves of a condition tree."""
+    if condition is None:
+        return
+    if isinstance(condition, (AllOf, AnyOf)):
+        for c in condition.conditions:
+            yield from _leaves(c)
+    elif isinstance(condition, Not):
+        yield from _leaves(condition.condition)
+    else:
+        yield condition
+
+
 def _any_leaf(condition: Condition | None, leaf: Callable[[Condition], bool]) -> bool:
     """Whether `leaf` holds for any leaf of the condition tree."""
-    if condition is None:
-        return False
-    if isinstance(condition, (AllOf, AnyOf)):
-        return any(_any_leaf(c, leaf) for c in condition.conditions)
-    if isinstance(condition, Not):
-        return _any_leaf(condition.condition, leaf)
-    return leaf(condition)
+    return any(leaf(c) for c in _leaves(condition))
 
 
 def _uses_text(condition: Condition | None) -> bool:

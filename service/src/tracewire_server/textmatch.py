@@ -9,13 +9,15 @@ every request. So:
   and compiles within MAX_PATTERN_MEMORY, checked when the trace is compiled.
 - `text_matches` searches the last TEXT_WINDOW characters of the text so far, with the
   character before them as context, so `^` and `\\b` mean what they mean in the whole text.
-- `text_contains` is exact over the whole text: each check scans only the text added since
-  the last one (plus the needle's length), and a needle once found stays found.
+- `text_contains` is exact over the whole text: every needle of the plan is looked for in
+  each step's new text (with the needle's length before it), and once found stays found.
+- So a sequence keeps only the last TEXT_WINDOW + 1 characters of its text: a step's work
+  is bounded by its new text, the window and the needles, however long the text grows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import re2
@@ -52,31 +54,39 @@ def check_needle(needle: str) -> None:
         raise PatternError(f"is {len(needle)} characters; at most {MAX_PATTERN_CHARS}")
 
 
-@dataclass
 class TextScan:
-    """One sequence's text conditions: compiled patterns and how far each needle was
-    looked for. The text passed in only ever grows."""
+    """One sequence's text so far, as its text conditions need it: the last TEXT_WINDOW + 1
+    characters, which of the plan's needles have appeared anywhere in it, and the compiled
+    patterns. `extend` with each step's new text, in order."""
 
-    _patterns: dict[str, Any] = field(default_factory=dict)
-    _scanned: dict[str, int] = field(default_factory=dict)  # needle -> text length looked at; -1: found
+    def __init__(self, needles: Iterable[str] = ()) -> None:
+        self._tail = ""
+        self._looking = {needle for needle in needles if needle}  # not found yet
+        self._found: set[str] = set()
+        self._patterns: dict[str, Any] = {}
 
-    def contains(self, text: str, needle: str) -> bool:
-        scanned = self._scanned.get(needle, 0)
-        if scanned < 0:
-            return True
-        if needle in text[max(0, scanned - len(needle) + 1):]:
-            self._scanned[needle] = -1
-            return True
-        self._scanned[needle] = len(text)
-        return False
+    def extend(self, delta: str) -> None:
+        if not delta:
+            return
+        text = self._tail + delta
+        for needle in tuple(self._looking):
+            # A needle that ends in `delta` starts at most len(needle) - 1 characters
+            # before it; the tail always holds those (needles are shorter than it).
+            if needle in text[max(0, len(self._tail) - len(needle) + 1):]:
+                self._looking.discard(needle)
+                self._found.add(needle)
+        self._tail = text[-(TEXT_WINDOW + 1):]
 
-    def matches(self, text: str, pattern: str) -> bool:
+    def contains(self, needle: str) -> bool:
+        """Whether `needle`, one of the needles given at the start, is in the text."""
+        return needle in self._found
+
+    def matches(self, pattern: str) -> bool:
         compiled = self._patterns.get(pattern)
         if compiled is None:
             compiled = self._patterns[pattern] = compile_pattern(pattern)
-        start = len(text) - TEXT_WINDOW
-        if start <= 0:
-            return compiled.search(text) is not None
-        # One character of context before the window: `^` does not match at the window's
-        # start, and `\b` sees the character before it.
-        return compiled.search(text[start - 1:], 1) is not None
+        if len(self._tail) <= TEXT_WINDOW:  # the whole text
+            return compiled.search(self._tail) is not None
+        # The window, with the character before it as context: `^` does not match at the
+        # window's start, and `\b` sees the character before it.
+        return compiled.search(self._tail, 1) is not None

@@ -201,8 +201,8 @@ class _Sequence:
     prompt_ids: list[int] = field(default_factory=list)
     step: int = 0
     # Text conditions: the text generated so far, as the client is sent it (its deltas
-    # from the same tracker, on the same settings, as the server's; detokenize.py).
-    text: str = ""
+    # from the same tracker, on the same settings, as the server's; detokenize.py), held
+    # as much as the conditions need of it (textmatch.py).
     tracker: detokenize.TextTracker | detokenize.DecodeStreamTracker | None = None
     error: str | None = None
     error_reported: bool = False
@@ -430,11 +430,6 @@ class _Context:
             self._logprobs = torch.log_softmax(self.processed, dim=-1)
         return self._logprobs
 
-    def text(self) -> str:
-        """The text so far: before the forward pass (writes) up to the last step, once
-        the token is drawn (reads, stops) with it (_finish adds it first)."""
-        return self.row.seq.text
-
 
 def _compare(value: float, comparison: str, threshold: float) -> bool:
     if comparison == ">":
@@ -454,9 +449,11 @@ def _holds(cond: P.Condition | None, ctx: _Context) -> bool:
     if isinstance(cond, P.ArgmaxIn):
         return int(torch.argmax(ctx.processed)) in cond.token_ids
     if isinstance(cond, P.TextContains):
-        return ctx.row.seq.scan.contains(ctx.text(), cond.text)
+        # The text so far: before the forward pass (writes) up to the last step; once the
+        # token is drawn (reads, stops) with it (_finish adds it first).
+        return ctx.row.seq.scan.contains(cond.text)
     if isinstance(cond, P.TextMatches):
-        return ctx.row.seq.scan.matches(ctx.text(), cond.pattern)
+        return ctx.row.seq.scan.matches(cond.pattern)
     if isinstance(cond, P.TokenProbability):
         token = ctx.row.token if cond.token_id is None else cond.token_id
         prob = float(torch.exp(ctx.logprobs[token]))
@@ -1241,6 +1238,7 @@ class PlanHooks:
             seq = _Sequence(plan, needs_text=plan.needs_text(), prompt_ids=prompt_ids)
             if seq.needs_text:
                 seq.tracker = detokenize.text_tracker(self.tokenizer, prompt_ids, plan.skip_special_tokens)
+                seq.scan = textmatch.TextScan(plan.text_needles())
             if any(isinstance(op.action, P.WriteModule) for op in plan.ops):
                 self.module_writers.add(req_id)
         if len(self.sequences) > 2 * len(self.runner.requests) + 64:
@@ -1363,7 +1361,7 @@ class PlanHooks:
             seq = row.seq
             row.token = int(tokens[row.index])
             if seq.tracker is not None:  # before the conditions: the text includes the token
-                seq.text += seq.tracker.add(row.token)
+                seq.scan.extend(seq.tracker.add(row.token))
             if row.selected.ops:
                 if row.error is None and row.selected.plain:
                     row.kept = row.reads  # the common case: keep every read, nothing to decide
