@@ -9,6 +9,7 @@ from tracewire.v1 import prompt_pb2
 
 from .errors import InvalidArgument
 from .limits import ModelLimits
+from .sampling import check_token_ids
 
 
 class Encoder(Protocol):
@@ -39,12 +40,7 @@ def to_engine_prompt(
         text = None
         if not ids:
             raise InvalidArgument(f"{field}.token_ids.ids", "prompt token ids must not be empty")
-        for i, token in enumerate(ids):
-            if not 0 <= token < limits.vocab_size:
-                raise InvalidArgument(
-                    f"{field}.token_ids.ids[{i}]",
-                    f"token id {token} is outside the vocabulary [0, {limits.vocab_size})",
-                )
+        check_token_ids(ids, limits, f"{field}.token_ids.ids")
     else:
         raise InvalidArgument(field, "prompt is empty: set text or token_ids")
     if len(ids) >= limits.max_model_len:

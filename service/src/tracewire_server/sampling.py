@@ -61,18 +61,18 @@ def to_vllm_kwargs(
             raise InvalidArgument(f"{field}.stop", "stop strings must not be empty")
         kw["stop"] = list(params.stop)
     if params.stop_token_ids:
-        _check_token_ids(params.stop_token_ids, limits, f"{field}.stop_token_ids")
+        check_token_ids(params.stop_token_ids, limits, f"{field}.stop_token_ids")
         kw["stop_token_ids"] = list(params.stop_token_ids)
     if params.bad_words:
         kw["bad_words"] = list(params.bad_words)
     if params.logit_bias:
-        _check_token_ids(params.logit_bias.keys(), limits, f"{field}.logit_bias")
+        check_token_ids(params.logit_bias.keys(), limits, f"{field}.logit_bias")
         for token, bias in params.logit_bias.items():
             if not math.isfinite(bias):
                 raise InvalidArgument(f"{field}.logit_bias[{token}]", "must be a finite number")
         kw["logit_bias"] = dict(params.logit_bias)
     if params.allowed_token_ids:
-        _check_token_ids(params.allowed_token_ids, limits, f"{field}.allowed_token_ids")
+        check_token_ids(params.allowed_token_ids, limits, f"{field}.allowed_token_ids")
         kw["allowed_token_ids"] = list(params.allowed_token_ids)
     return kw
 
@@ -113,7 +113,8 @@ def _check_ranges(kw: dict[str, Any], limits: ModelLimits, field: str) -> None:
             raise bad(name, f"must be <= the server's max_logprobs ({cap})")
 
 
-def _check_token_ids(ids: Any, limits: ModelLimits, field: str) -> None:
+def check_token_ids(ids: Any, limits: ModelLimits, field: str) -> None:
+    """Every id in the vocabulary; the error names `field[i]`."""
     for i, token in enumerate(ids):
         if not 0 <= token < limits.vocab_size:
             raise InvalidArgument(

@@ -30,7 +30,7 @@ from .engine import Engine
 from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
 from .limits import EngineMode
 from .prompts import EnginePrompt, to_engine_prompt
-from .sampling import fit_max_tokens, to_vllm_kwargs
+from .sampling import check_token_ids, fit_max_tokens, to_vllm_kwargs
 from .tenants import TenantCall, TenantLedger, TenantQuotas
 from .trace import TraceRun
 
@@ -368,15 +368,10 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         self, request: service_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext, tenant: TenantCall
     ) -> service_pb2.DetokenizeResponse:
         engine = self._admit(request)
-        vocab = engine.limits.vocab_size
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
 
         def detokenize() -> service_pb2.DetokenizeResponse:
-            for i, token in enumerate(request.token_ids):
-                if not 0 <= token < vocab:
-                    raise InvalidArgument(
-                        f"token_ids[{i}]", f"token id {token} is outside the vocabulary [0, {vocab})"
-                    )
+            check_token_ids(request.token_ids, engine.limits, "token_ids")
             return service_pb2.DetokenizeResponse(text=engine.decode(list(request.token_ids), skip_special_tokens=skip))
 
         return await self._off_loop(request, detokenize)
