@@ -157,9 +157,25 @@ def is_open(sock: socket.socket) -> bool:
         return True
 
 
+def until_accepted(health: health_pb2_grpc.HealthStub, within: float = 30.0) -> None:
+    """Until the server takes this connection: the connections an earlier test held and
+    closed count against --max-connections until the server has seen them close, which
+    on a loaded machine can take a moment."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def test_grpc_calls_over_the_limit_are_refused(server: ServerProcess) -> None:
     with grpc.insecure_channel(server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
+        until_accepted(health)
         watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=60) for _ in range(MAX_CALLS)]
         try:
             for watch in watches:  # each one is running: it sent its first status
