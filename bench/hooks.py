@@ -28,9 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service" / "src"), str(ROOT / "tests")]
 
-from tracewire_server import plan as P  # noqa: E402
-from tracewire_server import sidechannel, steering  # noqa: E402
-from tracewire_server import worker_hooks as W  # noqa: E402
+from tracewire_server.shared import plan as P  # noqa: E402
+from tracewire_server.shared import sidechannel, steering  # noqa: E402
+from tracewire_server.worker import worker_hooks as W  # noqa: E402
 from worker_standin import Sampler, request, runner  # noqa: E402
 
 PLANS = {

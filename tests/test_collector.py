@@ -5,7 +5,7 @@ submit waits when too many are outstanding, and a failing step does not stop the
 import threading
 import time
 
-from tracewire_server.collector import StepCollector
+from tracewire_server.worker.collector import StepCollector
 
 
 def test_threaded_steps_finish_in_order_and_drain_waits():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import MODEL
-from tracewire_server.detokenize import DecodeStreamTracker, TextTracker
+from tracewire_server.shared.detokenize import DecodeStreamTracker, TextTracker
 from transformers import AutoTokenizer
 
 TEXT = " héllo ✓ 日本語 — naïve café 🙂 The capital of France is Paris."

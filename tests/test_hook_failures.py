@@ -6,8 +6,8 @@ vLLM's model runner and sampler: the failure is one vLLM cannot be made to cause
 from __future__ import annotations
 
 import torch
-from tracewire_server import plan as P
-from tracewire_server import worker_hooks as W
+from tracewire_server.shared import plan as P
+from tracewire_server.worker import worker_hooks as W
 from worker_standin import Sampler, Sender, records, request, runner
 
 VOCAB = 50

@@ -319,7 +319,7 @@ def test_cors_origin_flag_replaces_the_localhost_default():
     """`--cors-origin` configuration, on the ASGI app alone (no engine needed for CORS)."""
     import asyncio
 
-    from tracewire_server.http_gateway import build_app
+    from tracewire_server.frontend.http_gateway import build_app
 
     async def preflight(app, origin: str) -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -342,7 +342,7 @@ def test_plain_grpc_on_the_http_port_is_415():
     """gRPC needs HTTP/2 trailers; the HTTP port says where to go instead of failing inside."""
     import asyncio
 
-    from tracewire_server.http_gateway import build_app
+    from tracewire_server.frontend.http_gateway import build_app
 
     async def post(content_type: str) -> httpx.Response:
         app = build_app({}, [], read_max_bytes=1 << 20)
@@ -359,7 +359,7 @@ def test_http_port_in_use_is_a_clear_startup_error():
     import asyncio
     import socket
 
-    from tracewire_server.http_gateway import HttpGateway, build_app
+    from tracewire_server.frontend.http_gateway import HttpGateway, build_app
 
     async def start(port: int) -> None:
         await HttpGateway.start(build_app({}, [], read_max_bytes=1 << 20), "127.0.0.1", port)

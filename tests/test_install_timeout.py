@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tracewire_server import engine
+from tracewire_server.frontend import engine
 
 
 class _EngineCore:

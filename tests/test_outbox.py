@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 from tracewire.v1 import service_pb2, trace_pb2
-from tracewire_server.errors import ResourceExhausted
-from tracewire_server.outbox import BATCH_BYTES, Outbox
+from tracewire_server.frontend.errors import ResourceExhausted
+from tracewire_server.frontend.outbox import BATCH_BYTES, Outbox
 
 
 class Client:

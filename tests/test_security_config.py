@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 from certs import make_pki
-from tracewire_server.auth import TokenFileError, TokenTable
-from tracewire_server.errors import Unauthenticated
-from tracewire_server.tls import ServerTls, TlsConfigError
+from tracewire_server.frontend.auth import TokenFileError, TokenTable
+from tracewire_server.frontend.errors import Unauthenticated
+from tracewire_server.frontend.tls import ServerTls, TlsConfigError
 
 ALICE = "alice-token-0123456789"
 ALICE2 = "alice-token-rotated-0000"

@@ -7,9 +7,9 @@ import threading
 
 import numpy as np
 import zmq
-from tracewire_server import sidechannel
-from tracewire_server.sidechannel import ReadResult, RowBlock, StepBatch, StepRecord, resolve
-from tracewire_server.tensors import RawTensor
+from tracewire_server.shared import sidechannel
+from tracewire_server.shared.sidechannel import ReadResult, RowBlock, StepBatch, StepRecord, resolve
+from tracewire_server.shared.tensors import RawTensor
 
 
 def _array(raw: RawTensor) -> np.ndarray:
@@ -121,7 +121,7 @@ _PINNED_SENDER = """
 import os, sys, time
 usable = os.sched_getaffinity(0)
 os.sched_setaffinity(0, {min(usable)})  # as vLLM's CPU backend pins its worker
-from tracewire_server.sidechannel import Sender
+from tracewire_server.shared.sidechannel import Sender
 sender = Sender("ipc://" + sys.argv[1])
 tasks = f"/proc/{os.getpid()}/task"
 for _ in range(100):  # the I/O thread names itself once it runs

@@ -10,9 +10,9 @@ import types
 
 import numpy as np
 import torch
-from tracewire_server import plan as P
-from tracewire_server import steering
-from tracewire_server import worker_hooks as W
+from tracewire_server.shared import plan as P
+from tracewire_server.shared import steering
+from tracewire_server.worker import worker_hooks as W
 from worker_standin import Sampler, Sender, request, runner
 
 HIDDEN = 8

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from tracewire_server.errors import ResourceExhausted
-from tracewire_server.tenants import WINDOW_SECONDS, TenantCall, TenantLedger, TenantQuotas
+from tracewire_server.frontend.errors import ResourceExhausted
+from tracewire_server.frontend.tenants import WINDOW_SECONDS, TenantCall, TenantLedger, TenantQuotas
 
 
 class FakeClock:

@@ -10,8 +10,8 @@ import pytest
 import tracewire
 from trace_requests import invoke, iv, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
-from tracewire_server import textmatch
-from tracewire_server.textmatch import TEXT_WINDOW, TextScan
+from tracewire_server.shared import textmatch
+from tracewire_server.shared.textmatch import TEXT_WINDOW, TextScan
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -11,8 +11,8 @@ import types
 import numpy as np
 import pytest
 import torch
-from tracewire_server import plan as P
-from tracewire_server import worker_hooks as W
+from tracewire_server.shared import plan as P
+from tracewire_server.worker import worker_hooks as W
 from worker_standin import Sampler, Sender, records, request, runner
 
 VOCAB = 64

@@ -8,8 +8,8 @@ from __future__ import annotations
 import types
 
 import torch
-from tracewire_server import plan as P
-from tracewire_server import sidechannel
+from tracewire_server.shared import plan as P
+from tracewire_server.shared import sidechannel
 
 
 def request(blob: bytes) -> types.SimpleNamespace:

@@ -9,12 +9,12 @@ import logging
 import sys
 from pathlib import Path
 
-from . import connection_limits
-from .auth import TokenFileError, TokenTable
-from .server import ServerConfig, serve
-from .servicer import TraceOptions
-from .tenants import TenantQuotas
-from .tls import ServerTls, TlsConfigError
+from .frontend import connection_limits
+from .frontend.auth import TokenFileError, TokenTable
+from .frontend.server import ServerConfig, serve
+from .frontend.servicer import TraceOptions
+from .frontend.tenants import TenantQuotas
+from .frontend.tls import ServerTls, TlsConfigError
 
 log = logging.getLogger("tracewire_server")
 
@@ -23,8 +23,8 @@ _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-ti
 
 
 def parse_args(argv: list[str]) -> ServerConfig:
-    from .engine import default_cpu_environment, use_compiled_steering
-    from .vllm_compat import AsyncEngineArgs, FlexibleArgumentParser
+    from .frontend.engine import default_cpu_environment, use_compiled_steering
+    from .frontend.vllm_compat import AsyncEngineArgs, FlexibleArgumentParser
 
     default_cpu_environment()
     parser = FlexibleArgumentParser(
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     config = parse_args(sys.argv[1:] if argv is None else argv)
     if config.frontends > 1:
-        from .frontends import run
+        from .frontend.frontends import run
 
         return run(config)
     return asyncio.run(serve(config))

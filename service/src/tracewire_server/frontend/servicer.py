@@ -21,14 +21,15 @@ from google.protobuf import message_factory
 from grpc_status import rpc_status
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
-from . import __version__, outputs, vllm_compat
+from .. import __version__
+from ..shared.limits import EngineMode
+from . import outputs, vllm_compat
 from .auth import TokenTable
 from .bounds import RequestBounds
 from .calls import current_call
 from .compiler import check_sequences, compile_trace
 from .engine import Engine
 from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
-from .limits import EngineMode
 from .prompts import EnginePrompt, to_engine_prompt
 from .sampling import check_token_ids, fit_max_tokens, to_vllm_kwargs
 from .tenants import TenantCall, TenantLedger, TenantQuotas

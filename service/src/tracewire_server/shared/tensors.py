@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 from tracewire.v1 import tensor_pb2
 
-from .errors import InvalidArgument
+from ..frontend.errors import InvalidArgument
 
 _NUMPY: dict[int, np.dtype] = {
     tensor_pb2.DTYPE_FLOAT32: np.dtype("<f4"),

@@ -15,13 +15,13 @@ from typing import Any
 from tracewire.v1 import intervention_pb2 as ipb
 from tracewire.v1 import sampling_pb2, service_pb2
 
-from . import plan as P
-from . import textmatch
+from ..shared import plan as P
+from ..shared import textmatch
+from ..shared.limits import ModelLimits
+from ..shared.tensors import float_vector
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from .limits import ModelLimits
 from .prompts import Encoder, EnginePrompt, to_engine_prompt
 from .sampling import DEFAULT_MAX_TOKENS, fit_max_tokens, to_vllm_kwargs
-from .tensors import float_vector
 
 # With --enable-fault-injection (tests only), an intervention named
 # "__fault__:<message>" raises <message> inside the worker hook at its steps.

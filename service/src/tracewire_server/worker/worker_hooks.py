@@ -56,11 +56,11 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import detokenize, steering, textmatch
-from . import plan as P
+from ..shared import detokenize, steering, textmatch
+from ..shared import plan as P
+from ..shared.sidechannel import ReadResult, RowBlock, Sender, StepBatch, StepRecord, token_read
+from ..shared.tensors import RawTensor
 from .collector import StepCollector
-from .sidechannel import ReadResult, RowBlock, Sender, StepBatch, StepRecord, token_read
-from .tensors import RawTensor
 
 # Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
 # worker processes; a logger of our own would have none there.
@@ -1405,7 +1405,7 @@ class PlanHooks:
     def tokenizer(self) -> Any:
         """The tokenizer the server decodes with: vLLM's, built from the same model config
         (loaded the first time a trace has a text condition)."""
-        from .vllm_compat import tokenizer_from_config
+        from ..frontend.vllm_compat import tokenizer_from_config
 
         return tokenizer_from_config(self.runner.vllm_config.model_config)
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from google.protobuf import descriptor
 
+from ..shared.limits import ModelLimits
 from .errors import InvalidArgument
-from .limits import ModelLimits
 
 DEFAULT_ITEMS = 1024  # a repeated field or map not named below
 DEFAULT_CHARS = 1024  # a string not named below (names, module paths, stop strings, ...)

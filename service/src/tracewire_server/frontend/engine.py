@@ -16,17 +16,18 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import detokenize, steering, vllm_compat
-from .detokenize import DecodeStreamTracker, TextTracker
+from ..shared import detokenize, steering
+from ..shared.detokenize import DecodeStreamTracker, TextTracker
+from ..shared.limits import ModelLimits
+from ..shared.sidechannel import Receiver
+from . import vllm_compat
 from .errors import InvalidArgument, Unavailable
-from .limits import ModelLimits
 from .prompts import EnginePrompt
-from .sidechannel import Receiver
 
 if TYPE_CHECKING:
     from .frontends import GroupReadiness
 
-WORKER_EXTENSION = "tracewire_server.worker_hooks.TracewireWorkerExtension"
+WORKER_EXTENSION = "tracewire_server.worker.worker_hooks.TracewireWorkerExtension"
 # The install is a few milliseconds of work in the worker; the engine core answers
 # utility calls between steps.
 INSTALL_TIMEOUT_S = 120.0

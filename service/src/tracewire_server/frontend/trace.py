@@ -18,6 +18,7 @@ from typing import Any
 
 from tracewire.v1 import output_pb2, service_pb2, trace_pb2
 
+from ..shared.sidechannel import Receiver, StepRecord
 from . import outputs
 from .calls import current_tenant
 from .compiler import CompiledInvoke, CompiledTrace, EngineSequence
@@ -25,7 +26,6 @@ from .engine import Engine
 from .errors import Internal, TracewireError
 from .metrics import TraceMetrics
 from .outbox import Outbox, Write
-from .sidechannel import Receiver, StepRecord
 
 # How long a sequence waits for the worker's record of a step the engine
 # already reported. Records normally arrive before the token itself.

@@ -27,7 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from .metrics import observe_hook_times
+from ..frontend.metrics import observe_hook_times
 from .tensors import RawTensor
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from typing import Protocol
 
 from tracewire.v1 import prompt_pb2
 
+from ..shared.limits import ModelLimits
 from .errors import InvalidArgument
-from .limits import ModelLimits
 from .sampling import check_token_ids
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from tracewire.v1 import sampling_pb2
 
+from ..shared.limits import ModelLimits
 from .errors import InvalidArgument
-from .limits import ModelLimits
 
 # Scalar fields copied as they are when set (proto3 `optional`).
 _SCALARS = (

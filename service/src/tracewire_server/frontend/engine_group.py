@@ -33,7 +33,7 @@ import signal
 import threading
 import time
 
-from . import sidechannel
+from ..shared import sidechannel
 
 log = logging.getLogger(__name__)
 
