@@ -4,11 +4,23 @@ The server runs as `python -m tracewire_server` in a subprocess, exactly as a
 user starts it, with its HTTP port (Connect / gRPC-Web) on too: `http_url`. Its
 health is polled from the moment it is spawned, so the NOT_SERVING -> SERVING
 transition is observed, not assumed.
+
+The HTTP port is served when this environment has what it needs (connectrpc, uvicorn,
+starlette, httptools: an environment with vLLM alone may lack some); without them
+the servers run gRPC only, the gRPC tests run as ever, and a test that uses the HTTP
+port fails saying what is missing.
+
+TRACEWIRE_TEST_ENGINE_ARGS adds engine flags to every test server (shell words, after
+the defaults below, before a test's own), e.g. "--attention-backend FLEX_ATTENTION"
+on a GPU, where vLLM's default float32 Triton attention puts some per-step logits
+outside the tests' tolerances against transformers.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,7 +39,8 @@ MODEL = Path(os.environ.get("TRACEWIRE_TEST_MODEL", ROOT / "models" / "tracewire
 # float32 so values can be compared with transformers at tight tolerances.
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "32",
                # small enough that a stalled reader hits it; tests only
-               "--trace-buffer-bytes", str(2 << 20), "--enable-fault-injection"]
+               "--trace-buffer-bytes", str(2 << 20), "--enable-fault-injection",
+               *shlex.split(os.environ.get("TRACEWIRE_TEST_ENGINE_ARGS", ""))]
 START_TIMEOUT = 600.0
 
 
@@ -47,15 +60,38 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+@functools.cache
+def http_unavailable() -> str | None:
+    """Why this environment cannot serve the HTTP port, or None when it can: the server
+    imports the HTTP stack only with --http-port, and the test servers run from this
+    same environment."""
+    try:
+        import tracewire_server.frontend.http_gateway  # noqa: F401
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 @dataclass
 class ServerProcess:
     target: str
     process: subprocess.Popen[bytes]
     log_path: Path
-    http_url: str = ""  # base URL of the HTTP port: http://127.0.0.1:N (https:// with TLS)
+    # base URL of the HTTP port: http://127.0.0.1:N (https:// with TLS); "" when served without it
+    http_base: str = ""
     health_seen: list[str] = field(default_factory=list)
     # TLS servers (--tls-cert): how the health checks connect.
     credentials: grpc.ChannelCredentials | None = None
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP port's base URL. A test that needs it fails, not skips, on a server
+        started without it: the HTTP tests are part of the suite wherever it runs."""
+        if not self.http_base:
+            pytest.fail("this test uses the HTTP port (--http-port), which this environment cannot serve "
+                        f"({http_unavailable()}); install the server's HTTP dependencies (pyproject.toml: "
+                        "connectrpc, uvicorn, starlette, httptools)", pytrace=False)
+        return self.http_base
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -128,14 +164,15 @@ def _start_server_once(
     port, http_port = free_ports(2)
     log_path = tmp_dir / f"server-{port}.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    cmd = [sys.executable, "-m", "tracewire_server", "--model", str(MODEL),
-           "--port", str(port), "--http-port", str(http_port), *ENGINE_ARGS, *extra]
+    http = http_unavailable() is None
+    cmd = [sys.executable, "-m", "tracewire_server", "--model", str(MODEL), "--port", str(port),
+           *(["--http-port", str(http_port)] if http else []), *ENGINE_ARGS, *extra]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=own_session)
     scheme = "https" if credentials is not None else "http"
-    server = ServerProcess(f"127.0.0.1:{port}", process, log_path, f"{scheme}://127.0.0.1:{http_port}",
-                           credentials=credentials)
+    server = ServerProcess(f"127.0.0.1:{port}", process, log_path,
+                           f"{scheme}://127.0.0.1:{http_port}" if http else "", credentials=credentials)
     try:
         server.wait_serving()
     except RuntimeError as e:
