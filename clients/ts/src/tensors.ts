@@ -34,16 +34,30 @@ export interface DecodedTensor<A extends TensorArray = TensorArray> {
   readonly data: A;
 }
 
-const ITEM_SIZE: Record<Dtype, number> = {
-  [Dtype.UNSPECIFIED]: 0,
-  [Dtype.FLOAT32]: 4,
-  [Dtype.FLOAT16]: 2,
-  [Dtype.BFLOAT16]: 2,
-  [Dtype.FLOAT64]: 8,
-  [Dtype.INT32]: 4,
-  [Dtype.INT64]: 8,
-  [Dtype.BOOL]: 1,
+/** A wire dtype: the name the server gives it, its bytes per element, and its decoding. */
+export interface DtypeInfo<A extends TensorArray = TensorArray> {
+  readonly name: string;
+  readonly itemSize: number;
+  /** The elements of an aligned, host-order buffer of them. */
+  readonly decode: (buffer: ArrayBufferLike) => A;
+}
+
+/**
+ * Every wire dtype: the client's one table of them (tests/test_dtype_parity.py holds it to
+ * the server's and the Python SDK's).
+ */
+export const DTYPES: { readonly [D in keyof DtypeArrays]: DtypeInfo<DtypeArrays[D]> } = {
+  [Dtype.FLOAT32]: { name: "float32", itemSize: 4, decode: (buffer) => new Float32Array(buffer) },
+  [Dtype.FLOAT16]: { name: "float16", itemSize: 2, decode: (buffer) => widenFloat16(new Uint16Array(buffer)) },
+  [Dtype.BFLOAT16]: { name: "bfloat16", itemSize: 2, decode: (buffer) => widenBfloat16(new Uint16Array(buffer)) },
+  [Dtype.FLOAT64]: { name: "float64", itemSize: 8, decode: (buffer) => new Float64Array(buffer) },
+  [Dtype.INT32]: { name: "int32", itemSize: 4, decode: (buffer) => new Int32Array(buffer) },
+  [Dtype.INT64]: { name: "int64", itemSize: 8, decode: (buffer) => new BigInt64Array(buffer) },
+  [Dtype.BOOL]: { name: "bool", itemSize: 1, decode: (buffer) => new Uint8Array(buffer) },
 };
+
+/** The dtype the client sends tensors in (writes' vectors and rows; the server computes them in float32). */
+export const DEFAULT_DTYPE = Dtype.FLOAT32;
 
 // Typed arrays use the host's byte order; the wire is little-endian.
 const LITTLE_ENDIAN_HOST = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
@@ -52,10 +66,11 @@ const LITTLE_ENDIAN_HOST = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
 export function decodeTensor(tensor: Tensor): DecodedTensor {
   const shape = tensor.shape.map(Number);
   const count = shape.reduce((a, b) => a * b, 1);
-  const itemSize = ITEM_SIZE[tensor.dtype];
-  if (!itemSize) {
+  const info = dtypeInfo(tensor.dtype);
+  if (!info) {
     throw new TracewireError(`tensor has unknown dtype ${tensor.dtype}`, Code.DataLoss);
   }
+  const itemSize = info.itemSize;
   if (tensor.data.byteLength !== count * itemSize) {
     throw new TracewireError(
       `tensor of shape [${shape.join(", ")}] and dtype ${Dtype[tensor.dtype]} has ` +
@@ -64,21 +79,27 @@ export function decodeTensor(tensor: Tensor): DecodedTensor {
     );
   }
   const bytes = littleEndianCopy(tensor.data, itemSize);
-  return { dtype: tensor.dtype, shape, data: toArray(tensor.dtype, bytes.buffer) };
+  return { dtype: tensor.dtype, shape, data: info.decode(bytes.buffer) };
 }
 
-/** A FLOAT32 Tensor (the dtype writes take) from numbers; shape defaults to 1-D. */
+/** The table's entry for a dtype; undefined for UNSPECIFIED and values it does not know. */
+function dtypeInfo(dtype: Dtype): DtypeInfo | undefined {
+  return (DTYPES as Partial<Record<Dtype, DtypeInfo>>)[dtype];
+}
+
+/** A FLOAT32 (DEFAULT_DTYPE) Tensor from numbers; shape defaults to 1-D. */
 export function float32Tensor(values: ArrayLike<number>, shape: readonly number[] = [values.length]): Tensor {
   const count = shape.reduce((a, b) => a * b, 1);
   if (count !== values.length) {
     throw new TracewireError(`${values.length} values do not fill shape [${shape.join(", ")}]`, Code.InvalidArgument);
   }
-  const data = new Uint8Array(values.length * 4);
+  const itemSize = DTYPES[DEFAULT_DTYPE].itemSize;
+  const data = new Uint8Array(values.length * itemSize);
   const view = new DataView(data.buffer);
   for (let i = 0; i < values.length; i++) {
-    view.setFloat32(i * 4, values[i] as number, true);
+    view.setFloat32(i * itemSize, values[i] as number, true);
   }
-  return create(TensorSchema, { dtype: Dtype.FLOAT32, shape: shape.map(BigInt), data });
+  return create(TensorSchema, { dtype: DEFAULT_DTYPE, shape: shape.map(BigInt), data });
 }
 
 /** A copy of the bytes in an aligned buffer of its own, in the host's byte order. */
@@ -90,27 +111,6 @@ function littleEndianCopy(data: Uint8Array, itemSize: number): Uint8Array {
     }
   }
   return copy;
-}
-
-function toArray(dtype: Dtype, buffer: ArrayBufferLike): TensorArray {
-  switch (dtype) {
-    case Dtype.FLOAT32:
-      return new Float32Array(buffer);
-    case Dtype.FLOAT64:
-      return new Float64Array(buffer);
-    case Dtype.INT32:
-      return new Int32Array(buffer);
-    case Dtype.INT64:
-      return new BigInt64Array(buffer);
-    case Dtype.BOOL:
-      return new Uint8Array(buffer);
-    case Dtype.BFLOAT16:
-      return widenBfloat16(new Uint16Array(buffer));
-    case Dtype.FLOAT16:
-      return widenFloat16(new Uint16Array(buffer));
-    default:
-      throw new TracewireError(`tensor has unknown dtype ${dtype}`, Code.DataLoss);
-  }
 }
 
 /** bfloat16 is the top half of a float32: shift the pattern back into place. */

@@ -7,7 +7,7 @@
 """
 
 from .aio import AsyncClient, AsyncTracer
-from .client import Client, ModelInfo, ModuleInfo, StreamUpdate
+from .client import Client
 from .conditions import Condition, argmax_in, entropy, prob, sampled_in, text_contains, text_matches
 from .errors import (
     Cancelled,
@@ -22,6 +22,7 @@ from .errors import (
     Unimplemented,
 )
 from .outputs import CompletionOutput, Logprob, RequestOutput
+from .rpcs import ModelInfo, ModuleInfo, StreamUpdate
 from .sampling import SAMPLING_KEYWORDS
 from .tls import Tls
 from .tokenizer import RemoteTokenizer

@@ -6,64 +6,46 @@
             top = tracer.all().logits.top_k(5).save()
         async for step in client.stream_trace("Once upon a time", max_tokens=16):
             print(step.text, end="")
+
+Each call's request and decoding come from rpcs.py, as the sync client's do; this module
+only awaits them.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
-from .client import ModelInfo, StreamUpdate, _prompt_list, model_info, open_channel
-from .errors import InvalidArgument, from_rpc_error
-from .outputs import RequestOutput, request_output
-from .prompts import PromptLike, to_prompt
-from .sampling import sampling_params
-from .tls import Tls, bearer_metadata, channel_credentials
+from . import rpcs
+from .channel import connect
+from .errors import InvalidArgument, TypedErrors
+from .outputs import RequestOutput
+from .prompts import PromptLike
+from .rpcs import ModelInfo, Rpc, StreamUpdate
+from .tls import Tls
+from .tokenizer import AsyncTokenizer
 from .tracing import Step, Tracer
-from .v1 import service_pb2, service_pb2_grpc
+from .v1 import service_pb2
 
+T = TypeVar("T")
 
-class AsyncTokenizer:
-    """encode / decode through the RPCs, awaited."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
-
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        r = await self._client._unary(
-            "Tokenize", service_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        )
-        return list(r.token_ids)
-
-    async def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
-        ids = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
-        r = await self._client._unary(
-            "Detokenize", service_pb2.DetokenizeRequest(token_ids=ids, skip_special_tokens=skip_special_tokens)
-        )
-        return str(r.text)
+AsyncRunner = Callable[[service_pb2.TraceRequest], AsyncIterator[service_pb2.TraceResponse]]
 
 
 class AsyncTracer(Tracer):
     """A Tracer run with `async with` / `async for`."""
 
-    def __init__(self, client: AsyncClient, prompt: PromptLike | None, **sampling: Any) -> None:
+    def __init__(self, runner: AsyncRunner, prompt: PromptLike | None, **sampling: Any) -> None:
         super().__init__(_no_sync_run, prompt, **sampling)
-        self._client = client
+        self._async_runner = runner
 
     async def astream(self) -> AsyncIterator[Step]:
-        client = self._client
-        call = client._stub.Trace(self.start(), timeout=client.timeout, metadata=client._metadata)
-        try:
-            async for event in call:
-                for step in self.handle(event):
-                    yield step
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            call.cancel()
+        async for event in self._async_runner(self.start()):
+            for step in self.handle(event):
+                yield step
 
     async def arun(self) -> AsyncTracer:
         async for _ in self.astream():
@@ -98,44 +80,47 @@ class AsyncClient:
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self._channel: grpc.aio.Channel = open_channel(
-            grpc.aio, target, channel_credentials(tls, credentials), options
-        )
-        self._stub = service_pb2_grpc.TraceServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._metadata = bearer_metadata(token)
+        connection = connect(grpc.aio, target, token=token, tls=tls, credentials=credentials, options=options)
+        self._channel: grpc.aio.Channel = connection.channel
+        self._stub = connection.stub
+        self._metadata = connection.metadata
         self.timeout = timeout
-        self.tokenizer = AsyncTokenizer(self)
+        self.tokenizer = AsyncTokenizer(self._unary)
 
-    async def _unary(self, method: str, request: Any) -> Any:
+    # -- I/O ----------------------------------------------------------------------
+
+    async def _unary(self, rpc: Rpc[T]) -> T:
+        with TypedErrors():
+            response = await getattr(self._stub, rpc.method)(
+                rpc.request, timeout=self.timeout, metadata=self._metadata
+            )
+        return rpc.decode(response)
+
+    async def _stream(self, rpc: Rpc[T]) -> AsyncIterator[T]:
+        call = getattr(self._stub, rpc.method)(rpc.request, timeout=self.timeout, metadata=self._metadata)
         try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            with TypedErrors():
+                async for message in call:
+                    yield rpc.decode(message)
+        finally:
+            call.cancel()
+
+    def _run_trace(self, request: service_pb2.TraceRequest) -> AsyncIterator[service_pb2.TraceResponse]:
+        return self._stream(rpcs.trace(request))
+
+    # -- public API -------------------------------------------------------------
 
     async def generate(self, prompts: PromptLike | Sequence[PromptLike], **sampling: Any) -> list[RequestOutput]:
-        request = service_pb2.GenerateRequest(
-            prompts=[to_prompt(p) for p in _prompt_list(prompts)], sampling_params=sampling_params(**sampling)
-        )
-        response = await self._unary("Generate", request)
-        return [request_output(o) for o in response.outputs]
+        return await self._unary(rpcs.generate(prompts, sampling))
 
     async def generate_stream(
         self, prompts: PromptLike | Sequence[PromptLike], **sampling: Any
     ) -> AsyncIterator[StreamUpdate]:
-        request = service_pb2.GenerateStreamRequest(
-            prompts=[to_prompt(p) for p in _prompt_list(prompts)], sampling_params=sampling_params(**sampling)
-        )
-        call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
-        try:
-            async for message in call:
-                yield StreamUpdate(message.prompt_index, request_output(message.output))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            call.cancel()
+        async for update in self._stream(rpcs.generate_stream(prompts, sampling)):
+            yield update
 
     def trace(self, prompt: PromptLike | None = None, **sampling: Any) -> AsyncTracer:
-        return AsyncTracer(self, prompt, **sampling)
+        return AsyncTracer(self._run_trace, prompt, **sampling)
 
     def stream_trace(self, trace: AsyncTracer | PromptLike, **sampling: Any) -> AsyncIterator[Step]:
         if not isinstance(trace, AsyncTracer):
@@ -145,7 +130,7 @@ class AsyncClient:
         return trace.astream()
 
     async def model_info(self) -> ModelInfo:
-        return model_info(await self._unary("GetModelInfo", service_pb2.GetModelInfoRequest()))
+        return await self._unary(rpcs.get_model_info())
 
     async def close(self) -> None:
         await self._channel.close()

@@ -1,76 +1,25 @@
-"""The synchronous client."""
+"""The synchronous client: each call's request and decoding come from rpcs.py; this
+module only sends them, blocking."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, TypeVar
 
 import grpc
 
-from .errors import InvalidArgument, from_rpc_error
-from .outputs import RequestOutput, request_output
-from .prompts import PromptLike, to_prompt
-from .sampling import sampling_params
-from .tls import Tls, bearer_metadata, channel_credentials
+from . import rpcs
+from .channel import connect
+from .errors import InvalidArgument, TypedErrors
+from .outputs import RequestOutput
+from .prompts import PromptLike
+from .rpcs import ModelInfo, Rpc, StreamUpdate
+from .tls import Tls
 from .tokenizer import RemoteTokenizer
 from .tracing import Step, Tracer
-from .v1 import service_pb2, service_pb2_grpc
+from .v1 import service_pb2
 
-EngineMode = Literal["eager", "compiled", "compiled_steering", "unspecified"]
-_ENGINE_MODES: dict[int, EngineMode] = {
-    service_pb2.ENGINE_MODE_EAGER: "eager",
-    service_pb2.ENGINE_MODE_COMPILED: "compiled",
-    service_pb2.ENGINE_MODE_COMPILED_STEERING: "compiled_steering",
-}
-
-
-@dataclass(frozen=True)
-class ModuleInfo:
-    path: str
-    kind: str
-    output_size: int
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model: str
-    architecture: str
-    vocab_size: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    max_model_len: int
-    dtype: str
-    num_layers: int
-    hidden_size: int
-    tensor_parallel_size: int
-    modules: list[ModuleInfo]
-    vllm_version: str
-    server_version: str
-    # How the engine runs: "eager" serves every module read / write and the logit lens;
-    # "compiled" none of them; "compiled_steering" add / replace / zero writes on the
-    # decoder layers in `steerable_layers` only ("unspecified": an older server).
-    engine_mode: EngineMode = "unspecified"
-    steerable_layers: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class StreamUpdate:
-    """One streamed update: which prompt, and what is new since its last update."""
-
-    prompt_index: int
-    output: RequestOutput
-
-
-def open_channel(
-    api: Any, target: str, credentials: grpc.ChannelCredentials | None, options: Sequence[tuple[str, Any]]
-) -> Any:
-    """A channel from `api` (grpc or grpc.aio: the same factory functions), TLS when
-    credentials are given. Full-vocabulary reads make large messages."""
-    opts = [("grpc.max_receive_message_length", 256 * 1024 * 1024), *options]
-    if credentials is None:
-        return api.insecure_channel(target, options=opts)
-    return api.secure_channel(target, credentials, options=opts)
+T = TypeVar("T")
 
 
 class Client:
@@ -93,19 +42,31 @@ class Client:
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self._channel: grpc.Channel = open_channel(grpc, target, channel_credentials(tls, credentials), options)
-        self._stub = service_pb2_grpc.TraceServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._metadata = bearer_metadata(token)
+        connection = connect(grpc, target, token=token, tls=tls, credentials=credentials, options=options)
+        self._channel: grpc.Channel = connection.channel
+        self._stub = connection.stub
+        self._metadata = connection.metadata
         self.timeout = timeout
         self.tokenizer = RemoteTokenizer(self._unary)
 
-    # -- plumbing ---------------------------------------------------------------
+    # -- I/O ----------------------------------------------------------------------
 
-    def _unary(self, method: str, request: Any) -> Any:
+    def _unary(self, rpc: Rpc[T]) -> T:
+        with TypedErrors():
+            response = getattr(self._stub, rpc.method)(rpc.request, timeout=self.timeout, metadata=self._metadata)
+        return rpc.decode(response)
+
+    def _stream(self, rpc: Rpc[T]) -> Iterator[T]:
+        call = getattr(self._stub, rpc.method)(rpc.request, timeout=self.timeout, metadata=self._metadata)
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            with TypedErrors():
+                for message in call:
+                    yield rpc.decode(message)
+        finally:
+            call.cancel()
+
+    def _run_trace(self, request: service_pb2.TraceRequest) -> Iterator[service_pb2.TraceResponse]:
+        return self._stream(rpcs.trace(request))
 
     # -- public API -------------------------------------------------------------
 
@@ -117,29 +78,13 @@ class Client:
         `prompts` is one prompt or a list of them; keywords are vLLM's
         SamplingParams fields (a misspelled one raises InvalidArgument).
         """
-        request = service_pb2.GenerateRequest(
-            prompts=[to_prompt(p) for p in _prompt_list(prompts)],
-            sampling_params=sampling_params(**sampling),
-        )
-        response = self._unary("Generate", request)
-        return [request_output(o) for o in response.outputs]
+        return self._unary(rpcs.generate(prompts, sampling))
 
     def generate_stream(
         self, prompts: PromptLike | Sequence[PromptLike], **sampling: Any
     ) -> Iterator[StreamUpdate]:
         """Plain generation, streamed: deltas (new text and token ids) as they come."""
-        request = service_pb2.GenerateStreamRequest(
-            prompts=[to_prompt(p) for p in _prompt_list(prompts)],
-            sampling_params=sampling_params(**sampling),
-        )
-        call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
-        try:
-            for message in call:
-                yield StreamUpdate(message.prompt_index, request_output(message.output))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            call.cancel()
+        yield from self._stream(rpcs.generate_stream(prompts, sampling))
 
     def trace(self, prompt: PromptLike | None = None, **sampling: Any) -> Tracer:
         """A trace; used as `with client.trace(prompt, **sampling) as tracer:` it runs on exit.
@@ -157,18 +102,8 @@ class Client:
             raise InvalidArgument("sampling keywords go to client.trace(), not stream_trace(tracer)")
         return trace.events()
 
-    def _run_trace(self, request: service_pb2.TraceRequest) -> Iterator[service_pb2.TraceResponse]:
-        call = self._stub.Trace(request, timeout=self.timeout, metadata=self._metadata)
-        try:
-            yield from call
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            call.cancel()
-
     def model_info(self) -> ModelInfo:
-        r = self._unary("GetModelInfo", service_pb2.GetModelInfoRequest())
-        return model_info(r)
+        return self._unary(rpcs.get_model_info())
 
     def close(self) -> None:
         self._channel.close()
@@ -178,32 +113,3 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
-    return ModelInfo(
-        model=r.model,
-        architecture=r.architecture,
-        vocab_size=r.vocab_size,
-        eos_token_ids=list(r.eos_token_ids),
-        bos_token_id=r.bos_token_id if r.HasField("bos_token_id") else None,
-        max_model_len=r.max_model_len,
-        dtype=r.dtype,
-        num_layers=r.num_layers,
-        hidden_size=r.hidden_size,
-        tensor_parallel_size=r.tensor_parallel_size,
-        modules=[ModuleInfo(m.path, m.kind, m.output_size) for m in r.modules],
-        vllm_version=r.vllm_version,
-        server_version=r.server_version,
-        engine_mode=_ENGINE_MODES.get(r.engine_mode, "unspecified"),
-        steerable_layers=list(r.steerable_layers),
-    )
-
-
-def _prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLike]:
-    """One prompt or a list of prompts -> a list (a list of ints is one prompt)."""
-    if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
-        return [cast(PromptLike, prompts)]
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [cast(PromptLike, prompts)]
-    return list(cast(Sequence[PromptLike], prompts))

@@ -8,6 +8,7 @@ google.rpc.BadRequest detail).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import TracebackType
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -92,6 +93,20 @@ def from_rpc_error(error: grpc.RpcError) -> TracewireError:
     result = cls(message or str(code), field=_violated_field(_rich_status(error, code)))
     result.code = code
     return result
+
+
+class TypedErrors:
+    """`with TypedErrors():` around a call's I/O, blocking or awaited: a failed call's
+    grpc.RpcError comes out as its TracewireError (the one place both clients map them)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(exc, grpc.RpcError):
+            raise from_rpc_error(exc) from None
 
 
 # Where gRPC carries a google.rpc.Status (serialized) next to the code and message.

@@ -438,14 +438,20 @@ class _SavedRead:
 
 
 class Invoke:
-    """One prompt (one engine request) and its interventions."""
+    """One prompt (one engine request) and its interventions, in a trace.
 
-    def __init__(self, tracer: Tracer, index: int, prompt: PromptLike, sampling: dict[str, Any]) -> None:
+    `defaults`: the trace's sampling parameters, which `sampling` overrides; `check_open`
+    raises once the trace has been sent (no more changes).
+    """
+
+    def __init__(self, index: int, prompt: PromptLike, sampling: dict[str, Any], *,
+                 defaults: Mapping[str, Any], check_open: Callable[[], None]) -> None:
         check_keywords(sampling)
-        self._tracer = tracer
+        self._defaults = defaults
+        self._check_open = check_open
         self.index = index
         self._prompt = to_prompt(prompt)
-        self._sampling = sampling
+        self._sampling = sampling  # overrides of the trace's sampling parameters
         self._interventions: list[ipb.Intervention] = []
         self._reads: dict[str, _SavedRead] = {}
         self.result: RequestOutput | None = None
@@ -472,11 +478,15 @@ class Invoke:
         view.stop()
 
     def max_tokens(self) -> int:
-        value = self._sampling.get("max_tokens", self._tracer._trace_sampling.get("max_tokens"))
+        value = self._setting("max_tokens")
         return DEFAULT_MAX_TOKENS if value is None else int(value)
 
+    def _setting(self, name: str) -> Any:
+        """A sampling parameter: this invoke's override, else the trace's (None: unset)."""
+        return self._sampling.get(name, self._defaults.get(name))
+
     def _add(self, iv: ipb.Intervention, view: StepView) -> None:
-        self._tracer._check_open()
+        self._check_open()
         if view.first >= self.max_tokens():
             raise InvalidArgument(
                 f"steps from {view.first} are never reached: max_tokens is {self.max_tokens()} "
@@ -506,7 +516,7 @@ class Invoke:
     # -- results ---------------------------------------------------------------
 
     def _n(self) -> int:
-        n = self._sampling.get("n", self._tracer._trace_sampling.get("n"))
+        n = self._setting("n")
         return 1 if n is None else int(n)
 
     def _prepare(self) -> None:
@@ -537,28 +547,24 @@ class Invoke:
         return None
 
 
-class Tracer(Invoke):
-    """A whole trace. Given a prompt, it is also that prompt's invoke."""
+class Tracer:
+    """A whole trace: its invokes, options and run.
+
+    Given a prompt, the tracer makes that prompt its one invoke and is used as it:
+    `all()`, `iter`, `model`, `stop()` and `result` are the invoke's. Without one, prompts
+    come from `tracer.invoke(prompt, **overrides)`.
+    """
 
     def __init__(self, runner: Runner, prompt: PromptLike | None = None, **sampling: Any) -> None:
         check_keywords(sampling)
         self._runner = runner
-        self._trace_sampling = sampling  # the invokes' defaults; self._sampling: own overrides
+        self._sampling = sampling  # the invokes' defaults
         self._invokes: list[Invoke] = []
         self._sent = False
         self.warnings: list[str] = []
         self.usage: trace_pb2.Usage | None = None
         self._options = trace_pb2.TraceOptions()
-        self._has_prompt = prompt is not None
-        if prompt is not None:
-            super().__init__(self, 0, prompt, {})
-            self._invokes.append(self)
-        else:
-            self.index = 0
-            self._sampling = {}
-            self._interventions = []
-            self._reads = {}
-            self.result = None
+        self._prompt_invoke = None if prompt is None else self._add_invoke(prompt, {})
 
     @property
     def invokes(self) -> list[Invoke]:
@@ -572,31 +578,46 @@ class Tracer(Invoke):
     def invoke(self, prompt: PromptLike, **overrides: Any) -> Invoke:
         """Add a prompt; its keywords override the trace's sampling parameters."""
         self._check_open()
-        if self._has_prompt:
+        if self._prompt_invoke is not None:
             raise InvalidArgument("this trace was given a prompt; use client.trace() without one for invokes")
-        inv = Invoke(self, len(self._invokes), prompt, overrides)
+        return self._add_invoke(prompt, overrides)
+
+    def _add_invoke(self, prompt: PromptLike, overrides: dict[str, Any]) -> Invoke:
+        inv = Invoke(len(self._invokes), prompt, overrides, defaults=self._sampling, check_open=self._check_open)
         self._invokes.append(inv)
         return inv
 
-    def _own(self) -> None:
-        if not self._has_prompt:
+    # -- the single-prompt form: the prompt's invoke ------------------------------
+
+    def _own(self) -> Invoke:
+        if self._prompt_invoke is None:
             raise InvalidArgument(
                 "this trace has no prompt of its own: add reads and writes to an invoke "
                 "(with tracer.invoke(prompt) as inv: inv.all()...)"
             )
+        return self._prompt_invoke
 
     def all(self) -> StepView:
-        self._own()
-        return super().all()
+        return self._own().all()
 
     @property
     def iter(self) -> _Iter:
-        self._own()
-        return super().iter
+        return self._own().iter
+
+    @property
+    def model(self) -> _ModuleProxy:
+        """`tracer.model.layers[3].output.save()`: layer 3's output at every step's new token."""
+        return self._own().model
 
     def stop(self, *, when: Condition | None = None, step: int | None = None) -> None:
-        self._own()
-        super().stop(when=when, step=step)
+        """Stop at `step`, or at the first step where `when` holds."""
+        self._own().stop(when=when, step=step)
+
+    @property
+    def result(self) -> RequestOutput | None:
+        """The prompt's result once the trace has run (None for a trace of invokes: theirs
+        are on each invoke)."""
+        return None if self._prompt_invoke is None else self._prompt_invoke.result
 
     def options(
         self,
@@ -622,7 +643,7 @@ class Tracer(Invoke):
         if not self._invokes:
             raise InvalidArgument("a trace needs a prompt: client.trace(prompt) or tracer.invoke(prompt)")
         return service_pb2.TraceRequest(
-            sampling_params=sampling_params(**self._trace_sampling),
+            sampling_params=sampling_params(**self._sampling),
             invokes=[inv._message() for inv in self._invokes],
             options=self._options,
         )

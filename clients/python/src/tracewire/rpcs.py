@@ -1,0 +1,168 @@
+"""Each RPC's two pure halves: the request a call sends and what its answers mean.
+
+`Client` and `AsyncClient` (and their tokenizers) build every call here and decode its
+answers here, so they differ only in sending it: a blocking stub call or an awaited one,
+`for` or `async for` over a stream. A Trace's answers are decoded by its `Tracer`, which
+holds the state they fill in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar, cast
+
+from google.protobuf.message import Message
+
+from .outputs import RequestOutput, request_output
+from .prompts import PromptLike, to_prompt
+from .sampling import sampling_params
+from .v1 import service_pb2
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Rpc(Generic[T]):
+    """One call: the stub method, its request, and `decode` for its response (unary) or
+    for each message (server stream)."""
+
+    method: str
+    request: Message
+    decode: Callable[[Any], T]
+
+
+# -- results -----------------------------------------------------------------------
+
+EngineMode = Literal["eager", "compiled", "compiled_steering", "unspecified"]
+_ENGINE_MODES: dict[int, EngineMode] = {
+    service_pb2.ENGINE_MODE_EAGER: "eager",
+    service_pb2.ENGINE_MODE_COMPILED: "compiled",
+    service_pb2.ENGINE_MODE_COMPILED_STEERING: "compiled_steering",
+}
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    path: str
+    kind: str
+    output_size: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    max_model_len: int
+    dtype: str
+    num_layers: int
+    hidden_size: int
+    tensor_parallel_size: int
+    modules: list[ModuleInfo]
+    vllm_version: str
+    server_version: str
+    # How the engine runs: "eager" serves every module read / write and the logit lens;
+    # "compiled" none of them; "compiled_steering" add / replace / zero writes on the
+    # decoder layers in `steerable_layers` only ("unspecified": an older server).
+    engine_mode: EngineMode = "unspecified"
+    steerable_layers: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StreamUpdate:
+    """One streamed update: which prompt, and what is new since its last update."""
+
+    prompt_index: int
+    output: RequestOutput
+
+
+# -- the RPCs ----------------------------------------------------------------------
+
+
+def generate(prompts: PromptLike | Sequence[PromptLike], sampling: Mapping[str, Any]) -> Rpc[list[RequestOutput]]:
+    request = service_pb2.GenerateRequest(
+        prompts=[to_prompt(p) for p in prompt_list(prompts)], sampling_params=sampling_params(**sampling)
+    )
+    return Rpc("Generate", request, _request_outputs)
+
+
+def generate_stream(prompts: PromptLike | Sequence[PromptLike], sampling: Mapping[str, Any]) -> Rpc[StreamUpdate]:
+    request = service_pb2.GenerateStreamRequest(
+        prompts=[to_prompt(p) for p in prompt_list(prompts)], sampling_params=sampling_params(**sampling)
+    )
+    return Rpc("GenerateStream", request, _stream_update)
+
+
+def trace(request: service_pb2.TraceRequest) -> Rpc[service_pb2.TraceResponse]:
+    """A Trace call; its events go to `Tracer.handle` as they are."""
+    return Rpc("Trace", request, _as_is)
+
+
+def tokenize(text: str, add_special_tokens: bool) -> Rpc[list[int]]:
+    request = service_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+    return Rpc("Tokenize", request, _token_ids)
+
+
+def detokenize(token_ids: int | Sequence[int], skip_special_tokens: bool) -> Rpc[str]:
+    ids = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+    request = service_pb2.DetokenizeRequest(token_ids=ids, skip_special_tokens=skip_special_tokens)
+    return Rpc("Detokenize", request, _text)
+
+
+def get_model_info() -> Rpc[ModelInfo]:
+    return Rpc("GetModelInfo", service_pb2.GetModelInfoRequest(), model_info)
+
+
+def prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLike]:
+    """One prompt or a list of prompts -> a list (a list of ints is one prompt)."""
+    if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
+        return [cast(PromptLike, prompts)]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [cast(PromptLike, prompts)]
+    return list(cast(Sequence[PromptLike], prompts))
+
+
+# -- decoding ----------------------------------------------------------------------
+
+
+def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(
+        model=r.model,
+        architecture=r.architecture,
+        vocab_size=r.vocab_size,
+        eos_token_ids=list(r.eos_token_ids),
+        bos_token_id=r.bos_token_id if r.HasField("bos_token_id") else None,
+        max_model_len=r.max_model_len,
+        dtype=r.dtype,
+        num_layers=r.num_layers,
+        hidden_size=r.hidden_size,
+        tensor_parallel_size=r.tensor_parallel_size,
+        modules=[ModuleInfo(m.path, m.kind, m.output_size) for m in r.modules],
+        vllm_version=r.vllm_version,
+        server_version=r.server_version,
+        engine_mode=_ENGINE_MODES.get(r.engine_mode, "unspecified"),
+        steerable_layers=list(r.steerable_layers),
+    )
+
+
+def _request_outputs(response: service_pb2.GenerateResponse) -> list[RequestOutput]:
+    return [request_output(o) for o in response.outputs]
+
+
+def _stream_update(message: service_pb2.GenerateStreamResponse) -> StreamUpdate:
+    return StreamUpdate(message.prompt_index, request_output(message.output))
+
+
+def _token_ids(response: service_pb2.TokenizeResponse) -> list[int]:
+    return list(response.token_ids)
+
+
+def _text(response: service_pb2.DetokenizeResponse) -> str:
+    return str(response.text)
+
+
+def _as_is(message: T) -> T:
+    return message
