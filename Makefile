@@ -46,14 +46,15 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 
 setup: $(STAMP) $(NODE_STAMP) $(DASH_STAMP)
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml contract/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q $(VLLM_SPEC) $(TORCH_SPEC)
 	# PyPI's torchvision/torchaudio/torchcodec (pulled in by vLLM) break against this torch.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
-	$(PIP) install -q -e clients/python -e '.[dev]' $(TORCH_SPEC)
+	# The contract (tracewire.v1) first: the SDK and the server both depend on it.
+	$(PIP) install -q -e contract/python -e clients/python -e '.[dev]' $(TORCH_SPEC)
 	touch $@
 
 # Exactly what package-lock.json pins (buf, protoc-gen-es, Connect-ES, TypeScript), again
@@ -128,7 +129,7 @@ proto-check: setup
 		|| { echo "generated TS code drifted from proto/: run 'make proto' and commit"; exit 1; }
 
 lint: setup
-	$(VENV)/bin/ruff check service tests clients/python/src bench models
+	$(VENV)/bin/ruff check service tests clients/python/src contract bench models
 	cd clients/python && ../../$(VENV)/bin/mypy src/tracewire
 	cd $(TS) && node_modules/.bin/tsc -p tsconfig.json --noEmit
 	cd $(DASH) && node_modules/.bin/tsc -p tsconfig.json --noEmit
