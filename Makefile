@@ -7,7 +7,8 @@
 #   make dashboard  the browser dashboard (Vite dev server on http://127.0.0.1:5173), against
 #                the server `make serve` started (open ?server=http://127.0.0.1:HTTP_PORT)
 #   make proto   regenerate the committed code (Python and TypeScript) from proto/ (buf.gen.yaml)
-#   make lint    buf lint + ruff + mypy + tsc (the TS client and the dashboard, strict)
+#   make lint    buf lint + buf breaking (against the last released contract) + ruff + mypy + tsc
+#                (the TS client and the dashboard, strict)
 #   make bench   benchmarks (results under bench/results/); make bench-gpu on the GPU machine
 #   make soak    a bounded load run: 100 mixed clients for 3 minutes, results checked against
 #                their solo runs, RSS / fd growth (bench/results/soak-*.json)
@@ -128,7 +129,13 @@ proto-check: setup
 	diff -r build/proto-check/$(GEN_TS) $(GEN_TS) \
 		|| { echo "generated TS code drifted from proto/: run 'make proto' and commit"; exit 1; }
 
+# The last released contract, as a buf image (proto/released/README.md): a clean clone may lack
+# the git tag it was built from.
+CONTRACT_RELEASED := proto/released/contract-v1.0.0.binpb
+
 lint: setup
+	$(BUF) lint proto
+	$(BUF) breaking proto --against $(CONTRACT_RELEASED)
 	$(VENV)/bin/ruff check service tests clients/python/src contract bench models
 	cd clients/python && ../../$(VENV)/bin/mypy src/tracewire
 	cd $(TS) && node_modules/.bin/tsc -p tsconfig.json --noEmit
