@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from google.protobuf import descriptor_pb2
@@ -35,12 +36,17 @@ def default_json_name(field_name: str) -> str:
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
-def drop_default_json_names(message: descriptor_pb2.DescriptorProto) -> None:
-    for field in [*message.field, *message.extension]:
+def drop_default_json_names(fields: Iterable[descriptor_pb2.FieldDescriptorProto]) -> None:
+    for field in fields:
         if field.json_name == default_json_name(field.name):
             field.ClearField("json_name")
-    for nested in message.nested_type:
-        drop_default_json_names(nested)
+
+
+def every_field(messages: Iterable[descriptor_pb2.DescriptorProto]) -> Iterator[descriptor_pb2.FieldDescriptorProto]:
+    for message in messages:
+        yield from message.field
+        yield from message.extension
+        yield from every_field(message.nested_type)
 
 
 def as_protoc_reads_sources(request: plugin_pb2.CodeGeneratorRequest) -> descriptor_pb2.FileDescriptorSet:
@@ -52,11 +58,7 @@ def as_protoc_reads_sources(request: plugin_pb2.CodeGeneratorRequest) -> descrip
     for proto in request.proto_file:
         file = files.file.add()
         file.CopyFrom(with_source_options.get(proto.name, proto))
-        for message in file.message_type:
-            drop_default_json_names(message)
-        for field in file.extension:
-            if field.json_name == default_json_name(field.name):
-                field.ClearField("json_name")
+        drop_default_json_names([*every_field(file.message_type), *file.extension])
     return files
 
 
