@@ -6,8 +6,9 @@
 #                browser test (Debian's Chromium: installed with apt-get when missing, as root)
 #   make dashboard  the browser dashboard (Vite dev server on http://127.0.0.1:5173), against
 #                the server `make serve` started (open ?server=http://127.0.0.1:HTTP_PORT)
-#   make proto   regenerate the committed code (Python and TypeScript) from proto/
-#   make lint    buf lint + ruff + mypy + tsc (the TS client and the dashboard, strict)
+#   make proto   regenerate the committed code (Python and TypeScript) from proto/ (buf.gen.yaml)
+#   make lint    buf lint + buf breaking (against the last released contract) + ruff + mypy + tsc
+#                (the TS client and the dashboard, strict)
 #   make bench   benchmarks (results under bench/results/); make bench-gpu on the GPU machine
 #   make soak    a bounded load run: 100 mixed clients for 3 minutes, results checked against
 #                their solo runs, RSS / fd growth (bench/results/soak-*.json)
@@ -46,14 +47,15 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 
 setup: $(STAMP) $(NODE_STAMP) $(DASH_STAMP)
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml contract/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q $(VLLM_SPEC) $(TORCH_SPEC)
 	# PyPI's torchvision/torchaudio/torchcodec (pulled in by vLLM) break against this torch.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
-	$(PIP) install -q -e clients/python -e '.[dev]' $(TORCH_SPEC)
+	# The contract (tracewire.v1) first: the SDK and the server both depend on it.
+	$(PIP) install -q -e contract/python -e clients/python -e '.[dev]' $(TORCH_SPEC)
 	touch $@
 
 # Exactly what package-lock.json pins (buf, protoc-gen-es, Connect-ES, TypeScript), again
@@ -107,34 +109,34 @@ test-ts: setup chromium
 	cd $(DASH) && npm run --silent build -- --logLevel warn
 	cd $(TS) && TRACEWIRE_CHROMIUM=$(CHROMIUM) node dist/test/run.js
 
-GEN_PY := clients/python/src/tracewire/v1
+# buf.gen.yaml generates both from proto/, run from here with the venv's python3 first on PATH
+# (its Python plugin runs grpcio-tools' protoc).
+GEN_PY := contract/python/src
 GEN_TS := $(TS)/src/gen
-PROTOS := $(wildcard proto/tracewire/v1/*.proto)
+BUF_GENERATE := PATH="$(abspath $(VENV))/bin:$$PATH" $(BUF) generate
 
 proto: setup
-	cd proto && ../$(BUF) lint
-	rm -rf $(GEN_PY)
-	$(PY) -m grpc_tools.protoc -I proto --python_out=clients/python/src \
-		--pyi_out=clients/python/src --grpc_python_out=clients/python/src $(PROTOS)
-	touch $(GEN_PY)/__init__.py
-	cd $(TS) && node_modules/.bin/buf generate ../../proto --template buf.gen.yaml
+	$(BUF) lint proto
+	$(BUF_GENERATE)
 
 # Fails when the committed generated code differs from what proto/ generates.
 proto-check: setup
-	cd proto && ../$(BUF) lint
-	rm -rf build/proto-check && mkdir -p build/proto-check
-	$(PY) -m grpc_tools.protoc -I proto --python_out=build/proto-check \
-		--pyi_out=build/proto-check --grpc_python_out=build/proto-check $(PROTOS)
-	touch build/proto-check/tracewire/v1/__init__.py
-	diff -r build/proto-check/tracewire/v1 $(GEN_PY) -x __pycache__ \
+	$(BUF) lint proto
+	rm -rf build/proto-check
+	$(BUF_GENERATE) --output build/proto-check
+	diff -r build/proto-check/$(GEN_PY) $(GEN_PY) -x __pycache__ -x '*.egg-info' \
 		|| { echo "generated code drifted from proto/: run 'make proto' and commit"; exit 1; }
-	cd $(TS) && node_modules/.bin/buf generate ../../proto --template buf.gen.yaml \
-		--output ../../build/proto-check/ts
-	diff -r build/proto-check/ts/src/gen $(GEN_TS) \
+	diff -r build/proto-check/$(GEN_TS) $(GEN_TS) \
 		|| { echo "generated TS code drifted from proto/: run 'make proto' and commit"; exit 1; }
 
+# The last released contract, as a buf image (proto/released/README.md): a clean clone may lack
+# the git tag it was built from.
+CONTRACT_RELEASED := proto/released/contract-v1.0.0.binpb
+
 lint: setup
-	$(VENV)/bin/ruff check service tests clients/python/src bench models
+	$(BUF) lint proto
+	$(BUF) breaking proto --against $(CONTRACT_RELEASED)
+	$(VENV)/bin/ruff check service tests clients/python/src contract bench models
 	cd clients/python && ../../$(VENV)/bin/mypy src/tracewire
 	cd $(TS) && node_modules/.bin/tsc -p tsconfig.json --noEmit
 	cd $(DASH) && node_modules/.bin/tsc -p tsconfig.json --noEmit

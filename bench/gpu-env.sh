@@ -19,7 +19,7 @@ print(' '.join(w for w, old in (('.vc/whl/grpcio-1*', v(grpc.__version__) < (1, 
   [ -z "$too_old" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tw $too_old
   touch /tmp/tw/.done
 fi
-export PYTHONPATH=/tmp/tw:/tmp/site:$PWD/service/src:$PWD/clients/python/src
+export PYTHONPATH=/tmp/tw:/tmp/site:$PWD/service/src:$PWD/clients/python/src:$PWD/contract/python/src
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -6,6 +6,14 @@
     print(out[0].outputs[0].text)
 """
 
+# tracewire.v1, the code generated from the contract, is another distribution's:
+# tracewire-contract ships tracewire/v1/ and nothing else. Installed from wheels, both land in
+# one site-packages/tracewire/; installed editable or run from a checkout (PYTHONPATH), they
+# are two directories, and this makes tracewire's subpackages found in each of them.
+from pkgutil import extend_path
+
+__path__ = extend_path(__path__, __name__)
+
 from .aio import AsyncClient, AsyncTracer
 from .client import Client
 from .conditions import Condition, argmax_in, entropy, prob, sampled_in, text_contains, text_matches
