@@ -12,9 +12,9 @@ import itertools
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..shared import detokenize, steering
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
@@ -23,9 +23,6 @@ from ..shared.sidechannel import Receiver
 from . import vllm_compat
 from .errors import InvalidArgument, Unavailable
 from .prompts import EnginePrompt
-
-if TYPE_CHECKING:
-    from .frontends import GroupReadiness
 
 WORKER_EXTENSION = "tracewire_server.worker.worker_hooks.TracewireWorkerExtension"
 # The install is a few milliseconds of work in the worker; the engine core answers
@@ -106,11 +103,12 @@ class Engine:
         *,
         fault_injection: bool = False,
         client: dict[str, Any] | None = None,
-        readiness: GroupReadiness | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> Engine:
         """Start vLLM's engine core in child processes, or, with `client` (the config a
-        frontend process of `--frontends N` was given), connect to the shared one and
-        count this frontend in `readiness` once its hooks are installed."""
+        frontend process of `--frontends N` was given), connect to the shared one.
+        `on_ready` is called once the worker hooks are installed (launcher.py counts
+        this frontend ready then)."""
         counters = SchedulerCounters()
         use_worker_hooks(engine_args)
         route = int(client["client_index"]) if client else 0
@@ -145,8 +143,8 @@ class Engine:
         )
         try:
             await _install_worker_hooks(llm, receiver.address, fault_injection, route)
-            if readiness is not None:
-                readiness.arrive()
+            if on_ready is not None:
+                on_ready()
         except BaseException:
             receiver.close()
             llm.shutdown()

@@ -15,7 +15,7 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,12 +32,23 @@ from .tenants import TenantQuotas
 from .tls import ServerTls
 
 if TYPE_CHECKING:
-    from .frontends import GroupReadiness
     from .http_gateway import HttpGateway
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["TraceService"].full_name
+
+
+class Readiness(Protocol):
+    """Whether every frontend sharing the engine core is up (launcher.GroupReadiness):
+    one frontend's SERVING must mean that every connection the kernel hands any of
+    them will be served."""
+
+    def arrive(self) -> None:
+        """This frontend is up: its engine client connected, the worker hooks installed."""
+
+    async def all_ready(self, stop: asyncio.Event) -> bool:
+        """Until every frontend has arrived (True) or `stop` is set (False)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,7 @@ class ServerConfig:
     http_port: int = 0
     # Browser origins allowed on the HTTP port ("*": any); empty: localhost pages only.
     cors_origins: tuple[str, ...] = ()
-    # Frontend processes sharing one engine core (frontends.py); 1: this process only.
+    # Frontend processes sharing one engine core (launcher.py); 1: this process only.
     frontends: int = 1
     # Largest request received on either port, after decompression: requests are small
     # (prompts, plans); a larger one is refused before it is decoded.
@@ -76,11 +87,12 @@ class ServerConfig:
 async def serve(
     config: ServerConfig,
     client: dict[str, Any] | None = None,
-    readiness: GroupReadiness | None = None,
+    readiness: Readiness | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT. `client`: this process is one of `config.frontends`
-    frontends, connecting to an engine core started by frontends.py; it reports
-    SERVING only once `readiness` says that every frontend is up."""
+    frontends, connecting to an engine core started by launcher.py; it arrives in
+    `readiness` once its engine is up, and reports SERVING only once `readiness` says
+    that every frontend is."""
     servicer = TraceServicer(config.trace, config.tokens, config.tenant_quotas)
     access_log.configure(config.access_log)
     interceptors: list[grpc.aio.ServerInterceptor] = [CallObserver()]  # request ids, metrics, the access log
@@ -133,7 +145,10 @@ async def serve(
     started = time.monotonic()
     engine_task = asyncio.create_task(
         Engine.start(
-            config.engine_args, fault_injection=config.trace.fault_injection, client=client, readiness=readiness
+            config.engine_args,
+            fault_injection=config.trace.fault_injection,
+            client=client,
+            on_ready=readiness.arrive if readiness is not None else None,
         )
     )
     stop_task = asyncio.create_task(stop.wait())
