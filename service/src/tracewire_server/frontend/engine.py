@@ -102,7 +102,7 @@ class Engine:
         engine_args: Any,
         *,
         fault_injection: bool = False,
-        client: dict[str, Any] | None = None,
+        client: vllm_compat.SharedEngineClient | None = None,
         on_ready: Callable[[], None] | None = None,
     ) -> Engine:
         """Start vLLM's engine core in child processes, or, with `client` (the config a
@@ -111,7 +111,7 @@ class Engine:
         this frontend ready then)."""
         counters = SchedulerCounters()
         use_worker_hooks(engine_args)
-        route = int(client["client_index"]) if client else 0
+        route = client.index if client is not None else 0
         receiver = Receiver()
         receiver.start()
 

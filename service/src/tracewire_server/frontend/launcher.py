@@ -107,10 +107,10 @@ class _FrontendArgs:
     readiness: GroupReadiness
 
 
-def _frontend(listen_address: Any, sock: Any, args: _FrontendArgs, client: dict[str, Any]) -> None:
+def _frontend(args: _FrontendArgs, client: vllm_compat.SharedEngineClient) -> None:
     """A frontend process (spawned): the whole server, on the shared engine core."""
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s %(name)s[{client['client_index']}]: %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s[{client.index}]: %(message)s",
     )
     sys.exit(asyncio.run(serve(args.config, client=client, readiness=args.readiness)))

@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tracewire.v1 import service_pb2
 
-from . import access_log
+from . import access_log, vllm_compat
 from .auth import ReflectionAuth, TokenTable
 from .connection_limits import ConnectionLimits
 from .engine import Engine
@@ -86,7 +86,7 @@ class ServerConfig:
 
 async def serve(
     config: ServerConfig,
-    client: dict[str, Any] | None = None,
+    client: vllm_compat.SharedEngineClient | None = None,
     readiness: Readiness | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT. `client`: this process is one of `config.frontends`
@@ -108,7 +108,7 @@ async def serve(
             # Only the frontends of one engine share a port (the kernel spreads the
             # connections over them); grpc's Linux default would let any second server
             # bind a port already in use without a word.
-            ("grpc.so_reuseport", 1 if client else 0),
+            ("grpc.so_reuseport", 1 if client is not None else 0),
         ]
     )
     add_to_server(servicer, server)  # (request bodies that do not parse: INVALID_ARGUMENT)
@@ -139,7 +139,7 @@ async def serve(
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     gateway = await _start_http(config, servicer, health_servicer)
-    metrics_gateway = await _start_metrics(config, client["client_index"] if client else 0)
+    metrics_gateway = await _start_metrics(config, client.index if client is not None else 0)
     log.info("tracewire listening on %s; starting the engine", address)
 
     started = time.monotonic()
