@@ -12,7 +12,7 @@ import itertools
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +21,10 @@ from ..shared.detokenize import DecodeStreamTracker, TextTracker
 from ..shared.limits import ModelLimits
 from ..shared.sidechannel import Receiver
 from . import vllm_compat
+from .compiler import CompiledTrace
 from .errors import InvalidArgument, Unavailable
 from .prompts import EnginePrompt
+from .trace import TraceRun
 
 WORKER_EXTENSION = "tracewire_server.worker.worker_hooks.TracewireWorkerExtension"
 # The install is a few milliseconds of work in the worker; the engine core answers
@@ -179,7 +181,7 @@ class Engine:
 
     async def generate(
         self, prompt: EnginePrompt, sampling: dict[str, Any], *, stream: bool, cache_salt: str | None = None
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """vLLM RequestOutputs for one prompt: deltas when `stream`, else the final one.
         `cache_salt` keeps the request's KV blocks apart in the prefix cache (module writes).
 
@@ -199,6 +201,13 @@ class Engine:
             raise InvalidArgument("", f"the engine rejected the request: {e}") from e
         except vllm_compat.EngineDeadError as e:
             raise Unavailable(f"the engine died: {e}") from e
+
+    def trace(self, compiled: CompiledTrace, buffer_bytes: int) -> TraceRun:
+        """A run of `compiled` (compiled for this engine's route) on this engine: its
+        sequences' token streams, and the worker hooks' records of their steps from
+        this frontend's side channel. `buffer_bytes`: step results it may hold for a
+        slow client."""
+        return TraceRun(self, self.receiver, compiled, buffer_bytes)
 
     def stats(self) -> EngineStats:
         return EngineStats(
