@@ -7,8 +7,8 @@
 #   make dashboard  the browser dashboard (Vite dev server on http://127.0.0.1:5173), against
 #                the server `make serve` started (open ?server=http://127.0.0.1:HTTP_PORT)
 #   make proto   regenerate the committed code (Python and TypeScript) from proto/ (buf.gen.yaml)
-#   make lint    buf lint + buf breaking (against the last released contract) + ruff + mypy + tsc
-#                (the TS client and the dashboard, strict)
+#   make lint    buf lint + buf breaking (against the last released contract) + ruff + import
+#                contracts + mypy + tsc (the TS client and the dashboard, strict)
 #   make bench   benchmarks (results under bench/results/); make bench-gpu on the GPU machine
 #   make soak    a bounded load run: 100 mixed clients for 3 minutes, results checked against
 #                their solo runs, RSS / fd growth (bench/results/soak-*.json)
@@ -137,6 +137,9 @@ lint: setup
 	$(BUF) lint proto
 	$(BUF) breaking proto --against $(CONTRACT_RELEASED)
 	$(VENV)/bin/ruff check service tests clients/python/src contract bench models
+	# The import contracts of pyproject.toml's [tool.importlinter] (no cycles; shared/ and
+	# worker/ free of the frontend), on this tree's sources, without a cache folder.
+	PYTHONPATH=service/src $(VENV)/bin/lint-imports --no-cache
 	cd clients/python && ../../$(VENV)/bin/mypy src/tracewire
 	cd $(TS) && node_modules/.bin/tsc -p tsconfig.json --noEmit
 	cd $(DASH) && node_modules/.bin/tsc -p tsconfig.json --noEmit

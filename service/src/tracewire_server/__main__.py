@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import logging
 import sys
 from pathlib import Path
 
-from .frontend import connection_limits
+from .frontend import connection_limits, launcher
 from .frontend.auth import TokenFileError, TokenTable
-from .frontend.server import ServerConfig, serve
+from .frontend.server import ServerConfig
 from .frontend.servicer import TraceOptions
 from .frontend.tenants import TenantQuotas
 from .frontend.tls import ServerTls, TlsConfigError
@@ -274,12 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = parse_args(sys.argv[1:] if argv is None else argv)
-    if config.frontends > 1:
-        from .frontend.frontends import run
-
-        return run(config)
-    return asyncio.run(serve(config))
+    return launcher.run(parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -12,20 +12,19 @@ import itertools
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..shared import detokenize, steering
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
 from ..shared.limits import ModelLimits
 from ..shared.sidechannel import Receiver
 from . import vllm_compat
+from .compiler import CompiledTrace
 from .errors import InvalidArgument, Unavailable
 from .prompts import EnginePrompt
-
-if TYPE_CHECKING:
-    from .frontends import GroupReadiness
+from .trace import TraceRun
 
 WORKER_EXTENSION = "tracewire_server.worker.worker_hooks.TracewireWorkerExtension"
 # The install is a few milliseconds of work in the worker; the engine core answers
@@ -105,15 +104,16 @@ class Engine:
         engine_args: Any,
         *,
         fault_injection: bool = False,
-        client: dict[str, Any] | None = None,
-        readiness: GroupReadiness | None = None,
+        client: vllm_compat.SharedEngineClient | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> Engine:
         """Start vLLM's engine core in child processes, or, with `client` (the config a
-        frontend process of `--frontends N` was given), connect to the shared one and
-        count this frontend in `readiness` once its hooks are installed."""
+        frontend process of `--frontends N` was given), connect to the shared one.
+        `on_ready` is called once the worker hooks are installed (launcher.py counts
+        this frontend ready then)."""
         counters = SchedulerCounters()
         use_worker_hooks(engine_args)
-        route = int(client["client_index"]) if client else 0
+        route = client.index if client is not None else 0
         receiver = Receiver()
         receiver.start()
 
@@ -145,8 +145,8 @@ class Engine:
         )
         try:
             await _install_worker_hooks(llm, receiver.address, fault_injection, route)
-            if readiness is not None:
-                readiness.arrive()
+            if on_ready is not None:
+                on_ready()
         except BaseException:
             receiver.close()
             llm.shutdown()
@@ -181,7 +181,7 @@ class Engine:
 
     async def generate(
         self, prompt: EnginePrompt, sampling: dict[str, Any], *, stream: bool, cache_salt: str | None = None
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """vLLM RequestOutputs for one prompt: deltas when `stream`, else the final one.
         `cache_salt` keeps the request's KV blocks apart in the prefix cache (module writes).
 
@@ -201,6 +201,13 @@ class Engine:
             raise InvalidArgument("", f"the engine rejected the request: {e}") from e
         except vllm_compat.EngineDeadError as e:
             raise Unavailable(f"the engine died: {e}") from e
+
+    def trace(self, compiled: CompiledTrace, buffer_bytes: int) -> TraceRun:
+        """A run of `compiled` (compiled for this engine's route) on this engine: its
+        sequences' token streams, and the worker hooks' records of their steps from
+        this frontend's side channel. `buffer_bytes`: step results it may hold for a
+        slow client."""
+        return TraceRun(self, self.receiver, compiled, buffer_bytes)
 
     def stats(self) -> EngineStats:
         return EngineStats(

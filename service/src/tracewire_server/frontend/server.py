@@ -15,14 +15,14 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tracewire.v1 import service_pb2
 
-from . import access_log
+from . import access_log, vllm_compat
 from .auth import ReflectionAuth, TokenTable
 from .connection_limits import ConnectionLimits
 from .engine import Engine
@@ -32,12 +32,23 @@ from .tenants import TenantQuotas
 from .tls import ServerTls
 
 if TYPE_CHECKING:
-    from .frontends import GroupReadiness
     from .http_gateway import HttpGateway
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["TraceService"].full_name
+
+
+class Readiness(Protocol):
+    """Whether every frontend sharing the engine core is up (launcher.GroupReadiness):
+    one frontend's SERVING must mean that every connection the kernel hands any of
+    them will be served."""
+
+    def arrive(self) -> None:
+        """This frontend is up: its engine client connected, the worker hooks installed."""
+
+    async def all_ready(self, stop: asyncio.Event) -> bool:
+        """Until every frontend has arrived (True) or `stop` is set (False)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,7 @@ class ServerConfig:
     http_port: int = 0
     # Browser origins allowed on the HTTP port ("*": any); empty: localhost pages only.
     cors_origins: tuple[str, ...] = ()
-    # Frontend processes sharing one engine core (frontends.py); 1: this process only.
+    # Frontend processes sharing one engine core (launcher.py); 1: this process only.
     frontends: int = 1
     # Largest request received on either port, after decompression: requests are small
     # (prompts, plans); a larger one is refused before it is decoded.
@@ -75,12 +86,13 @@ class ServerConfig:
 
 async def serve(
     config: ServerConfig,
-    client: dict[str, Any] | None = None,
-    readiness: GroupReadiness | None = None,
+    client: vllm_compat.SharedEngineClient | None = None,
+    readiness: Readiness | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT. `client`: this process is one of `config.frontends`
-    frontends, connecting to an engine core started by frontends.py; it reports
-    SERVING only once `readiness` says that every frontend is up."""
+    frontends, connecting to an engine core started by launcher.py; it arrives in
+    `readiness` once its engine is up, and reports SERVING only once `readiness` says
+    that every frontend is."""
     servicer = TraceServicer(config.trace, config.tokens, config.tenant_quotas)
     access_log.configure(config.access_log)
     interceptors: list[grpc.aio.ServerInterceptor] = [CallObserver()]  # request ids, metrics, the access log
@@ -96,7 +108,7 @@ async def serve(
             # Only the frontends of one engine share a port (the kernel spreads the
             # connections over them); grpc's Linux default would let any second server
             # bind a port already in use without a word.
-            ("grpc.so_reuseport", 1 if client else 0),
+            ("grpc.so_reuseport", 1 if client is not None else 0),
         ]
     )
     add_to_server(servicer, server)  # (request bodies that do not parse: INVALID_ARGUMENT)
@@ -127,13 +139,16 @@ async def serve(
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     gateway = await _start_http(config, servicer, health_servicer)
-    metrics_gateway = await _start_metrics(config, client["client_index"] if client else 0)
+    metrics_gateway = await _start_metrics(config, client.index if client is not None else 0)
     log.info("tracewire listening on %s; starting the engine", address)
 
     started = time.monotonic()
     engine_task = asyncio.create_task(
         Engine.start(
-            config.engine_args, fault_injection=config.trace.fault_injection, client=client, readiness=readiness
+            config.engine_args,
+            fault_injection=config.trace.fault_injection,
+            client=client,
+            on_ready=readiness.arrive if readiness is not None else None,
         )
     )
     stop_task = asyncio.create_task(stop.wait())

@@ -33,7 +33,6 @@ from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_r
 from .prompts import EnginePrompt, to_engine_prompt
 from .sampling import check_token_ids, fit_max_tokens, to_vllm_kwargs
 from .tenants import TenantCall, TenantLedger, TenantQuotas
-from .trace import TraceRun
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +348,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         ))
         tenant.reserve_sequences(sum(len(invoke.sequences) for invoke in compiled.invokes))
         tenant.charge_reads(compiled.read_bytes_bound)
-        await TraceRun(engine, engine.receiver, compiled, self.options.buffer_bytes).send(context.write)
+        await engine.trace(compiled, self.options.buffer_bytes).send(context.write)
 
     @unary
     async def Tokenize(

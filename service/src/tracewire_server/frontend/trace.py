@@ -13,23 +13,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tracewire.v1 import output_pb2, service_pb2, trace_pb2
 
+from ..shared.detokenize import DecodeStreamTracker, TextTracker
 from ..shared.sidechannel import Receiver, StepRecord
 from . import outputs
 from .calls import current_tenant
 from .compiler import CompiledInvoke, CompiledTrace, EngineSequence
-from .engine import Engine
 from .errors import Internal, TracewireError
 from .metrics import TraceMetrics
 from .outbox import Outbox, Write
+from .prompts import EnginePrompt
 
 # How long a sequence waits for the worker's record of a step the engine
 # already reported. Records normally arrive before the token itself.
 RECORD_TIMEOUT_S = 60.0
+
+
+class TraceEngine(Protocol):
+    """What a trace needs of the engine (engine.Engine, which starts the runs:
+    Engine.trace)."""
+
+    def generate(
+        self, prompt: EnginePrompt, sampling: dict[str, Any], *, stream: bool, cache_salt: str | None = None
+    ) -> AsyncGenerator[Any, None]: ...
+
+    def text_tracker(
+        self, prompt_ids: Sequence[int], skip_special_tokens: bool
+    ) -> TextTracker | DecodeStreamTracker: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass
@@ -41,8 +58,8 @@ class _SequenceResult:
 
 @dataclass
 class TraceRun:
-    engine: Engine
-    receiver: Receiver
+    engine: TraceEngine
+    receiver: Receiver  # this frontend's side channel: the worker hooks' records of the trace's steps
     trace: CompiledTrace
     buffer_cap_bytes: int
     _outbox: Outbox = field(init=False)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from collections.abc import Iterator
-from typing import Any
+import types
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 # tracewire's worker hooks wrap the V1 GPU model runner's sampler
 # (vllm/v1/worker/gpu_model_runner.py). vLLM 0.26 with Triton (every CUDA
@@ -54,6 +56,7 @@ __all__ = [
     "AsyncEngineArgs",
     "AsyncLLM",
     "FlexibleArgumentParser",
+    "SharedEngineClient",
     "StatLoggerBase",
     "VLLM_VERSION",
     "get_tokenizer",
@@ -134,34 +137,73 @@ def stop_engine(owner: Any) -> None:
 # -- several frontend processes sharing one engine core (`--frontends N`) -------------
 
 
+@dataclass(frozen=True)
+class SharedEngineClient:
+    """How frontend `index` of `count` (`--frontends N`) reaches the engine core they
+    share: the client config vLLM hands each frontend process, read in one place
+    (`from_vllm`, at the process's entry)."""
+
+    index: int  # this frontend among those sharing the engine core (the worker hooks' route)
+    count: int
+    # The rest, for vLLM's AsyncLLM only (`client_addresses`): its engine sockets'
+    # addresses and whatever this version adds to them (vLLM 0.32 the bound listeners,
+    # 0.26 a pipe to report the bound addresses, a stats address, a tensor queue...).
+    vllm_addresses: Mapping[str, Any]
+
+    @classmethod
+    def from_vllm(cls, config: Mapping[str, Any]) -> SharedEngineClient:
+        addresses = dict(config)
+        count, index = addresses.pop("client_count"), addresses.pop("client_index")
+        # vLLM 0.32 balances its HTTP accepts with this; tracewire's ports use SO_REUSEPORT.
+        addresses.pop("api_server_loads", None)
+        return cls(index=int(index), count=int(count), vllm_addresses=types.MappingProxyType(addresses))
+
+    def client_addresses(self) -> dict[str, Any]:
+        """AsyncLLM's `client_addresses` (a copy: vLLM pops entries it consumes)."""
+        return dict(self.vllm_addresses)
+
+
 def start_async_llm(
     engine_args: AsyncEngineArgs,
     stat_loggers: list[Any],
-    client: dict[str, Any] | None = None,
+    client: SharedEngineClient | None = None,
 ) -> AsyncLLM:
-    """An AsyncLLM that starts its own engine core, or, given `client` (the client
-    config a frontend process got from `launch_frontends`), one that connects to the
-    shared engine core as frontend `client_index` of `client_count`."""
+    """An AsyncLLM that starts its own engine core, or, given `client` (a frontend
+    process `launch_frontends` started), one that connects to the shared engine core
+    as frontend `client.index` of `client.count`."""
     if client is None:
         with engine_core_in_own_group():
             return AsyncLLM.from_engine_args(engine_args, stat_loggers=stat_loggers)
     from vllm.usage.usage_lib import UsageContext
 
-    addresses = dict(client)
-    count, index = addresses.pop("client_count"), addresses.pop("client_index")
-    # vLLM 0.32 balances its HTTP accepts with this; tracewire's ports use SO_REUSEPORT.
-    addresses.pop("api_server_loads", None)
-    engine_args._api_process_count = count  # type: ignore[attr-defined]
-    engine_args._api_process_rank = index  # type: ignore[attr-defined]
+    engine_args._api_process_count = client.count  # type: ignore[attr-defined]
+    engine_args._api_process_rank = client.index  # type: ignore[attr-defined]
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     return AsyncLLM.from_vllm_config(
         vllm_config,
         stat_loggers=stat_loggers,
         disable_log_stats=engine_args.disable_log_stats,
-        client_addresses=addresses,
-        client_count=count,
-        client_index=index,
+        client_addresses=client.client_addresses(),
+        client_count=client.count,
+        client_index=client.index,
     )
+
+
+Args = TypeVar("Args")
+
+
+@dataclass(frozen=True)
+class _Frontend(Generic[Args]):
+    """What a frontend process runs: `target(args, client)`; pickled to it at spawn."""
+
+    target: Callable[[Args, SharedEngineClient], None]
+    args: Args
+
+
+def _run_frontend(listen_address: Any, sock: Any, frontend: _Frontend[Any], client_config: dict[str, Any]) -> None:
+    """A frontend process's entry point, in vLLM's API-server convention (no listen
+    address or socket here: each frontend binds its own ports)."""
+    frontend.target(frontend.args, SharedEngineClient.from_vllm(client_config))
 
 
 class FrontendGroup:
@@ -199,17 +241,20 @@ class FrontendGroup:
             self._listeners.cleanup()
 
 
-def launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payload: Any) -> FrontendGroup:
-    """Start one engine core and `count` processes running
-    `target(None, None, payload, client_config)`, as vLLM's `--api-server-count` does;
-    returns once the engine core is up (the frontends connect to it meanwhile). The
-    frontends stay in this process's group (a signal to it reaches them, and they
-    drain); the engine core leaves it (engine_group.py)."""
+def launch_frontends(
+    engine_args: AsyncEngineArgs, count: int, target: Callable[[Args, SharedEngineClient], None], args: Args
+) -> FrontendGroup:
+    """Start one engine core and `count` processes, each running `target(args, client)`
+    with its own client of that core, as vLLM's `--api-server-count` does; returns once
+    the engine core is up (the frontends connect to it meanwhile). `target` and `args`
+    must pickle (the processes are spawned). The frontends stay in this process's group
+    (a signal to it reaches them, and they drain); the engine core leaves it
+    (engine_group.py)."""
     with engine_core_in_own_group():
-        return _launch_frontends(engine_args, count, target, payload)
+        return _launch_frontends(engine_args, count, _Frontend(target, args))
 
 
-def _launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, payload: Any) -> FrontendGroup:
+def _launch_frontends(engine_args: AsyncEngineArgs, count: int, payload: _Frontend[Any]) -> FrontendGroup:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine import utils as engine_utils
     from vllm.v1.executor import Executor
@@ -231,7 +276,7 @@ def _launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, pay
                 frontends = APIServerProcessManager(
                     None, None, payload, count,
                     input_listeners=listeners.inputs, output_listeners=listeners.outputs,
-                    target_server_fn=target,
+                    target_server_fn=_run_frontend,
                     stats_update_address=_stats_address(launch.coordinator),
                     tensor_queue=launch.tensor_queue,
                 )
@@ -245,7 +290,7 @@ def _launch_frontends(engine_args: AsyncEngineArgs, count: int, target: Any, pay
             frontends = APIServerProcessManager(
                 None, None, payload, count,
                 input_addresses=addresses.inputs, output_addresses=addresses.outputs,
-                target_server_fn=target, stats_update_address=_stats_address(coordinator),
+                target_server_fn=_run_frontend, stats_update_address=_stats_address(coordinator),
                 tensor_queue=tensor_queue,
             )
             addresses.inputs, addresses.outputs = frontends.gather_actual_addresses()

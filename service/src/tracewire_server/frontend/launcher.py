@@ -1,18 +1,19 @@
-"""Several frontend processes sharing one engine core (`--frontends N`).
+"""Starting the server: one process with its engine, or (`--frontends N`) one engine
+core shared by N frontend processes, and when such a group is ready.
 
 One Python process can only send so many gRPC messages a second: a trace streams
 a message per step per sequence, and at a few hundred concurrent traces the
 frontend, not the engine, sets the pace. As vLLM's `--api-server-count` does,
-this process starts the engine core and N frontend processes; each runs the
-whole gRPC (and HTTP) server of server.py on the same port (SO_REUSEPORT: the
-kernel spreads connections over them) with its own vLLM client of the shared
-engine core. The worker hooks send each frontend the records of its own
-requests (SequencePlan.route).
+with `--frontends N` this process starts the engine core and N frontend
+processes; each runs the whole gRPC (and HTTP) server of server.py on the same
+port (SO_REUSEPORT: the kernel spreads connections over them) with its own vLLM
+client of the shared engine core. The worker hooks send each frontend the records
+of its own requests (SequencePlan.route).
 
 A frontend reports SERVING only once every frontend has its engine client up and
-the worker hooks installed (GroupReadiness): the kernel may hand any new
-connection to any of them, so one SERVING answer must mean that every
-connection will be served.
+the worker hooks installed (GroupReadiness, owned here and handed to each
+frontend's server): the kernel may hand any new connection to any of them, so one
+SERVING answer must mean that every connection will be served.
 
 This process supervises: it forwards SIGTERM/SIGINT to the frontends (which
 drain), stops everything when a frontend or the engine core dies, and stops
@@ -39,6 +40,13 @@ log = logging.getLogger(__name__)
 
 
 def run(config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; the process's exit status."""
+    if config.frontends == 1:
+        return asyncio.run(serve(config))  # the engine core starts under this process's AsyncLLM
+    return _run_group(config)
+
+
+def _run_group(config: ServerConfig) -> int:
     if config.port == 0:
         raise SystemExit("tracewire: --frontends > 1 needs a fixed --port (every frontend binds it)")
     use_worker_hooks(config.engine_args)
@@ -73,7 +81,7 @@ def run(config: ServerConfig) -> int:
 class GroupReadiness:
     """How many of the frontends have their engine client up and the worker hooks
     installed, shared between the processes (a counter in shared memory, handed over
-    at spawn)."""
+    at spawn). Each frontend's server sees it as a server.Readiness."""
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -85,7 +93,7 @@ class GroupReadiness:
 
     async def all_ready(self, stop: asyncio.Event) -> bool:
         """Wait until every frontend has arrived (True) or `stop` is set (False). A
-        frontend that dies on the way stops the whole group (run()), so this ends."""
+        frontend that dies on the way stops the whole group (_run_group), so this ends."""
         while self._ready.value < self.count:
             if stop.is_set():
                 return False
@@ -99,10 +107,10 @@ class _FrontendArgs:
     readiness: GroupReadiness
 
 
-def _frontend(listen_address: Any, sock: Any, args: _FrontendArgs, client: dict[str, Any]) -> None:
+def _frontend(args: _FrontendArgs, client: vllm_compat.SharedEngineClient) -> None:
     """A frontend process (spawned): the whole server, on the shared engine core."""
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s %(name)s[{client['client_index']}]: %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s[{client.index}]: %(message)s",
     )
     sys.exit(asyncio.run(serve(args.config, client=client, readiness=args.readiness)))
