@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service" / "src"), str(ROOT / "tests")]
 
 from tracewire_server.shared import plan as P  # noqa: E402
-from tracewire_server.shared import sidechannel, steering  # noqa: E402
+from tracewire_server.shared import steering  # noqa: E402
+from tracewire_server.worker.sender import Sender  # noqa: E402
 from tracewire_server.worker import worker_hooks as W  # noqa: E402
 from worker_standin import Sampler, request, runner  # noqa: E402
 
@@ -58,7 +59,7 @@ def measure(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: int, address: s
     """Microseconds the hooks add per traced row per step (hooked minus bare sampler)."""
     requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops))) for i in range(rows)}
     hooks = W.PlanHooks(runner(requests), fault_injection=False)
-    hooks.senders[0] = sidechannel.Sender(address)
+    hooks.senders[0] = Sender(address)
     return _hooked_minus_bare(hooks, rows, vocab, steps)
 
 
@@ -100,7 +101,7 @@ def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: boo
     engine.input_batch.num_computed_tokens_cpu = np.full(rows, 2)  # after the 2-token prompt
     engine._model_forward = lambda: None
     hooks = W.PlanHooks(engine, fault_injection=False)
-    hooks.senders[0] = sidechannel.Sender(address)
+    hooks.senders[0] = Sender(address)
     tables = steering.SteeringTables([0, 1, 2, 3], slots=rows + 1, max_tokens=rows, hidden=256,
                                      dtype=torch.float32, device=torch.device("cpu"))
     hooks.install_compiled_steering(engine, tables)
@@ -127,7 +128,7 @@ def measure_collector(rows: int, routes: int, vocab: int, addresses: list[str]) 
                 for i in range(rows)}
     hooks = W.PlanHooks(runner(requests), fault_injection=False)
     for route in range(routes):
-        hooks.senders[route] = sidechannel.Sender(addresses[route])
+        hooks.senders[route] = Sender(addresses[route])
     works: list[W._StepWork] = []
     hooks.collector.submit = works.append  # type: ignore[method-assign]
     sampler = Sampler()

@@ -18,10 +18,10 @@ from tracewire.v1 import sampling_pb2, service_pb2
 from ..shared import plan as P
 from ..shared import textmatch
 from ..shared.limits import ModelLimits
-from ..shared.tensors import float_vector
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from .prompts import Encoder, EnginePrompt, to_engine_prompt
 from .sampling import DEFAULT_MAX_TOKENS, fit_max_tokens, to_vllm_kwargs
+from .tensors import float_vector
 
 # With --enable-fault-injection (tests only), an intervention named
 # "__fault__:<message>" raises <message> inside the worker hook at its steps.

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 from ..shared import detokenize, steering
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
 from ..shared.limits import ModelLimits
-from ..shared.sidechannel import Receiver
 from . import vllm_compat
 from .errors import InvalidArgument, Unavailable
 from .prompts import EnginePrompt
+from .receiver import Receiver
 
 if TYPE_CHECKING:
     from .frontends import GroupReadiness

@@ -58,9 +58,10 @@ import torch
 
 from ..shared import detokenize, steering, textmatch
 from ..shared import plan as P
-from ..shared.sidechannel import ReadResult, RowBlock, Sender, StepBatch, StepRecord, token_read
+from ..shared.sidechannel import ReadResult, RowBlock, StepBatch, StepRecord, token_read
 from ..shared.tensors import RawTensor
 from .collector import StepCollector
+from .sender import Sender
 
 # Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
 # worker processes; a logger of our own would have none there.
