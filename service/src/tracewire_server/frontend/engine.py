@@ -27,7 +27,7 @@ from .receiver import Receiver
 if TYPE_CHECKING:
     from .frontends import GroupReadiness
 
-WORKER_EXTENSION = "tracewire_server.worker.worker_hooks.TracewireWorkerExtension"
+WORKER_EXTENSION = "tracewire_server.worker.extension.TracewireWorkerExtension"
 # The install is a few milliseconds of work in the worker; the engine core answers
 # utility calls between steps.
 INSTALL_TIMEOUT_S = 120.0

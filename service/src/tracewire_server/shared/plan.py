@@ -142,6 +142,10 @@ class ReadModule(msgspec.Struct, frozen=True, tag="read_module"):
     positions: Positions
     mean: bool = False
 
+    def module_reads(self, name: str) -> list[tuple[str, str]]:
+        """(key, module path) of the module output this read gathers: its own."""
+        return [(name, self.module)]
+
 
 class ReadLogitLens(msgspec.Struct, frozen=True, tag="read_logit_lens"):
     """Final norm + lm_head on decoder layers' residual streams, as logprobs."""
