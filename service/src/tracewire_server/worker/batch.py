@@ -9,12 +9,13 @@ Separate from the per-request state (sequences.py), which outlives the step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
-from .host import HostBatch, Launched
+from ..shared import plan as P
+from .host import ColumnRows, Launched
 from .ops import StepOps
 
 if TYPE_CHECKING:
@@ -59,9 +60,25 @@ class Block:
     index: list[int] = field(default_factory=list)  # rows in the logits, ascending
     seqs: list[Sequence] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
-    # read name -> (its batch, the batch row of each of this block's rows)
-    reads: dict[str, tuple[HostBatch, list[int]]] = field(default_factory=dict)
+    # read name -> its batch, and the batch row of each of this block's rows
+    reads: dict[str, ColumnRows] = field(default_factory=dict)
     error: str | None = None
+
+
+# A batched read's consumer: a row or a block (its rows in order), and the read's name.
+Target = tuple[Row | Block, str]
+
+
+class PendingLogprobs(NamedTuple):
+    """A logprobs read waiting for the draw (the drawn token's logprob comes first): its
+    log_softmax over the rows reading it, and where those rows are."""
+
+    read: P.ReadLogprobs
+    logprobs: torch.Tensor  # [rows, vocab]
+    rows: list[int]  # the logits rows, ascending
+    first: int  # rows[0]
+    where: dict[int, int] | None  # logits row -> row of `logprobs` (None: the rows are one run)
+    targets: list[Target]
 
 
 @dataclass(slots=True)
@@ -70,9 +87,7 @@ class Step:
 
     rows: list[Row]
     blocks: list[Block]
-    # Logprobs reads waiting for the draw: (key, logprobs [G, vocab], and where their
-    # rows are, as _assign takes it: logits rows, first row, row map, targets).
-    logprobs: list[tuple[Any, ...]] = field(default_factory=list)
+    logprobs: list[PendingLogprobs] = field(default_factory=list)
     # Seconds the hooks spent on this step on the engine's thread, up to handing it to
     # the collector; sent with its records (the frontends' hook-time metric).
     engine_s: float = 0.0
@@ -88,10 +103,6 @@ class Step:
             row.error = row.error or message
         for block in self.blocks:
             block.error = block.error or message
-
-
-# A batched read's consumer: a row or a block (its rows in order), and the read's name.
-Target = tuple[Row | Block, str]
 
 
 @dataclass

@@ -63,7 +63,7 @@ from ..shared import steering
 from .batch import Block, Row, Step, StepWork
 from .collector import StepCollector
 from .conditions import Context, holds
-from .host import to_host
+from .host import SAMPLE, to_host
 from .logits_reads import BEFORE_WRITES, PROCESSED, RAW, UNWRITTEN, launch_batched, launch_logprobs
 from .logits_writes import write_and_capture
 from .module_hooks import ModuleHooks
@@ -238,7 +238,13 @@ class PlanHooks:
         started = time.perf_counter()
         drawn = sampled.view(sampled.shape[0], -1)[:, 0]
         launch_logprobs(step, drawn)
-        fired = [row for row in step.rows if row.error is None and row.selected.row_reads]
+        fired = []
+        for row in step.rows:
+            if row.error is None:
+                for name in row.selected.samples:
+                    row.reads[name] = SAMPLE  # the token itself, known once the step is done
+                if row.selected.module_reads:
+                    fired.append(row)
         try:
             launch_module_reads(fired, self.modules.lens if self.modules is not None else None)
         except Exception as e:  # noqa: BLE001 - a batch failure fails the traces in it

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -84,7 +85,7 @@ class HostBatch:
 @dataclass
 class HostRead:
     """One row's read on its way to the host (a module or logit-lens read, or the
-    drawn sample); batched reads are (HostBatch, row) pairs instead."""
+    drawn sample); batched reads are ColumnRows instead."""
 
     batch: HostBatch | None  # None: the drawn token itself (known after the wait)
     positions: list[int] | None = None
@@ -98,6 +99,23 @@ class HostRead:
         return ReadResult(whole.values, whole.token_ids, RawTensor.from_numpy(np.asarray(self.positions, np.int32)))
 
 
+# (msgspec structs, not NamedTuples: made per traced row and read, and a struct costs
+# what a tuple does to make, a NamedTuple several times that. No cycles: no GC.)
+class ColumnRow(msgspec.Struct, gc=False):
+    """One row's read as a row of a read batched over several rows."""
+
+    batch: HostBatch
+    row: int
+
+
+class ColumnRows(msgspec.Struct, gc=False):
+    """Rows of a read batched over several rows (a block's, one per block row; or
+    those a frontend reads)."""
+
+    batch: HostBatch
+    rows: list[int]
+
+
 # A read launched for one row: its own value, or its row of a batch.
-Launched = HostRead | tuple[HostBatch, int]
+Launched = HostRead | ColumnRow
 SAMPLE = HostRead(None)

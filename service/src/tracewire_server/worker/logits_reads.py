@@ -8,13 +8,11 @@ into. Also the copy of the sampler's row that conditions look at (`capture`).
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import torch
 
 from ..shared import plan as P
-from .batch import Block, Captured, Row, Step, Target
-from .host import HostBatch, on_device, to_host
+from .batch import Block, Captured, PendingLogprobs, Row, Step, Target
+from .host import ColumnRow, ColumnRows, HostBatch, on_device, to_host
 
 
 def _top_k(src: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,11 +44,6 @@ def capture(logits: torch.Tensor, rows: list[Row]) -> list[Captured]:
 
 
 
-def _stage(key: tuple[Any, ...]) -> P.LogitsStage:
-    """The logits a batched read is computed from (logprobs: the sampler's row)."""
-    return "processed" if key[0] == "logprobs" else cast(P.LogitsStage, key[1])
-
-
 # The stages launch_batched serves at each point of the sampler's row.
 RAW: frozenset[P.LogitsStage] = frozenset({"raw"})
 BEFORE_WRITES: frozenset[P.LogitsStage] = frozenset({"before_writes"})
@@ -66,32 +59,33 @@ def _union(targets: list[Target]) -> list[int]:
 
 
 def launch_batched(step: Step, logits: torch.Tensor, stages: frozenset[P.LogitsStage]) -> None:
-    """Launch these stages' batched reads for the step's rows and blocks: one device
-    computation per read key over all the rows reading it, straight from the logits as
-    they are now (nothing is copied first: take_rows), each result on its way to the
-    host. Logprobs need the draw: their log_softmax is taken now and finished by
+    """Launch these stages' logits reads for the step's rows and blocks: one device
+    computation per distinct read over all the rows reading it, straight from the
+    logits as they are now (nothing is copied first: take_rows), each result on its way
+    to the host. Logprobs need the draw: their log_softmax is taken now and finished by
     launch_logprobs."""
-    groups: dict[tuple[Any, ...], list[Target]] = {}
+    groups: dict[P.LogitsRead, list[Target]] = {}
     for row in step.rows:
         if row.error is None:
-            for name, key in row.selected.batched_reads:
-                if _stage(key) in stages:
-                    groups.setdefault(key, []).append((row, name))
+            for name, read in row.selected.logits_reads:
+                if read.stage in stages:
+                    groups.setdefault(read, []).append((row, name))
     for block in step.blocks:
-        for name, key in block.ops.batched_reads:
-            if _stage(key) in stages:
-                groups.setdefault(key, []).append((block, name))
-    for key, targets in groups.items():
+        for name, read in block.ops.logits_reads:
+            if read.stage in stages:
+                groups.setdefault(read, []).append((block, name))
+    for read, targets in groups.items():
         try:
             rows = _union(targets)
             first = rows[0]
             src, is_view = take_rows(logits, rows)
             where = None if is_view else {r: p for p, r in enumerate(rows)}
-            if key[0] == "logprobs":
+            if type(read) is P.ReadLogprobs:
                 lp = torch.log_softmax(src, dim=-1, dtype=torch.float32)
-                step.logprobs.append((key, lp, rows, first, where, targets))
+                step.logprobs.append(PendingLogprobs(read, lp, rows, first, where, targets))
                 continue
-            values, ids = _logits(src, *key[2:])
+            assert type(read) is P.ReadLogits
+            values, ids = _logits(src, read.top_k, read.token_ids)
             _assign(HostBatch(to_host(values), to_host(ids) if ids is not None else None), targets, first, where)
         except Exception as e:  # noqa: BLE001 - fails the traces reading it
             _fail_targets(targets, e)
@@ -100,7 +94,9 @@ def launch_batched(step: Step, logits: torch.Tensor, stages: frozenset[P.LogitsS
 def launch_logprobs(step: Step, drawn: torch.Tensor) -> None:
     """[rows, 1 + k] logprobs of the drawn token then the top k, and their ids.
     `drawn`: the step's sampled ids on the device, one per logits row."""
-    for (_, top_k), lp, rows, first, where, targets in step.logprobs:
+    for pending in step.logprobs:
+        lp, rows, first, where, targets = pending.logprobs, pending.rows, pending.first, pending.where, pending.targets
+        top_k = pending.read.top_k
         try:
             if where is None:
                 ids = drawn[first:first + len(rows)]
@@ -120,9 +116,10 @@ def _assign(batch: HostBatch, targets: list[Target], first: int, where: dict[int
     for target, name in targets:
         if type(target) is Block:
             index = target.index
-            target.reads[name] = (batch, [r - first for r in index] if where is None else [where[r] for r in index])
+            rows = [r - first for r in index] if where is None else [where[r] for r in index]
+            target.reads[name] = ColumnRows(batch, rows)
         else:
-            target.reads[name] = (batch, target.index - first if where is None else where[target.index])
+            target.reads[name] = ColumnRow(batch, target.index - first if where is None else where[target.index])
 
 
 def _fail_targets(targets: list[Target], error: Exception) -> None:

@@ -9,11 +9,13 @@ final norm and lm_head applied to them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..shared import plan as P
 from .batch import Row
-from .host import SAMPLE, HostBatch, HostRead, to_host
+from .host import ColumnRow, HostBatch, HostRead, to_host
 
 
 class Lens:
@@ -77,33 +79,37 @@ def _module_value(row: Row, name: str, read: P.ReadModule) -> HostRead:
 
 
 def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
-    """Launch the reads computed per row (module and logit-lens reads, the drawn
-    sample), each on its way to the host. A module's new-token reads for every row are
-    one [rows, hidden] column with one copy to the host, not a copy per row. A read that
-    fails fails its own row's trace."""
-    new_token: dict[str, list[tuple[Row, str, torch.Tensor]]] = {}
+    """Launch the rows' module and logit-lens reads, each on its way to the host. A
+    module's new-token reads for every row are one [rows, hidden] column with one copy
+    to the host, not a copy per row. A read that fails fails its own row's trace."""
+    new_token: dict[str, list[_NewToken]] = {}
     for row in rows:
         try:
-            for op in row.selected.row_reads:
+            for op in row.selected.module_reads:
                 a = op.action
                 if isinstance(a, P.ReadModule):
                     if not a.mean and a.positions.new_token_only(row.seq.step):
                         values, _ = _gathered(row, op.name, a.module, a.positions)
-                        new_token.setdefault(a.module, []).append((row, op.name, values[0]))
+                        new_token.setdefault(a.module, []).append(_NewToken(row, op.name, values[0]))
                     else:
                         row.reads[op.name] = _module_value(row, op.name, a)
-                elif isinstance(a, P.ReadLogitLens):
-                    assert lens is not None
-                    row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
                 else:
-                    assert isinstance(a, P.ReadSample)
-                    row.reads[op.name] = SAMPLE
+                    assert isinstance(a, P.ReadLogitLens) and lens is not None
+                    row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
         except Exception as e:  # noqa: BLE001 - fails this request's trace only
             row.error = f"{type(e).__name__}: {e}"
     for members in new_token.values():
-        members = [m for m in members if m[0].error is None]
+        members = [m for m in members if m.row.error is None]
         if members:
-            batch = HostBatch(to_host(torch.stack([values for _, _, values in members])), None)
-            for j, (row, name, _) in enumerate(members):
-                row.reads[name] = (batch, j)
+            batch = HostBatch(to_host(torch.stack([m.value for m in members])), None)
+            for j, m in enumerate(members):
+                m.row.reads[m.name] = ColumnRow(batch, j)
+
+
+class _NewToken(NamedTuple):
+    """A row's new-token read of a module, joined with the other rows' into one column."""
+
+    row: Row
+    name: str
+    value: torch.Tensor  # [hidden]
 

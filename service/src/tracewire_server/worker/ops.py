@@ -8,9 +8,24 @@ same reads share one StepOps (a block of rows is keyed by its identity).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple, cast
 
 from ..shared import plan as P
+
+
+class LogitsReadOp(NamedTuple):
+    """A logits read selected at a step: its name, and what it reads (the rows reading
+    equal reads are one device computation: logits_reads.py)."""
+
+    name: str
+    read: P.LogitsRead
+
+
+class BlockKey(NamedTuple):
+    """What a block's rows read: logits reads and the drawn token (nothing else)."""
+
+    logits_reads: tuple[LogitsReadOp, ...]
+    samples: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -22,36 +37,39 @@ class StepOps:
     logits_writes: tuple[P.Op, ...]
     # A condition looks at the sampler's row: keep a copy of it for after the draw.
     needs_processed: bool
-    # Reads computed for all rows at once, with the key of their batch.
-    batched_reads: tuple[tuple[str, tuple[Any, ...]], ...]
-    # Reads computed per row (module and logit-lens reads, the drawn sample).
-    row_reads: tuple[P.Op, ...]
+    # Reads computed for all rows at once (source "logits").
+    logits_reads: tuple[LogitsReadOp, ...]
+    # Reads computed per row from module outputs (source "modules").
+    module_reads: tuple[P.Op, ...]
+    # Names of the reads of the drawn token (source "sample").
+    samples: tuple[str, ...]
     # Only reads, none with a condition: every read launched is kept.
     plain: bool
-    # Only batched reads and reads of the drawn token, none with a condition: rows
+    # Only logits reads and reads of the drawn token, none with a condition: rows
     # with equal keys (and frontend) form one Block. None: each row is a Row.
-    block_key: tuple[Any, ...] | None
+    block_key: BlockKey | None
 
     @classmethod
     def of(cls, ops: tuple[P.Op, ...]) -> StepOps:
-        reads = tuple(op for op in ops if isinstance(op.action, P.READS))
-        keyed = [(op, _batch_key(op.action)) for op in reads]
-        batched = tuple((op.name, key) for op, key in keyed if key is not None)
-        row_reads = tuple(op for op, key in keyed if key is None)
+        reads = [(op, op.action) for op in ops if isinstance(op.action, P.READS)]
+        logits_reads = tuple(LogitsReadOp(op.name, cast(P.LogitsRead, read)) for op, read in reads
+                             if read.source == "logits")
+        module_reads = tuple(op for op, read in reads if read.source == "modules")
+        samples = tuple(op.name for op, read in reads if read.source == "sample")
         # Module writes are done before the draw (in the forward pass): at the sampler
         # they are nothing to decide.
         drawn = tuple(op for op in ops if not isinstance(op.action, P.WriteModule))
         plain = len(reads) == len(drawn) and all(op.condition is None for op in drawn)
-        samples = tuple(op.name for op in row_reads if isinstance(op.action, P.ReadSample))
-        blockable = bool(ops) and plain and len(samples) == len(row_reads)
+        blockable = bool(ops) and plain and not module_reads
         found = cls(
             ops,
             tuple(op for op in ops if isinstance(op.action, P.LOGITS_WRITES)),
             P.conditions_use_logits(ops),
-            batched,
-            row_reads,
+            logits_reads,
+            module_reads,
+            samples,
             plain,
-            (batched, samples) if blockable else None,
+            BlockKey(logits_reads, samples) if blockable else None,
         )
         if found.block_key is None:
             return found
@@ -61,23 +79,8 @@ class StepOps:
             _BLOCK_OPS.clear()
         return _BLOCK_OPS.setdefault(found.block_key, found)
 
-    @property
-    def samples(self) -> tuple[str, ...]:
-        """Names of the reads of the drawn token (of a block's ops)."""
-        assert self.block_key is not None
-        return self.block_key[1]
 
-
-_BLOCK_OPS: dict[tuple[Any, ...], StepOps] = {}
-
-
-def _batch_key(action: P.Action) -> tuple[Any, ...] | None:
-    """Reads with the same key are one device computation for all their rows."""
-    if isinstance(action, P.ReadLogprobs):
-        return ("logprobs", action.top_k)
-    if isinstance(action, P.ReadLogits):
-        return ("logits", action.stage, action.top_k, action.token_ids)
-    return None
+_BLOCK_OPS: dict[BlockKey, StepOps] = {}
 
 
 NO_OPS = StepOps.of(())

@@ -8,11 +8,40 @@ moves bytes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NamedTuple
+
+import msgspec
 
 from ..shared.sidechannel import ReadResult, RowBlock, StepBatch, StepRecord
 from .batch import Block, Row
-from .host import HostBatch
+from .host import ColumnRow, ColumnRows, HostBatch
+
+
+class _Record(msgspec.Struct, gc=False):
+    """A StepRecord before the step's columns are placed: its reads of a column still
+    as rows of their HostBatch. (A struct: one per traced row and frontend, as cheap to
+    make as a tuple.)"""
+
+    key: str
+    step: int
+    token: int
+    values: dict[str, ReadResult]
+    stopped: bool
+    error: str | None
+    refs: dict[str, ColumnRow]
+
+
+class _BlockOut(NamedTuple):
+    block: Block
+    tokens: list[int]  # each block row's drawn token
+
+
+class _Placed(NamedTuple):
+    """Where a HostBatch went in the message: its column, and batch row -> column row
+    (None: the same rows)."""
+
+    column: int
+    where: dict[int, int] | None
 
 
 class Outgoing:
@@ -26,64 +55,63 @@ class Outgoing:
     __slots__ = ("_blocks", "_records", "_used")
 
     def __init__(self) -> None:
-        # StepRecord fields, with the column rows still as (batch, batch row)
-        self._records: list[tuple[Any, ...]] = []
-        self._blocks: list[tuple[Block, list[int]]] = []
-        self._used: dict[int, tuple[HostBatch, list[int]]] = {}  # id(batch) -> (batch, rows read)
+        self._records: list[_Record] = []
+        self._blocks: list[_BlockOut] = []
+        self._used: dict[int, ColumnRows] = {}  # id(batch) -> the batch, and the rows read
 
-    def _use(self, batch: HostBatch, rows: list[int] | tuple[int]) -> None:
+    def _use(self, batch: HostBatch, rows: list[int]) -> None:
         found = self._used.get(id(batch))
         if found is None:
-            self._used[id(batch)] = (batch, list(rows))
+            self._used[id(batch)] = ColumnRows(batch, rows.copy())
         else:
-            found[1].extend(rows)
+            found.rows.extend(rows)
 
     def add(self, key: str, row: Row) -> None:
         values: dict[str, ReadResult] = {}
-        refs: dict[str, tuple[HostBatch, int]] = {}
+        refs: dict[str, ColumnRow] = {}
         if row.error is None:
             for name, read in row.kept.items():
-                if type(read) is tuple:
+                if type(read) is ColumnRow:
                     refs[name] = read
-                    self._use(read[0], (read[1],))
+                    self._use(read.batch, [read.row])
                 else:
                     values[name] = read.result(row.token)  # type: ignore[union-attr]
-        self._records.append((key, row.step, row.token, values, row.stopped, row.error, refs))
+        self._records.append(_Record(key, row.step, row.token, values, row.stopped, row.error, refs))
 
     def add_failed(self, key: str, step: int, token: int, error: str) -> None:
-        self._records.append((key, step, token, {}, False, error, {}))
+        self._records.append(_Record(key, step, token, {}, False, error, {}))
 
     def add_block(self, block: Block, tokens: list[int]) -> None:
-        for batch, rows in block.reads.values():
-            self._use(batch, rows)
-        self._blocks.append((block, tokens))
+        for read in block.reads.values():
+            self._use(read.batch, read.rows)
+        self._blocks.append(_BlockOut(block, tokens))
 
     def message(self, engine_s: float, collector_s: float) -> StepBatch:
         columns: list[ReadResult] = []
-        # id(batch) -> (its column, batch row -> column row; None: the same)
-        place: dict[int, tuple[int, dict[int, int] | None]] = {}
-        for ident, (batch, used) in self._used.items():
-            rows = sorted(set(used)) if not batch.small else None
+        place: dict[int, _Placed] = {}  # by id(batch)
+        for ident, used in self._used.items():
+            batch = used.batch
+            rows = sorted(set(used.rows)) if not batch.small else None
             if rows is None or len(rows) == batch.rows:
-                place[ident] = (len(columns), None)
+                place[ident] = _Placed(len(columns), None)
                 columns.append(batch.column())
             else:
-                place[ident] = (len(columns), {r: p for p, r in enumerate(rows)})
+                place[ident] = _Placed(len(columns), {r: p for p, r in enumerate(rows)})
                 columns.append(batch.column(rows))
         records = []
-        for key, step, token, values, stopped, error, refs in self._records:
-            rows = {}
-            for name, (batch, j) in refs.items():
-                c, where = place[id(batch)]
-                rows[name] = (c, j if where is None else where[j])
-            records.append(StepRecord(key, step, token, values, stopped, error, rows))
+        for record in self._records:
+            rows_of: dict[str, tuple[int, int]] = {}
+            for name, ref in record.refs.items():
+                c, where = place[id(ref.batch)]
+                rows_of[name] = (c, ref.row if where is None else where[ref.row])
+            records.append(StepRecord(record.key, record.step, record.token, record.values, record.stopped,
+                                      record.error, rows_of))
         blocks = []
         for block, tokens in self._blocks:
             reads = []
-            for name, (batch, batch_rows) in block.reads.items():
-                c, where = place[id(batch)]
-                reads.append((name, c, batch_rows if where is None else [where[r] for r in batch_rows]))
+            for name, read in block.reads.items():
+                c, where = place[id(read.batch)]
+                reads.append((name, c, read.rows if where is None else [where[r] for r in read.rows]))
             keys = [seq.plan.key for seq in block.seqs]
             blocks.append(RowBlock(keys, block.steps, tokens, reads, list(block.ops.samples)))
         return StepBatch(records, columns, blocks, engine_s, collector_s)
-
