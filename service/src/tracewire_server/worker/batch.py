@@ -34,7 +34,6 @@ class Captured:
         return self.batch[self.position]
 
 
-
 @dataclass(slots=True)
 class Row:
     index: int  # row in the logits
@@ -116,4 +115,3 @@ class StepWork:
     def wait(self) -> None:
         if self.done is not None:
             self.done.synchronize()
-

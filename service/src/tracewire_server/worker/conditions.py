@@ -2,7 +2,7 @@
 
 What a condition can look at (the drawn token, the sampler's row, the text so far) is
 a Context over the row; the plan's condition types (shared/plan.py) say what each one
-asks, this evaluates them. A new condition kind touches the plan type and `holds`.
+asks, this evaluates them: in the worker, a new condition kind touches only `holds`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ def holds(cond: P.Condition | None, ctx: Context) -> bool:
     if isinstance(cond, P.Not):
         return not holds(cond.condition, ctx)
     raise TypeError(f"unknown condition {type(cond).__name__}")
-
 
 
 def holds_before_forward(condition: P.Condition | None, seq: Sequence, drain: Callable[[], None]) -> bool:

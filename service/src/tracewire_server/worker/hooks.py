@@ -239,12 +239,11 @@ class PlanHooks:
         drawn = sampled.view(sampled.shape[0], -1)[:, 0]
         launch_logprobs(step, drawn)
         fired = []
-        for row in step.rows:
-            if row.error is None:
-                for name in row.selected.samples:
-                    row.reads[name] = SAMPLE  # the token itself, known once the step is done
-                if row.selected.module_reads:
-                    fired.append(row)
+        for row in [row for row in step.rows if row.error is None and row.selected.reads_per_row]:
+            for name in row.selected.samples:
+                row.reads[name] = SAMPLE  # the token itself, known once the step is done
+            if row.selected.module_reads:
+                fired.append(row)
         try:
             launch_module_reads(fired, self.modules.lens if self.modules is not None else None)
         except Exception as e:  # noqa: BLE001 - a batch failure fails the traces in it

@@ -46,7 +46,6 @@ def on_device(values: np.ndarray | list[int], device: torch.device, dtype: torch
     return cpu.pin_memory().to(device, non_blocking=True)
 
 
-
 class HostBatch:
     """Host arrays of one read kind for several rows, valid once the step's copies are
     done (StepWork.wait). Viewed as numpy here, on the engine thread (the view keeps

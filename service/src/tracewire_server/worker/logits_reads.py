@@ -43,7 +43,6 @@ def capture(logits: torch.Tensor, rows: list[Row]) -> list[Captured]:
     return [Captured(batch, j) for j in range(len(rows))]
 
 
-
 # The stages launch_batched serves at each point of the sampler's row.
 RAW: frozenset[P.LogitsStage] = frozenset({"raw"})
 BEFORE_WRITES: frozenset[P.LogitsStage] = frozenset({"before_writes"})
@@ -138,4 +137,3 @@ def _logits(
         values = src.index_select(1, on_device(list(token_ids), src.device, torch.long)).float()
         return values, torch.tensor(token_ids, dtype=torch.int32).expand(values.shape[0], -1).contiguous()
     return src.to(torch.float32, copy=True), None
-

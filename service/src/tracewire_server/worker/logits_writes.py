@@ -62,7 +62,6 @@ def apply_write(action: P.Write, row: torch.Tensor, seq: Sequence, fault_injecti
         raise TypeError(f"unknown write {type(action).__name__}")
 
 
-
 def write_and_capture(rows: list[Row], logits: torch.Tensor, drain: Callable[[], None], fault_injection: bool) -> None:
     """Make the rows' logits writes in place (each request's failure fails its trace
     only), and keep a copy of the sampler's row for the rows whose conditions look at it."""

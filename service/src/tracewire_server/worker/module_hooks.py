@@ -67,7 +67,6 @@ class Want:
     positions: list[int]
 
 
-
 def _module_output(path: str, output: Any) -> torch.Tensor:
     """The value a module read sees: for decoder layers the residual stream after the
     layer (vLLM's layers return (hidden, residual) with the add deferred to the next
@@ -119,7 +118,6 @@ def module_vector(seq: Sequence, edit: P.WriteModule, like: torch.Tensor) -> tor
             vector = vector * np.float32(edit.scale)
         found = seq.operands[key] = (on_device(vector, like.device, torch.float32).to(like.dtype),)
     return found[0]
-
 
 
 class Edit(NamedTuple):

@@ -36,7 +36,6 @@ class Lens:
         return torch.log_softmax(logits, dim=-1).reshape(*streams.shape[:-1], -1)
 
 
-
 def _gathered(row: Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:
     """The rows one hidden read gathered over this step's forward passes (a chunked
     prefill runs several), checked complete: [positions, hidden] and the positions."""
@@ -112,4 +111,3 @@ class _NewToken(NamedTuple):
     row: Row
     name: str
     value: torch.Tensor  # [hidden]
-

@@ -43,6 +43,8 @@ class StepOps:
     module_reads: tuple[P.Op, ...]
     # Names of the reads of the drawn token (source "sample").
     samples: tuple[str, ...]
+    # Reads launched per row after the draw: module reads or the drawn token.
+    reads_per_row: bool
     # Only reads, none with a condition: every read launched is kept.
     plain: bool
     # Only logits reads and reads of the drawn token, none with a condition: rows
@@ -68,6 +70,7 @@ class StepOps:
             logits_reads,
             module_reads,
             samples,
+            bool(module_reads or samples),
             plain,
             BlockKey(logits_reads, samples) if blockable else None,
         )

@@ -22,7 +22,6 @@ from .runner import RunnerView
 UNPLANNED: Any = object()
 
 
-
 def _always(op: P.Op) -> bool:
     """Whether the op is selected at every step (then a sequence's ops never change)."""
     return op.steps == P.StepSet() and op.selects(1)
@@ -82,7 +81,6 @@ class Sequence:
         if found is None:
             found = self._sorted[key] = StepOps.of(ops)
         return found
-
 
 
 class Sequences:

@@ -83,6 +83,7 @@ class SteeringSlots:
         computed = self.runner.computed_tokens(len(req_ids)).tolist()
         writers = self.sequences.module_writers
         by_id = self.sequences.by_id
+        output_count = self.runner.output_count
         for i, req_id in enumerate(req_ids):
             if req_id not in writers:
                 continue
@@ -90,7 +91,7 @@ class SteeringSlots:
             if seq is None or seq.error is not None:
                 continue
             first, last, pos0 = starts[i], starts[i + 1], computed[i]
-            drawn = self.runner.output_count(req_id)
+            drawn = output_count(req_id)
             if seq.steady is UNPLANNED:
                 seq.steady = self._steady_slots(req_id, seq)
             if seq.steady is not None:  # the same writes at every new token (inlined: per row)

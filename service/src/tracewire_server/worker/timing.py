@@ -49,4 +49,3 @@ class HookTimes:
             )
             self.engine_s = self.collector_s = self.wait_s = 0.0
             self.steps = self.rows = 0
-
