@@ -26,12 +26,14 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "service" / "src"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "service" / "src")]
 
 from tracewire_server.shared import plan as P  # noqa: E402
-from tracewire_server.shared import sidechannel, steering  # noqa: E402
-from tracewire_server.worker import worker_hooks as W  # noqa: E402
-from worker_standin import Sampler, request, runner  # noqa: E402
+from tracewire_server.shared import steering  # noqa: E402
+from tracewire_server.worker.batch import StepWork  # noqa: E402
+from tracewire_server.worker.hooks import PlanHooks  # noqa: E402
+from tracewire_server.worker.sender import Sender  # noqa: E402
+from tracewire_server.worker.standin import Sampler, hooks_over, request, runner  # noqa: E402
 
 PLANS = {
     "top-20 every step": (P.Op("t", P.StepSet(), None, P.ReadLogits("processed", top_k=20)),),
@@ -57,12 +59,12 @@ def _drain(address: str, ready) -> None:
 def measure(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: int, address: str) -> float:
     """Microseconds the hooks add per traced row per step (hooked minus bare sampler)."""
     requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops))) for i in range(rows)}
-    hooks = W.PlanHooks(runner(requests), fault_injection=False)
-    hooks.senders[0] = sidechannel.Sender(address)
+    hooks = hooks_over(runner(requests))
+    hooks.senders[0] = Sender(address)
     return _hooked_minus_bare(hooks, rows, vocab, steps)
 
 
-def _hooked_minus_bare(hooks: W.PlanHooks, rows: int, vocab: int, steps: int,
+def _hooked_minus_bare(hooks: PlanHooks, rows: int, vocab: int, steps: int,
                        before_draw: Callable[[], None] = lambda: None) -> float:
     """Median µs per row per step of `before_draw` (the forward pass's host work) and a
     sampler with `hooks` installed, less a bare sampler's."""
@@ -99,11 +101,11 @@ def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: boo
     engine.query_start_loc = types.SimpleNamespace(np=np.arange(rows + 1))  # one decode row each
     engine.input_batch.num_computed_tokens_cpu = np.full(rows, 2)  # after the 2-token prompt
     engine._model_forward = lambda: None
-    hooks = W.PlanHooks(engine, fault_injection=False)
-    hooks.senders[0] = sidechannel.Sender(address)
+    hooks = hooks_over(engine)
+    hooks.senders[0] = Sender(address)
     tables = steering.SteeringTables([0, 1, 2, 3], slots=rows + 1, max_tokens=rows, hidden=256,
                                      dtype=torch.float32, device=torch.device("cpu"))
-    hooks.install_compiled_steering(engine, tables)
+    hooks.install_compiled_steering(tables)
     forward = engine._model_forward
 
     def before_draw() -> None:
@@ -125,10 +127,10 @@ def measure_collector(rows: int, routes: int, vocab: int, addresses: list[str]) 
     ops = PLANS["top-20 every step"]
     requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"{i:032x}", ops=ops, route=i % routes)))
                 for i in range(rows)}
-    hooks = W.PlanHooks(runner(requests), fault_injection=False)
+    hooks = hooks_over(runner(requests))
     for route in range(routes):
-        hooks.senders[route] = sidechannel.Sender(addresses[route])
-    works: list[W._StepWork] = []
+        hooks.senders[route] = Sender(addresses[route])
+    works: list[StepWork] = []
     hooks.collector.submit = works.append  # type: ignore[method-assign]
     sampler = Sampler()
     hooks.install(sampler)

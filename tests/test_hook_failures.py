@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 from tracewire_server.shared import plan as P
-from tracewire_server.worker import worker_hooks as W
-from worker_standin import Sampler, Sender, records, request, runner
+from tracewire_server.worker.standin import Sampler, Sender, hooks_over, records, request, runner
 
 VOCAB = 50
 TOP = P.Op("top", P.StepSet(), None, P.ReadLogits("raw", top_k=3))
@@ -18,10 +17,10 @@ def test_a_bookkeeping_failure_fails_the_batch_traces_not_the_step():
     good = P.SequencePlan(key="good", ops=(TOP,))
     requests = {"r0": request(P.encode_plan(good))}
     engine = runner(requests)
-    hooks = W.PlanHooks(engine, fault_injection=False)
-    sender = hooks.senders[0] = Sender()
+    planned = hooks_over(engine)
+    sender = planned.senders[0] = Sender()
     sampler = Sampler()
-    hooks.install(sampler)
+    planned.install(sampler)
     logits = torch.randn(2, VOCAB)
 
     out = sampler.forward(logits[:1], None)  # step 0 of r0: an ordinary record

@@ -10,6 +10,7 @@ import zmq
 from tracewire_server.shared import sidechannel
 from tracewire_server.shared.sidechannel import ReadResult, RowBlock, StepBatch, StepRecord, resolve
 from tracewire_server.shared.tensors import RawTensor
+from tracewire_server.worker import sender as worker_sender
 
 
 def _array(raw: RawTensor) -> np.ndarray:
@@ -31,8 +32,8 @@ def test_records_get_their_own_rows_of_the_columns():
         StepRecord("b", 3, 9, {}, rows={"top": (0, 0)}),
         StepRecord("c", 1, 4, {}, stopped=True),
     ]
-    wire = sidechannel._ENCODER.encode(StepBatch(records, columns))
-    batch = sidechannel._DECODER.decode(wire)
+    wire = sidechannel.encode(StepBatch(records, columns))
+    batch = sidechannel.decode(wire)
 
     a, b, c = (resolve(r, batch.columns) for r in batch.records)
     np.testing.assert_array_equal(_array(a.values["top"].values), top_values[2])
@@ -52,8 +53,8 @@ def test_block_records_are_the_records_of_their_rows():
     columns = [ReadResult(RawTensor.from_numpy(top_values), RawTensor.from_numpy(top_ids))]
     # Two sequences whose rows are 3 and 1 of the column (the others belong to others).
     block = RowBlock(["a", "b"], [5, 0], [11, 12], [("top", 0, [3, 1])], ["drawn"])
-    wire = sidechannel._ENCODER.encode(StepBatch([], columns, [block]))
-    batch = sidechannel._DECODER.decode(wire)
+    wire = sidechannel.encode(StepBatch([], columns, [block]))
+    batch = sidechannel.decode(wire)
 
     (decoded,) = batch.blocks
     a, b = (decoded.record(j, batch.columns) for j in range(2))
@@ -91,9 +92,9 @@ def _batch(key: str) -> StepBatch:
 
 def test_sender_delivers_without_letting_go_of_the_gil_and_waits_when_it_cannot(tmp_path):
     # The fast path is in use here (pyzmq's own libzmq, through ctypes).
-    assert sidechannel._send_keeping_gil() is not None
+    assert worker_sender._send_keeping_gil() is not None
     address = f"ipc://{tmp_path}/side"
-    sender = sidechannel.Sender(address, high_water_mark=1)
+    sender = worker_sender.Sender(address, high_water_mark=1)
     sender.send(_batch("first"))  # queued for the reader to come
     # The pipe is full: the non-blocking send cannot go, so the send falls back to
     # pyzmq's, which waits for the reader instead of dropping the step.
@@ -109,7 +110,7 @@ def test_sender_delivers_without_letting_go_of_the_gil_and_waits_when_it_cannot(
         worker.join(10)
         assert sent.is_set()
         sender.send(_batch("third"))  # a reader now: the GIL-keeping send
-        keys = [sidechannel._DECODER.decode(reader.recv()).records[0].key for _ in range(3)]
+        keys = [sidechannel.decode(reader.recv()).records[0].key for _ in range(3)]
         assert keys == ["first", "second", "third"]
     finally:
         sender.close()
@@ -121,7 +122,7 @@ _PINNED_SENDER = """
 import os, sys, time
 usable = os.sched_getaffinity(0)
 os.sched_setaffinity(0, {min(usable)})  # as vLLM's CPU backend pins its worker
-from tracewire_server.shared.sidechannel import Sender
+from tracewire_server.worker.sender import Sender
 sender = Sender("ipc://" + sys.argv[1])
 tasks = f"/proc/{os.getpid()}/task"
 for _ in range(100):  # the I/O thread names itself once it runs

@@ -12,8 +12,7 @@ import numpy as np
 import torch
 from tracewire_server.shared import plan as P
 from tracewire_server.shared import steering
-from tracewire_server.worker import worker_hooks as W
-from worker_standin import Sampler, Sender, request, runner
+from tracewire_server.worker.standin import Sampler, Sender, hooks_over, request, runner
 
 HIDDEN = 8
 BATCH = 8  # requests in the engine at once
@@ -28,14 +27,14 @@ def _steering_engine(slots: int = 2 * BATCH + 1):
     """A stand-in runner with steering tables on layers 0 and 1, hooks installed."""
     engine = runner({})
     engine._model_forward = lambda: None
-    hooks = W.PlanHooks(engine, fault_injection=False)
-    hooks.senders[0] = Sender()
+    planned = hooks_over(engine)
+    planned.senders[0] = Sender()
     tables = steering.SteeringTables([0, 1], slots=slots, max_tokens=4 * BATCH, hidden=HIDDEN,
                                      dtype=torch.float32, device=torch.device("cpu"))
-    hooks.install_compiled_steering(engine, tables)
+    planned.install_compiled_steering(tables)
     sampler = Sampler()
-    hooks.install(sampler)
-    return engine, hooks, tables, sampler
+    planned.install(sampler)
+    return engine, planned, tables, sampler
 
 
 def _join(engine, req_id: str, op: P.Op) -> None:
@@ -82,8 +81,8 @@ def test_every_slot_comes_back_after_hundreds_of_requests():
             assert float(tables.vectors[k % 2, slot, 0]) == float(k) and int(tables.slots[row, 1 - k % 2]) == 0
         _draw(engine, sampler)
     assert ended > 20 * len(tables.vectors[0])  # far more requests than slots came and went
-    assert not [s.error for s in hooks.sequences.values() if s is not None and s.error]
-    planner = hooks.steering
+    assert not [s.error for s in hooks.sequences.by_id.values() if s is not None and s.error]
+    planner = hooks.steering.planner
     live = sum(len(a) for a in planner.assigned)
     assert live == BATCH  # the requests still in the engine hold one slot each
     assert [len(f) for f in planner.free] == [2 * BATCH - len(a) for a in planner.assigned]
@@ -94,8 +93,8 @@ def test_requests_with_the_same_writes_share_a_slot():
     for n in range(3 * BATCH):  # far more requests than slots, two vectors between them
         _join(engine, f"r{n}", _steer(0, 1.0 + n % 2))
     _decode_pass(engine, sampler)
-    planner = hooks.steering
-    assert not [s.error for s in hooks.sequences.values() if s is not None and s.error]
+    planner = hooks.steering.planner
+    assert not [s.error for s in hooks.sequences.by_id.values() if s is not None and s.error]
     assert len(planner.assigned[0]) == 2 and not planner.free[0]
     for row in range(3 * BATCH):
         slot = int(tables.slots[row, 0])
@@ -110,14 +109,14 @@ def test_requests_with_the_same_writes_share_a_slot():
     _join(engine, "fourth", _steer(0, 8.0))
     _decode_pass(engine, sampler)
     assert float(tables.vectors[0, int(tables.slots[1, 0]), 0]) == 7.0
-    assert "too many distinct steering vectors" in (hooks.sequences["fourth"].error or "")
+    assert "too many distinct steering vectors" in (hooks.sequences.by_id["fourth"].error or "")
 
 
 def test_an_unchanged_decode_batch_keeps_its_slots_without_planning():
     engine, hooks, tables, sampler = _steering_engine()
     for n in range(BATCH):
         _join(engine, f"r{n}", _steer(n % 2, float(n)))
-    planner = hooks.steering
+    planner = hooks.steering.planner
     fills = []
     fill = planner.fill
     planner.fill = lambda *args: (fills.append(args), fill(*args))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 from tracewire_server.shared import plan as P
-from tracewire_server.worker import worker_hooks as W
-from worker_standin import Sampler, Sender, records, request, runner
+from tracewire_server.worker import host
+from tracewire_server.worker.standin import Sampler, Sender, hooks_over, records, request, runner
 
 VOCAB = 64
 ALWAYS = P.StepSet()
@@ -52,9 +52,9 @@ class _Doubling(Sampler):
         return logits.mul_(2.0)
 
 
-@pytest.mark.parametrize("whole_column_bytes", [0, W.WHOLE_COLUMN_BYTES], ids=["cut per frontend", "sent whole"])
+@pytest.mark.parametrize("whole_column_bytes", [0, host.WHOLE_COLUMN_BYTES], ids=["cut per frontend", "sent whole"])
 def test_each_record_gets_its_own_rows_of_shared_reads(monkeypatch, whole_column_bytes):
-    monkeypatch.setattr(W, "WHOLE_COLUMN_BYTES", whole_column_bytes)
+    monkeypatch.setattr(host, "WHOLE_COLUMN_BYTES", whole_column_bytes)
     requests, keys = {}, {}
     for name, spec in BATCH.items():
         if spec is None:
@@ -65,11 +65,11 @@ def test_each_record_gets_its_own_rows_of_shared_reads(monkeypatch, whole_column
         keys[name] = f"key-{name}"
         requests[name] = request(P.encode_plan(P.SequencePlan(key=keys[name], ops=ops, route=route)))
     engine = runner(requests)
-    hooks = W.PlanHooks(engine, fault_injection=False)
+    planned = hooks_over(engine)
     senders = {0: Sender(), 1: Sender()}
-    hooks.senders.update(senders)
+    planned.senders.update(senders)
     sampler = _Doubling()
-    hooks.install(sampler)
+    planned.install(sampler)
 
     torch.manual_seed(0)
     steps = dict.fromkeys(BATCH, 0)  # each request's own step count

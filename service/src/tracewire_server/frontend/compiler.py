@@ -18,10 +18,10 @@ from tracewire.v1 import sampling_pb2, service_pb2
 from ..shared import plan as P
 from ..shared import textmatch
 from ..shared.limits import ModelLimits
-from ..shared.tensors import float_vector
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from .prompts import Encoder, EnginePrompt, to_engine_prompt
 from .sampling import DEFAULT_MAX_TOKENS, fit_max_tokens, to_vllm_kwargs
+from .tensors import float_vector
 
 # With --enable-fault-injection (tests only), an intervention named
 # "__fault__:<message>" raises <message> inside the worker hook at its steps.
@@ -212,36 +212,12 @@ class _Compiler:
     def read_bytes(self, op: P.Op, max_tokens: int) -> int:
         """Upper bound on the bytes one sequence's op returns over the generation."""
         action = op.action
-        if isinstance(action, P.ReadModule):
-            width = 4 * self.limits.hidden_size
-            if action.positions.kind == "new_token" or action.mean:
-                per_step = width
-            else:  # prompt positions: once, at step 0 (then the new token for "all")
-                prompt = len(action.positions.prompt_positions(self.prompt_len)) * width
-                later = width if action.positions.kind == "all" else 0
-                return prompt + later * max(0, max_tokens - 1)
-        elif isinstance(action, P.ReadLogitLens):
-            # top-k: values + ids (8 bytes an entry); full rows: values only
-            width = len(action.layers) * (8 * action.top_k if action.top_k else 4 * self.limits.vocab_size)
-            if action.positions.kind == "new_token":
-                per_step = width
-            else:
-                prompt = len(action.positions.prompt_positions(self.prompt_len)) * width
-                later = width if action.positions.kind == "all" else 0
-                return prompt + later * max(0, max_tokens - 1)
-        elif isinstance(action, P.ReadSample):
-            per_step = 4
-        elif isinstance(action, P.ReadLogprobs):
-            per_step = 8 * (1 + action.top_k)
-        elif isinstance(action, P.ReadLogits):
-            if action.top_k is not None:
-                per_step = 8 * action.top_k
-            elif action.token_ids is not None:
-                per_step = 8 * len(action.token_ids)
-            else:
-                per_step = 4 * self.limits.vocab_size
-        else:
+        if not isinstance(action, P.READS):
             return 0
+        bound = action.read_bound(self.limits, self.prompt_len)
+        if bound.prompt is not None:  # prompt positions: once, at step 0 (then the new token for "all")
+            return bound.prompt + bound.per_step * max(0, max_tokens - 1)
+        per_step = bound.per_step
         last = op.steps.last()
         if op.steps.steps is not None:
             steps = sum(1 for s in op.steps.steps if s < max_tokens)

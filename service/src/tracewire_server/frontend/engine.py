@@ -19,14 +19,14 @@ from typing import Any
 from ..shared import detokenize, steering
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
 from ..shared.limits import ModelLimits
-from ..shared.sidechannel import Receiver
 from . import vllm_compat
 from .compiler import CompiledTrace
 from .errors import InvalidArgument, Unavailable
 from .prompts import EnginePrompt
+from .receiver import Receiver
 from .trace import TraceRun
 
-WORKER_EXTENSION = "tracewire_server.worker.worker_hooks.TracewireWorkerExtension"
+WORKER_EXTENSION = "tracewire_server.worker.extension.TracewireWorkerExtension"
 # The install is a few milliseconds of work in the worker; the engine core answers
 # utility calls between steps.
 INSTALL_TIMEOUT_S = 120.0

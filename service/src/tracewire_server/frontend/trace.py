@@ -20,14 +20,15 @@ from typing import Any, Protocol
 from tracewire.v1 import output_pb2, service_pb2, trace_pb2
 
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
-from ..shared.sidechannel import Receiver, StepRecord
-from . import outputs
+from ..shared.sidechannel import StepRecord
+from . import outputs, tensors
 from .calls import current_tenant
 from .compiler import CompiledInvoke, CompiledTrace, EngineSequence
 from .errors import Internal, TracewireError
 from .metrics import TraceMetrics
 from .outbox import Outbox, Write
 from .prompts import EnginePrompt
+from .receiver import Receiver
 
 # How long a sequence waits for the worker's record of a step the engine
 # already reported. Records normally arrive before the token itself.
@@ -226,11 +227,11 @@ class TraceRun:
                 counts.count += 1
                 counts.size += len(value.values.data)
             target = result.values[name]
-            value.values.fill(target.values)
+            tensors.fill(target.values, value.values)
             if value.token_ids is not None:
-                value.token_ids.fill(target.token_ids)
+                tensors.fill(target.token_ids, value.token_ids)
             if value.positions is not None:
-                value.positions.fill(target.positions)
+                tensors.fill(target.positions, value.positions)
         self._read_bytes += size_hint
         self._outbox.count(result.ByteSize())
 

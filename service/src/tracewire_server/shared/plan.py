@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from typing import Literal, Union
+from typing import ClassVar, Literal, NamedTuple, Union
 
 import msgspec
+
+from .limits import ModelLimits
 
 EXTRA_ARGS_KEY = "tracewire"
 
@@ -93,6 +95,24 @@ Condition = Union[
 # see); after the writes (what the sampler draws from).
 LogitsStage = Literal["raw", "before_writes", "processed"]
 
+# Where the worker computes a read (each read type says, as its `source`):
+#   "logits"   one device computation over every row reading it (equal reads: one
+#              computation), from the sampler's row at the read's `stage`
+#              (worker/logits_reads.py);
+#   "modules"  module outputs copied out during the forward pass, at `positions`,
+#              from the modules `module_reads` names (worker/module_reads.py);
+#   "sample"   the drawn token itself.
+ReadSource = Literal["logits", "modules", "sample"]
+
+
+class ReadBound(NamedTuple):
+    """An upper bound on the bytes one sequence's read returns (the compiler sums them
+    against --max-read-bytes): `per_step` at each selected step; for reads of prompt
+    positions, `prompt` at step 0 and then `per_step` at each later step."""
+
+    per_step: int
+    prompt: int | None = None
+
 
 class ReadLogits(msgspec.Struct, frozen=True, tag="read_logits"):
     stage: LogitsStage
@@ -100,13 +120,33 @@ class ReadLogits(msgspec.Struct, frozen=True, tag="read_logits"):
     token_ids: tuple[int, ...] | None = None  # these ids, in order
     # neither: the full row
 
+    source: ClassVar[ReadSource] = "logits"
+
+    def read_bound(self, limits: ModelLimits, prompt_len: int) -> ReadBound:
+        if self.top_k is not None:
+            return ReadBound(8 * self.top_k)  # values and ids
+        if self.token_ids is not None:
+            return ReadBound(8 * len(self.token_ids))
+        return ReadBound(4 * limits.vocab_size)
+
 
 class ReadSample(msgspec.Struct, frozen=True, tag="read_sample"):
-    pass
+    source: ClassVar[ReadSource] = "sample"
+
+    def read_bound(self, limits: ModelLimits, prompt_len: int) -> ReadBound:
+        return ReadBound(4)
 
 
 class ReadLogprobs(msgspec.Struct, frozen=True, tag="read_logprobs"):
+    """The drawn token's logprob, then the top k with their ids (of the sampler's row)."""
+
     top_k: int
+
+    source: ClassVar[ReadSource] = "logits"
+    stage: ClassVar[LogitsStage] = "processed"
+
+    def read_bound(self, limits: ModelLimits, prompt_len: int) -> ReadBound:
+        return ReadBound(8 * (1 + self.top_k))
 
 
 PositionsKind = Literal["new_token", "all_prompt", "prompt_range", "prompt_list", "all"]
@@ -136,11 +176,30 @@ class Positions(msgspec.Struct, frozen=True):
         for "all" after the prompt's step 0."""
         return self.kind == "new_token" or (self.kind == "all" and step > 0)
 
+    def read_bound(self, width: int, prompt_len: int) -> ReadBound:
+        """The bound of a read of `width` bytes per position at these positions."""
+        if self.kind == "new_token":
+            return ReadBound(width)
+        prompt = len(self.prompt_positions(prompt_len)) * width
+        return ReadBound(width if self.kind == "all" else 0, prompt)  # (after step 0: "all" reads the new token)
+
 
 class ReadModule(msgspec.Struct, frozen=True, tag="read_module"):
     module: str
     positions: Positions
     mean: bool = False
+
+    source: ClassVar[ReadSource] = "modules"
+
+    def module_reads(self, name: str) -> list[tuple[str, str]]:
+        """(key, module path) of the module output this read gathers: its own."""
+        return [(name, self.module)]
+
+    def read_bound(self, limits: ModelLimits, prompt_len: int) -> ReadBound:
+        width = 4 * limits.hidden_size
+        if self.mean:
+            return ReadBound(width)  # one row, whatever the positions
+        return self.positions.read_bound(width, prompt_len)
 
 
 class ReadLogitLens(msgspec.Struct, frozen=True, tag="read_logit_lens"):
@@ -150,9 +209,16 @@ class ReadLogitLens(msgspec.Struct, frozen=True, tag="read_logit_lens"):
     positions: Positions
     top_k: int  # 0: full rows
 
+    source: ClassVar[ReadSource] = "modules"
+
     def module_reads(self, name: str) -> list[tuple[str, str]]:
         """(key, module path) of each layer whose stream this read gathers."""
         return [(f"{name}@{layer}", f"layers.{layer}") for layer in self.layers]
+
+    def read_bound(self, limits: ModelLimits, prompt_len: int) -> ReadBound:
+        # top-k: values + ids (8 bytes an entry); full rows: values only
+        width = len(self.layers) * (8 * self.top_k if self.top_k else 4 * limits.vocab_size)
+        return self.positions.read_bound(width, prompt_len)
 
 
 class ForceSample(msgspec.Struct, frozen=True, tag="force_sample"):
@@ -230,6 +296,8 @@ Action = Union[
     Stop,
 ]
 READS = (ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens)
+# The reads of the logits source: each one's equal reads are one computation.
+LogitsRead = Union[ReadLogits, ReadLogprobs]
 HIDDEN_READS = (ReadModule, ReadLogitLens)
 HIDDEN_OPS = (ReadModule, ReadLogitLens, WriteModule)
 WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault, WriteModule)

@@ -1,42 +1,22 @@
-"""tracewire.v1.Tensor <-> numpy, and the raw form values travel in inside the server.
+"""RawTensor: the raw form values travel in between the worker and the server.
 
-Tensors are little-endian, row-major raw bytes; bfloat16 has no numpy dtype,
-so it travels as its raw uint16 pattern and is widened only where computed on.
+Tensors are little-endian, row-major raw bytes; bfloat16 has no numpy dtype, so it
+travels as its raw uint16 pattern and is widened only where computed on. The
+protobuf side (tracewire.v1.Tensor in requests and responses) is frontend/tensors.py:
+the worker never sees a protobuf.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 
 import msgspec
 import numpy as np
-from tracewire.v1 import tensor_pb2
 
-from ..frontend.errors import InvalidArgument
-
-_NUMPY: dict[int, np.dtype] = {
-    tensor_pb2.DTYPE_FLOAT32: np.dtype("<f4"),
-    tensor_pb2.DTYPE_FLOAT16: np.dtype("<f2"),
-    tensor_pb2.DTYPE_BFLOAT16: np.dtype("<u2"),  # raw bit pattern
-    tensor_pb2.DTYPE_FLOAT64: np.dtype("<f8"),
-    tensor_pb2.DTYPE_INT32: np.dtype("<i4"),
-    tensor_pb2.DTYPE_INT64: np.dtype("<i8"),
-    tensor_pb2.DTYPE_BOOL: np.dtype("?"),
-}
-_DTYPE_NAMES = {
-    "float32": tensor_pb2.DTYPE_FLOAT32,
-    "float16": tensor_pb2.DTYPE_FLOAT16,
-    "bfloat16": tensor_pb2.DTYPE_BFLOAT16,
-    "float64": tensor_pb2.DTYPE_FLOAT64,
-    "int32": tensor_pb2.DTYPE_INT32,
-    "int64": tensor_pb2.DTYPE_INT64,
-    "bool": tensor_pb2.DTYPE_BOOL,
-}
-
-
-# numpy has no bfloat16: such values are widened or sent as raw uint16 patterns.
-_NAME_OF = {np.dtype(name): name for name in _DTYPE_NAMES if name != "bfloat16"}
+# The dtypes a RawTensor names (numpy has no bfloat16: such values travel as raw
+# uint16 patterns, named "bfloat16" only by the protobuf side).
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "bool")
+_NAME_OF = {np.dtype(name): name for name in DTYPE_NAMES if name != "bfloat16"}
 
 
 class RawTensor(msgspec.Struct, array_like=True, frozen=True):
@@ -65,12 +45,6 @@ class RawTensor(msgspec.Struct, array_like=True, frozen=True):
         data = b"".join([flat[r * size:(r + 1) * size] for r in rows])
         return cls(_name(array), (len(rows), *(int(d) for d in array.shape[1:])), data)
 
-    def fill(self, message: tensor_pb2.Tensor) -> None:
-        """Write this tensor into a (sub)message in place."""
-        message.dtype = _DTYPE_NAMES[self.dtype]
-        message.shape.extend(self.shape)
-        message.data = self.data
-
 
 def _big_endian(array: np.ndarray) -> bool:
     return array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big")
@@ -81,43 +55,3 @@ def _name(array: np.ndarray) -> str:
     if name is None:  # numpy's dtype.name is slow; this runs per value per step
         raise TypeError(f"cannot send dtype {array.dtype}")
     return name
-
-
-# Request tensors: numpy handles at most 64 dimensions; no request needs more than a few.
-MAX_DIMS = 8
-MAX_ELEMENTS = 1 << 31
-
-
-def float_vector(tensor: tensor_pb2.Tensor, length: int, field: str) -> np.ndarray:
-    """A finite float32 vector of exactly `length` elements from a request tensor."""
-    if list(tensor.shape) != [length]:  # before any work sized by the request's shape
-        shape = list(tensor.shape[:MAX_DIMS]) + (["..."] if len(tensor.shape) > MAX_DIMS else [])
-        raise InvalidArgument(f"{field}.shape", f"expected a vector of {length} elements, got shape {shape}")
-    array = to_numpy(tensor, field).astype(np.float32).reshape(-1)
-    if not np.isfinite(array).all():
-        raise InvalidArgument(f"{field}.data", "must not contain NaN or infinity")
-    return array
-
-
-def to_numpy(tensor: tensor_pb2.Tensor, field: str) -> np.ndarray:
-    dtype = _NUMPY.get(tensor.dtype)
-    if dtype is None:
-        raise InvalidArgument(f"{field}.dtype", "dtype must be set")
-    if len(tensor.shape) > MAX_DIMS:
-        raise InvalidArgument(f"{field}.shape", f"{len(tensor.shape)} dimensions; at most {MAX_DIMS}")
-    shape = tuple(tensor.shape)
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"{field}.shape", "dimensions must be >= 0")
-    if math.prod(d for d in shape if d) > MAX_ELEMENTS:  # numpy refuses such shapes even empty
-        raise InvalidArgument(f"{field}.shape", f"{list(shape)} is over {MAX_ELEMENTS} elements")
-    count = math.prod(shape)
-    if len(tensor.data) != count * dtype.itemsize:
-        raise InvalidArgument(
-            f"{field}.data",
-            f"has {len(tensor.data)} bytes; shape {list(shape)} of {dtype.name} needs "
-            f"{count * dtype.itemsize}",
-        )
-    array = np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
-    if tensor.dtype == tensor_pb2.DTYPE_BFLOAT16:
-        array = (array.astype(np.uint32) << 16).view(np.float32)
-    return array

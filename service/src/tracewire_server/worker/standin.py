@@ -1,15 +1,28 @@
-"""A stand-in for vLLM's model runner and sampler, as tracewire's worker hooks see
-them, to drive the real hooks without an engine: for cases vLLM cannot be made to
-produce (a failure inside the hooks' own bookkeeping, chosen row layouts) and for
-bench/hooks.py. End-to-end behaviour is tested against the real engine elsewhere."""
+"""A stand-in for vLLM's model runner and sampler, to drive the real hooks without an engine.
+
+For cases vLLM cannot be made to produce (a failure inside the hooks' own bookkeeping,
+chosen row layouts, hundreds of requests coming and going) and for bench/hooks.py;
+end-to-end behaviour is tested against the real engine elsewhere. Nothing in the
+server imports it.
+
+It fakes vLLM's runner (the attributes runner.py reads), not runner.py's RunnerView:
+the hooks are driven through the real RunnerView, so the unit tests cover runner.py
+too, and bench/hooks.py times the hot path as it runs inside vLLM, the view's
+per-step reads included. The price: porting runner.py to a new vLLM means changing
+the attribute names here to match. It lives in the package, not in tests/, so that
+the tests and the benchmark import it the same way, with no path set up for it.
+"""
 
 from __future__ import annotations
 
 import types
 
 import torch
-from tracewire_server.shared import plan as P
-from tracewire_server.shared import sidechannel
+
+from ..shared import plan as P
+from ..shared import sidechannel
+from .hooks import PlanHooks
+from .runner import RunnerView
 
 
 def request(blob: bytes) -> types.SimpleNamespace:
@@ -26,6 +39,11 @@ def runner(requests: dict[str, types.SimpleNamespace]) -> types.SimpleNamespace:
         device=torch.device("cpu"), discard_request_mask=None,
         model_config=types.SimpleNamespace(enforce_eager=False),
     )
+
+
+def hooks_over(engine: types.SimpleNamespace, fault_injection: bool = False) -> PlanHooks:
+    """The real hooks over `engine` (a stand-in runner), the sampler not wrapped yet."""
+    return PlanHooks(RunnerView(engine), fault_injection)
 
 
 class Sampler:

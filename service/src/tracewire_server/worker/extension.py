@@ -1,0 +1,54 @@
+"""The worker extension: what vLLM mixes into its worker class (`worker_extension_cls`).
+
+The frontend names `TracewireWorkerExtension` in the engine's config (frontend/engine.py)
+and calls `tracewire_install` on every worker through collective_rpc. Separate from
+the hooks because every method of the extension class becomes an RPC vLLM offers:
+this class holds only that one, and `install` is a plain function.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .hooks import PlanHooks
+from .runner import RunnerView, check_supported
+from .sender import Sender
+
+# Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
+# worker processes; a logger of our own would have none there.
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+class TracewireWorkerExtension:
+    """Mixed into vLLM's worker class (worker_extension_cls)."""
+
+    def tracewire_install(self, address: str, fault_injection: bool = False, route: int = 0) -> int:
+        """Wrap the sampler (once) and connect frontend `route`'s side channel. Every
+        frontend process sharing this engine calls this with its own address and route."""
+        rank = getattr(self, "rank", 0)
+        hooks: PlanHooks | None = getattr(self, "tracewire_hooks", None)
+        if hooks is None:
+            runner = self.model_runner  # type: ignore[attr-defined]
+            hooks = self.tracewire_hooks = install(runner, fault_injection)
+        if rank == 0:
+            previous = hooks.senders.get(route)
+            hooks.senders[route] = Sender(address)
+            if previous is not None:  # the frontend asked again (engine.py)
+                previous.close()
+            log.info("tracewire hooks installed; records of frontend %d go to %s", route, address)
+        return int(rank)
+
+
+def install(runner: Any, fault_injection: bool) -> PlanHooks:
+    """Wrap vLLM model runner `runner`'s sampler (and, eager, its modules; compiled with
+    steering tables, its forward pass's host side)."""
+    check_supported(runner)
+    view = RunnerView(runner)
+    hooks = PlanHooks(view, fault_injection)
+    hooks.install(view.sampler)
+    if view.eager:  # hooks cannot fire inside compiled graphs
+        hooks.install_module_hooks()
+    elif (tables := view.steering_tables()) is not None:
+        hooks.install_compiled_steering(tables)
+    return hooks

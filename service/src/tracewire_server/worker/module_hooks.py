@@ -1,0 +1,209 @@
+"""Module hooks: module writes and the copies module reads take, in the forward pass.
+
+Eager engines only (compiled engines steer through shared/steering.py's tables,
+planned by steering_slots.py). A pre-hook maps the pass's flat [tokens, hidden] rows
+to requests (query starts, computed tokens: a Span each); each addressable module's
+forward hook then applies that pass's writes in place and copies out the rows its
+reads select (module_reads.py turns them into values at the step's sample).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ..shared import plan as P
+from .conditions import holds_before_forward
+from .host import on_device
+from .module_reads import Lens
+from .runner import RunnerView
+from .sequences import Sequence, Sequences
+
+# Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
+# worker processes; a logger of our own would have none there.
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+@dataclass(slots=True)
+class Span:
+    """One request's rows in a forward pass's flat [tokens, hidden] activations."""
+
+    first: int  # its first row
+    last: int  # one past its last row
+    pos0: int  # the token position of its first row
+    prompt_len: int
+    samples: bool  # this pass computes its next token (not a chunk of its prompt)
+
+    @classmethod
+    def of(cls, prompt_len: int, drawn: int, first: int, last: int, pos0: int) -> Span:
+        """`drawn`: the tokens the request has drawn before this pass."""
+        samples = pos0 + (last - first) >= prompt_len + drawn
+        return cls(first, last, pos0, prompt_len, samples)
+
+    def rows(self, positions: P.Positions, step: int) -> tuple[list[int], list[int]]:
+        """The rows, and their token positions, that `positions` selects at `step`."""
+        wanted: list[int] = []
+        if step == 0 and positions.kind != "new_token":
+            here = range(self.pos0, self.pos0 + self.last - self.first)  # positions this pass computes
+            wanted = [p for p in positions.prompt_positions(self.prompt_len) if p in here]
+        elif self.samples and positions.kind in ("new_token", "all"):
+            wanted = [self.pos0 + self.last - self.first - 1]
+        return [self.first + p - self.pos0 for p in wanted], wanted
+
+
+@dataclass(frozen=True)
+class Want:
+    """One module read to serve from this forward pass: these rows of the flat
+    [num_tokens, hidden] activations, at these token positions."""
+
+    seq: Sequence
+    name: str
+    rows: list[int]
+    positions: list[int]
+
+
+def _module_output(path: str, output: Any) -> torch.Tensor:
+    """The value a module read sees: for decoder layers the residual stream after the
+    layer (vLLM's layers return (hidden, residual) with the add deferred to the next
+    norm: the stream is their sum); for the final norm its normed output."""
+    if isinstance(output, tuple):
+        hidden, residual = output[0], output[1] if len(output) > 1 else None
+        if P.is_decoder_layer(path) and residual is not None:
+            return hidden + residual
+        return hidden
+    return output
+
+
+def _edit_module_output(path: str, output: Any, edits: list[Edit]) -> None:
+    """Apply module writes in place. For decoder layers the edit is to the residual stream
+    (hidden + residual): only `hidden` changes, so the stream becomes what was asked."""
+    is_layer = isinstance(output, tuple) and P.is_decoder_layer(path)
+    target = output[0] if isinstance(output, tuple) else output
+    residual = output[1] if is_layer and output[1] is not None else None
+    if all(e.write.edit == "add" for e in edits):
+        # Steering, the common case: stream + s*v is hidden + s*v, for every row of every
+        # request at once (one index_add_, not a few kernels per request).
+        rows = [row for e in edits for row in e.rows]
+        vectors = torch.cat([module_vector(e.seq, e.write, target).expand(len(e.rows), -1) for e in edits])
+        target.index_add_(0, on_device(rows, target.device, torch.long), vectors)
+        return
+    for rows, edit, seq in edits:
+        index = on_device(rows, target.device, torch.long)
+        stream = target[index] + (residual[index] if residual is not None else 0)
+        if edit.edit == "add":
+            new_stream = stream + module_vector(seq, edit, target)
+        elif edit.edit == "replace":
+            new_stream = module_vector(seq, edit, target).expand_as(stream)
+        elif edit.edit == "zero":
+            new_stream = torch.zeros_like(stream)
+        else:  # mean over the selected positions
+            new_stream = stream.mean(0, keepdim=True).expand_as(stream)
+        new_target = new_stream - (residual[index] if residual is not None else 0)
+        target.index_copy_(0, index, new_target.to(target.dtype))
+
+
+def module_vector(seq: Sequence, edit: P.WriteModule, like: torch.Tensor) -> torch.Tensor:
+    """The write's vector on `like`'s device, in its dtype (times its scale for adds),
+    built once per request."""
+    key = id(edit)
+    found = seq.operands.get(key)
+    if found is None:
+        vector = np.frombuffer(edit.vector, "<f4")
+        if edit.edit == "add":
+            vector = vector * np.float32(edit.scale)
+        found = seq.operands[key] = (on_device(vector, like.device, torch.float32).to(like.dtype),)
+    return found[0]
+
+
+class Edit(NamedTuple):
+    """One request's module write in this forward pass: at these flat token rows."""
+
+    rows: list[int]
+    write: P.WriteModule
+    seq: Sequence
+
+
+class ModuleHooks:
+    """Forward hooks on every addressable module of an eager engine (they cannot fire
+    inside compiled graphs): a pre-hook on the model plans each forward pass, and each
+    module's hook then makes its writes and copies out its reads' rows. Idle unless the
+    pass has module reads or writes."""
+
+    def __init__(self, runner: RunnerView, sequences: Sequences, drain: Callable[[], None]) -> None:
+        self.runner = runner
+        self.sequences = sequences
+        self.drain = drain  # (module_writes' text conditions: every finished step first)
+        self.lens = Lens(*runner.lens_parts(), runner.vocab_size)
+        self._wants: dict[str, list[Want]] = {}
+        self._edits: dict[str, list[Edit]] = {}
+
+    def install(self) -> None:
+        self.runner.on_forward(self._plan_safely)
+        for path, module in self.runner.modules().items():
+            module.register_forward_hook(
+                lambda module, args, output, path=path: self._hook(path, output)
+            )
+
+    def _plan_safely(self) -> None:
+        try:
+            self._plan()
+        except Exception:  # noqa: BLE001 - never break vLLM's forward pass
+            log.exception("planning module hooks failed; no module interventions this step")
+            self._wants, self._edits = {}, {}
+
+    def _plan(self) -> None:
+        """Map this forward pass's flat token rows to the module reads and writes they serve."""
+        self._wants = {}
+        self._edits = {}
+        req_ids = self.runner.req_ids
+        starts = self.runner.query_starts(len(req_ids))
+        computed = self.runner.computed_tokens(len(req_ids))
+        for i, req_id in enumerate(req_ids):
+            seq = self.sequences.get(req_id)
+            if seq is None or seq.error is not None:
+                continue
+            ops = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.HIDDEN_OPS)]
+            if not ops:
+                continue
+            span = Span.of(len(seq.prompt_ids), self.runner.output_count(req_id),
+                           int(starts[i]), int(starts[i + 1]), int(computed[i]))
+            for op in ops:
+                action = op.action
+                assert isinstance(action, P.HIDDEN_OPS)
+                rows, wanted = span.rows(action.positions, seq.step)
+                if not rows:
+                    continue
+                if isinstance(action, P.WriteModule):
+                    if holds_before_forward(op.condition, seq, self.drain):
+                        self._edits.setdefault(action.module, []).append(Edit(rows, action, seq))
+                    continue
+                for key, path in action.module_reads(op.name):
+                    self._wants.setdefault(path, []).append(Want(seq, key, rows, wanted))
+
+    def _hook(self, path: str, output: Any) -> None:
+        """Never raises into vLLM's forward pass: a failure fails the traces involved."""
+        edits = self._edits.get(path)
+        wants = self._wants.get(path)
+        try:
+            if edits:
+                _edit_module_output(path, output, edits)  # in place: reads below see the edit
+            if wants:
+                # Every request's rows in one gather (a copy: the activation buffer is
+                # reused by the next forward pass); each read keeps its slice of it.
+                value = _module_output(path, output).detach()
+                index = [r for want in wants for r in want.rows]
+                taken = value.index_select(0, on_device(index, value.device, torch.long)).to(torch.float32)
+                offset = 0
+                for want in wants:
+                    n = len(want.rows)
+                    want.seq.pending.setdefault(want.name, []).append((want.positions, taken[offset:offset + n]))
+                    offset += n
+        except Exception as e:  # noqa: BLE001
+            log.exception("module hook on %s failed", path)
+            for seq in [w.seq for w in wants or ()] + [edit.seq for edit in edits or ()]:
+                seq.error = seq.error or f"{type(e).__name__} in {path}: {e}"

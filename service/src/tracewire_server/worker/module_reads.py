@@ -1,0 +1,113 @@
+"""Module reads and logit-lens reads: values of a module's output at chosen positions.
+
+The module hooks (module_hooks.py) copy out the rows these reads select during the
+forward pass, into each Sequence's `pending`; at the step's sample this joins a
+read's chunks (a chunked prefill runs several passes), checks them complete, and
+launches the read's value to the host: the rows, their mean, or (logit lens) the
+final norm and lm_head applied to them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..shared import plan as P
+from .batch import Row
+from .host import ColumnRow, HostBatch, HostRead, to_host
+
+
+class Lens:
+    """The model's own final norm and lm_head, applied to residual streams (float32)."""
+
+    def __init__(self, norm: torch.nn.Module, weight: torch.Tensor, vocab_size: int) -> None:
+        self.norm = norm
+        self.weight = weight
+        self.vocab_size = vocab_size
+
+    @torch.no_grad()
+    def __call__(self, streams: torch.Tensor) -> torch.Tensor:
+        device, dtype = self.weight.device, self.weight.dtype
+        flat = streams.reshape(-1, streams.shape[-1]).to(device=device, dtype=dtype)
+        normed = self.norm.forward(flat)  # .forward: not through our own hook on "norm"
+        normed = normed[0] if isinstance(normed, tuple) else normed
+        logits = (normed @ self.weight.t())[:, : self.vocab_size].float()
+        return torch.log_softmax(logits, dim=-1).reshape(*streams.shape[:-1], -1)
+
+
+def _gathered(row: Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:
+    """The rows one hidden read gathered over this step's forward passes (a chunked
+    prefill runs several), checked complete: [positions, hidden] and the positions."""
+    chunks = row.seq.pending.pop(key, [])
+    positions = [p for chunk_positions, _ in chunks for p in chunk_positions]
+    if positions_of.new_token_only(row.seq.step):
+        expected = 1
+    else:
+        expected = len(positions_of.prompt_positions(len(row.seq.prompt_ids)))
+    if len(positions) != expected:
+        raise RuntimeError(
+            f"read {key!r} of {module!r} saw {len(positions)} of {expected} positions "
+            "(positions served from the prefix cache never run through the model)"
+        )
+    # (one chunk, the common case: its rows as they are, already our own copy)
+    return (chunks[0][1] if len(chunks) == 1 else torch.cat([t for _, t in chunks])), positions
+
+
+def _logit_lens_value(row: Row, name: str, read: P.ReadLogitLens, lens: Lens) -> HostRead:
+    """log_softmax(lm_head(norm(stream))) per layer and position: [layers, positions, k]."""
+    streams, positions = [], []
+    for key, path in read.module_reads(name):
+        values, positions = _gathered(row, key, path, read.positions)
+        streams.append(values)
+    logprobs = lens(torch.stack(streams))  # [layers, positions, vocab]
+    if read.top_k:
+        top = torch.topk(logprobs, read.top_k, dim=-1)
+        return HostRead(HostBatch(to_host(top.values), to_host(top.indices.to(torch.int32))), positions)
+    return HostRead(HostBatch(to_host(logprobs), None), positions)
+
+
+def _module_value(row: Row, name: str, read: P.ReadModule) -> HostRead:
+    """A module read of the prompt's positions, or their mean (new-token reads travel as
+    one column per module: launch_module_reads)."""
+    values, positions = _gathered(row, name, read.module, read.positions)
+    if read.mean:
+        return HostRead(HostBatch(to_host(values.mean(0)), None))
+    # [positions, hidden], with the prompt positions
+    return HostRead(HostBatch(to_host(values), None), positions=positions)
+
+
+def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
+    """Launch the rows' module and logit-lens reads, each on its way to the host. A
+    module's new-token reads for every row are one [rows, hidden] column with one copy
+    to the host, not a copy per row. A read that fails fails its own row's trace."""
+    new_token: dict[str, list[_NewToken]] = {}
+    for row in rows:
+        try:
+            for op in row.selected.module_reads:
+                a = op.action
+                if isinstance(a, P.ReadModule):
+                    if not a.mean and a.positions.new_token_only(row.seq.step):
+                        values, _ = _gathered(row, op.name, a.module, a.positions)
+                        new_token.setdefault(a.module, []).append(_NewToken(row, op.name, values[0]))
+                    else:
+                        row.reads[op.name] = _module_value(row, op.name, a)
+                else:
+                    assert isinstance(a, P.ReadLogitLens) and lens is not None
+                    row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
+        except Exception as e:  # noqa: BLE001 - fails this request's trace only
+            row.error = f"{type(e).__name__}: {e}"
+    for members in new_token.values():
+        members = [m for m in members if m.row.error is None]
+        if members:
+            batch = HostBatch(to_host(torch.stack([m.value for m in members])), None)
+            for j, m in enumerate(members):
+                m.row.reads[m.name] = ColumnRow(batch, j)
+
+
+class _NewToken(NamedTuple):
+    """A row's new-token read of a module, joined with the other rows' into one column."""
+
+    row: Row
+    name: str
+    value: torch.Tensor  # [hidden]

@@ -1,0 +1,90 @@
+"""StepOps: a plan's ops selected at one step, sorted by what the hooks do with them.
+
+Sorted once per plan and step pattern, not per row: the per-row code only looks at
+the sorted tuples. Separate from the per-request state because requests with the
+same reads share one StepOps (a block of rows is keyed by its identity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, cast
+
+from ..shared import plan as P
+
+
+class LogitsReadOp(NamedTuple):
+    """A logits read selected at a step: its name, and what it reads (the rows reading
+    equal reads are one device computation: logits_reads.py)."""
+
+    name: str
+    read: P.LogitsRead
+
+
+class BlockKey(NamedTuple):
+    """What a block's rows read: logits reads and the drawn token (nothing else)."""
+
+    logits_reads: tuple[LogitsReadOp, ...]
+    samples: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """The ops selected at one step, sorted by what the hooks do with them (once per
+    plan and step pattern, not per row)."""
+
+    ops: tuple[P.Op, ...]
+    logits_writes: tuple[P.Op, ...]
+    # A condition looks at the sampler's row: keep a copy of it for after the draw.
+    needs_processed: bool
+    # Reads computed for all rows at once (source "logits").
+    logits_reads: tuple[LogitsReadOp, ...]
+    # Reads computed per row from module outputs (source "modules").
+    module_reads: tuple[P.Op, ...]
+    # Names of the reads of the drawn token (source "sample").
+    samples: tuple[str, ...]
+    # Reads launched per row after the draw: module reads or the drawn token.
+    reads_per_row: bool
+    # Only reads, none with a condition: every read launched is kept.
+    plain: bool
+    # Only logits reads and reads of the drawn token, none with a condition: rows
+    # with equal keys (and frontend) form one Block. None: each row is a Row.
+    block_key: BlockKey | None
+
+    @classmethod
+    def of(cls, ops: tuple[P.Op, ...]) -> StepOps:
+        reads = [(op, op.action) for op in ops if isinstance(op.action, P.READS)]
+        logits_reads = tuple(LogitsReadOp(op.name, cast(P.LogitsRead, read)) for op, read in reads
+                             if read.source == "logits")
+        module_reads = tuple(op for op, read in reads if read.source == "modules")
+        samples = tuple(op.name for op, read in reads if read.source == "sample")
+        # Module writes are done before the draw (in the forward pass): at the sampler
+        # they are nothing to decide.
+        drawn = tuple(op for op in ops if not isinstance(op.action, P.WriteModule))
+        plain = len(reads) == len(drawn) and all(op.condition is None for op in drawn)
+        blockable = bool(ops) and plain and not module_reads
+        found = cls(
+            ops,
+            tuple(op for op in ops if isinstance(op.action, P.LOGITS_WRITES)),
+            P.conditions_use_logits(ops),
+            logits_reads,
+            module_reads,
+            samples,
+            bool(module_reads or samples),
+            plain,
+            BlockKey(logits_reads, samples) if blockable else None,
+        )
+        if found.block_key is None:
+            return found
+        # One object per block key, shared by every request with these reads: a step
+        # groups its rows into blocks by object identity, not by hashing the key per row.
+        if len(_BLOCK_OPS) > 4096:
+            _BLOCK_OPS.clear()
+        return _BLOCK_OPS.setdefault(found.block_key, found)
+
+
+_BLOCK_OPS: dict[BlockKey, StepOps] = {}
+
+
+NO_OPS = StepOps.of(())
+ERROR_OPS = StepOps.of((P.Op("error", P.StepSet(), None, P.Stop()),))

@@ -1,0 +1,155 @@
+"""vLLM's model runner as the worker hooks see it: the only code touching vLLM's worker internals.
+
+The hooks read the runner's batch (which request each logits row belongs to, how far
+each one's prompt has run), wrap its sampler and its `_model_forward`, and hook its
+model's modules. None of that is vLLM's public API, and each vLLM version moves some
+of it. So it is read here and nowhere else: a vLLM upgrade means porting this file,
+as frontend/vllm_compat.py is the server side's. Everything it hands out is plain
+data (lists, numpy arrays, ints) or the torch objects the hooks wrap.
+
+Only what runs per engine step is here, read per step, never cached: vLLM replaces
+some of these objects between steps (the batch's req_ids list, the masks).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, KeysView
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..shared import plan as P
+from ..shared import steering
+
+
+def check_supported(runner: Any) -> None:
+    """Refuse runners whose sampler the hooks cannot wrap."""
+    sampler = getattr(runner, "sampler", None)
+    if not hasattr(runner, "input_batch") or not hasattr(sampler, "apply_logits_processors"):
+        raise RuntimeError(  # vLLM's V2 runner (vllm/v1/worker/gpu/) has another sampler
+            f"tracewire needs vLLM's V1 model runner, not {type(runner).__module__}; "
+            "unset VLLM_USE_V2_MODEL_RUNNER"
+        )
+
+
+class RunnerView:
+    """vLLM's V1 model runner (vllm/v1/worker/gpu_model_runner.py), typed, for the hooks.
+
+    The batch: logits row i (and query span i of the forward pass's flat token rows)
+    belongs to request `req_ids[i]`."""
+
+    def __init__(self, runner: Any) -> None:
+        self._runner = runner
+
+    # -- the batch, per step -----------------------------------------------------
+
+    @property
+    def req_ids(self) -> list[str]:
+        """The requests of this step's rows, in row order."""
+        return self._runner.input_batch.req_ids  # type: ignore[no-any-return]
+
+    def discarded(self, rows: int) -> np.ndarray | None:
+        """Which of the first `rows` rows' samples vLLM throws away (requests still in a
+        chunked prefill); None: it keeps them all."""
+        mask = getattr(self._runner, "discard_request_mask", None)
+        return mask.np[:rows] if mask is not None else None
+
+    def query_starts(self, rows: int) -> np.ndarray:
+        """Where each request's flat token rows start in this forward pass, and one past
+        the last: `rows + 1` entries."""
+        return self._runner.query_start_loc.np[: rows + 1]  # type: ignore[no-any-return]
+
+    def computed_tokens(self, rows: int) -> np.ndarray:
+        """Each request's tokens computed before this forward pass (the position of its
+        first flat row)."""
+        return self._runner.input_batch.num_computed_tokens_cpu[:rows]  # type: ignore[no-any-return]
+
+    # -- requests ----------------------------------------------------------------
+
+    def live(self) -> KeysView[str]:
+        """The requests the runner holds now (running or preempted): a live view."""
+        return self._runner.requests.keys()  # type: ignore[no-any-return]
+
+    def plan_blob(self, req_id: str) -> bytes | None:
+        """The request's tracewire plan as it travelled (SamplingParams.extra_args)."""
+        params = getattr(self._runner.requests.get(req_id), "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        return extra.get(P.EXTRA_ARGS_KEY)  # type: ignore[no-any-return]
+
+    def prompt_ids(self, req_id: str) -> list[int]:
+        return list(self._runner.requests[req_id].prompt_token_ids or ())
+
+    def output_count(self, req_id: str) -> int:
+        """Tokens the request has drawn so far."""
+        return len(self._runner.requests[req_id].output_token_ids)
+
+    # -- the engine ----------------------------------------------------------------
+
+    @property
+    def device_runs_ahead(self) -> bool:
+        """Whether the device runs ahead of the host (a GPU): then the hooks finish steps
+        on a thread of their own (worker/collector.py)."""
+        device = getattr(self._runner, "device", None)
+        return device is None or device.type == "cuda"
+
+    @property
+    def eager(self) -> bool:
+        """No compiled graphs: Python forward hooks fire."""
+        return bool(self._runner.model_config.enforce_eager)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._runner.model_config.get_vocab_size())
+
+    @property
+    def sampler(self) -> Any:
+        """vLLM's sampler: its `forward` and `apply_logits_processors` are wrapped."""
+        return self._runner.sampler
+
+    def steering_tables(self) -> steering.SteeringTables | None:
+        """The compiled graph's steering tables (--compiled-steering), if it has them."""
+        return steering.find(self._runner.get_model())
+
+    def before_model_forward(self, hook: Callable[[], None]) -> None:
+        """Call `hook` on the host before each forward pass (before a compiled graph is
+        replayed): wraps the runner's `_model_forward`."""
+        original = self._runner._model_forward
+
+        def model_forward(*args: Any, **kw: Any) -> Any:
+            hook()
+            return original(*args, **kw)
+
+        self._runner._model_forward = model_forward
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The tokenizer the server decodes with: vLLM's, built from the same model config
+        (loaded the first time a trace has a text condition)."""
+        try:  # vLLM >= 0.30
+            from vllm.tokenizers import cached_tokenizer_from_config
+        except ImportError:  # pragma: no cover - vLLM 0.26
+            from vllm.transformers_utils.tokenizer import cached_tokenizer_from_config
+        return cached_tokenizer_from_config(self._runner.vllm_config.model_config)
+
+    # -- the model (eager engines) -------------------------------------------------
+
+    def on_forward(self, hook: Callable[[], None]) -> None:
+        """Call `hook` before each forward pass of the model (eager: it fires)."""
+        self._runner.model.register_forward_pre_hook(lambda module, args: hook())
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """GetModelInfo's module paths -> the modules of a vLLM decoder-only model."""
+        inner = self._runner.model.model
+        found: dict[str, torch.nn.Module] = {"embed_tokens": inner.embed_tokens, "norm": inner.norm}
+        for i, layer in enumerate(inner.layers):
+            found[f"layers.{i}"] = layer
+            found[f"layers.{i}.self_attn"] = layer.self_attn
+            found[f"layers.{i}.mlp"] = layer.mlp
+        return found
+
+    def lens_parts(self) -> tuple[torch.nn.Module, torch.Tensor]:
+        """The model's final norm and lm_head weight (the logit lens applies them)."""
+        model = self._runner.model
+        return model.model.norm, model.lm_head.weight

@@ -1,0 +1,158 @@
+"""Compiled steering, the host side: which steering-table slot each flat token row reads.
+
+shared/steering.py holds the tables the compiled graph reads and their slot algebra
+(SlotPlanner: a slot per distinct composed write, shared, freed when its last user
+ends). This module decides, before each forward pass, which of the pass's rows write
+what: it reads the requests' Sequences, the pass's Spans and write conditions, all
+worker-only types, so it lives in the worker package rather than beside the tables.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..shared import plan as P
+from ..shared import steering
+from .conditions import holds_before_forward
+from .module_hooks import Span, module_vector
+from .runner import RunnerView
+from .sequences import UNPLANNED, Sequence, Sequences
+
+# Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
+# worker processes; a logger of our own would have none there.
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+class SteeringSlots:
+    """Fills the compiled graph's steering tables before each forward pass."""
+
+    def __init__(self, runner: RunnerView, sequences: Sequences, tables: steering.SteeringTables,
+                 drain: Callable[[], None]) -> None:
+        self.runner = runner
+        self.sequences = sequences
+        self.planner = steering.SlotPlanner(tables)
+        self.drain = drain  # (write conditions on the text: every finished step first)
+        # The requests of the last forward pass, when it decoded them one token each and
+        # the next pass may keep its steering slots should it decode the same ones.
+        self._steered_batch: list[str] | None = None
+        sequences.writer_ended = self.planner.release
+
+    def install(self) -> None:
+        """Before each forward pass (on the host, before the graph is replayed)."""
+        self.runner.before_model_forward(self._steer_safely)
+
+    def _steer_safely(self) -> None:
+        planner = self.planner
+        req_ids = self.runner.req_ids
+        if req_ids == self._steered_batch and self.runner.query_starts(len(req_ids))[-1] == len(req_ids):
+            return  # the same requests decoding as in the last pass: the tables already hold their slots
+        self._steered_batch = None
+        rows: list[int] = []
+        tables: list[int] = []
+        slots: list[int] = []
+        try:
+            if self._writes_modules() and self._plan(rows, tables, slots):
+                self._steered_batch = list(req_ids)
+            planner.fill(rows, tables, slots)
+        except Exception as e:  # noqa: BLE001 - never break vLLM's forward pass
+            self._steered_batch = None
+            log.exception("filling the steering tables failed; failing the batch's steering traces")
+            for req_id in self.sequences.module_writers:
+                seq = self.sequences.by_id.get(req_id)
+                if seq is not None:
+                    seq.error = seq.error or f"{type(e).__name__} filling the steering tables: {e}"
+            planner.fill([], [], [])  # nobody steered this pass, rather than stale slots
+
+    def _writes_modules(self) -> bool:
+        """Whether a request in this batch has module writes: requests without cost a
+        set difference per forward pass. Ended requests give back their slots."""
+        for req_id in set(self.runner.req_ids).difference(self.sequences.by_id):
+            self.sequences.get(req_id)  # a request's first pass: its plan is read here
+        self.sequences.forget_ended_writers()
+        return bool(self.sequences.module_writers)
+
+    def _plan(self, rows: list[int], tables: list[int], slots: list[int]) -> bool:
+        """This pass's writes as (flat token row, table, slot) triples. True when the next
+        pass may keep them, should it decode the same requests one token each: every
+        writer here decodes one new token and writes the same at every new token."""
+        planner = self.planner
+        repeatable = True
+        req_ids = self.runner.req_ids
+        starts = self.runner.query_starts(len(req_ids)).tolist()
+        computed = self.runner.computed_tokens(len(req_ids)).tolist()
+        writers = self.sequences.module_writers
+        by_id = self.sequences.by_id
+        output_count = self.runner.output_count
+        for i, req_id in enumerate(req_ids):
+            if req_id not in writers:
+                continue
+            seq = by_id.get(req_id)
+            if seq is None or seq.error is not None:
+                continue
+            first, last, pos0 = starts[i], starts[i + 1], computed[i]
+            drawn = output_count(req_id)
+            if seq.steady is UNPLANNED:
+                seq.steady = self._steady_slots(req_id, seq)
+            if seq.steady is not None:  # the same writes at every new token (inlined: per row)
+                if pos0 + last - first >= len(seq.prompt_ids) + drawn:
+                    for table, slot in seq.steady:
+                        rows.append(last - 1)
+                        tables.append(table)
+                        slots.append(slot)
+                    repeatable = repeatable and last - first == 1
+                else:
+                    repeatable = False  # a prompt chunk: its next pass may reach the new token
+                continue
+            repeatable = False
+            span = Span.of(len(seq.prompt_ids), drawn, first, last, pos0)
+            by_row: dict[tuple[int, int], list[P.WriteModule]] = {}  # (table, row) -> its writes, in plan order
+            for op in seq.plan.ops:
+                if not isinstance(op.action, P.WriteModule) or not op.selects(seq.step):
+                    continue
+                op_rows = span.rows(op.action.positions, seq.step)[0]
+                table = planner.table_of.get(P.layer_number(op.action.module))
+                if table is not None and op_rows and holds_before_forward(op.condition, seq, self.drain):
+                    for row in op_rows:
+                        by_row.setdefault((table, row), []).append(op.action)
+            for (table, row), edits in by_row.items():
+                slot = self._slot(req_id, seq, table, edits)
+                if slot is None:
+                    break
+                rows.append(row)
+                tables.append(table)
+                slots.append(slot)
+        return repeatable
+
+    def _steady_slots(self, req_id: str, seq: Sequence) -> list[tuple[int, int]] | None:
+        """(table, slot) of each layer this request writes, when it writes the same way
+        at every new token and nowhere else (steering); None otherwise."""
+        writes = [op.action for op in seq.plan.ops if isinstance(op.action, P.WriteModule)]
+        steady = seq.constant is not None and all(
+            op.condition is None and op.action.positions.kind == "new_token"  # type: ignore[union-attr]
+            for op in seq.plan.ops if isinstance(op.action, P.WriteModule)
+        )
+        if not steady:
+            return None
+        by_table: dict[int, list[P.WriteModule]] = {}
+        for write in writes:
+            table = self.planner.table_of.get(P.layer_number(write.module))
+            if table is not None:  # else another pipeline stage holds that layer
+                by_table.setdefault(table, []).append(write)
+        found = []
+        for table, edits in by_table.items():
+            slot = self._slot(req_id, seq, table, edits)
+            if slot is None:
+                return []
+            found.append((table, slot))
+        return found
+
+    def _slot(self, req_id: str, seq: Sequence, table: int, edits: list[P.WriteModule]) -> int | None:
+        planner = self.planner
+        slot = planner.slot(table, req_id, edits, lambda edit: module_vector(seq, edit, planner.tables.vectors))
+        if slot is None:
+            seq.error = seq.error or (
+                f"more than {planner.tables.vectors.shape[1] - 1} different writes at layer "
+                f"{planner.tables.layers[table]} at once: too many distinct steering vectors in flight"
+            )
+        return slot
