@@ -4,8 +4,8 @@
 #   make test    run the whole test suite (proto drift check included), then test-ts
 #   make test-ts the TypeScript client's Node tests against a real server, and the dashboard's
 #                browser test (Debian's Chromium: installed with apt-get when missing, as root)
-#   make dashboard  the browser dashboard (Vite dev server on http://127.0.0.1:5173), against
-#                the server `make serve` started (open ?server=http://127.0.0.1:HTTP_PORT)
+#   make dashboard  the browser dashboard (Vite dev server on DASHBOARD_PORT, 5173), against the
+#                server `make serve` started (HOST / HTTP_PORT): prints the URL to open
 #   make proto   regenerate the committed code (Python and TypeScript) from proto/ (buf.gen.yaml)
 #   make lint    buf lint + buf breaking (against the last released contract) + ruff + import
 #                contracts + mypy + tsc (the TS client and the dashboard, strict)
@@ -92,10 +92,18 @@ serve: setup
 	$(PY) -m tracewire_server --model $(MODEL) --host $(HOST) --port $(PORT) \
 		--http-port $(HTTP_PORT) $(ENGINE_ARGS)
 
-# A localhost page, so the server's default CORS lets it call the HTTP port.
+# A localhost page, so the server's default CORS lets it call the HTTP port. The printed URL
+# carries ?server= for `make serve`'s HTTP port (a server bound to every interface is reached
+# on loopback); --strictPort, so the page is where the URL says or make fails.
+DASHBOARD_PORT ?= 5173
+DASH_SERVER_HOST := $(if $(filter 0.0.0.0 :: [::],$(HOST)),127.0.0.1,$(HOST))
+DASH_SERVER := http://$(DASH_SERVER_HOST):$(HTTP_PORT)
 dashboard: setup
-	@echo "dashboard: http://127.0.0.1:5173/?server=http://$(HOST):$(HTTP_PORT)"
-	cd $(DASH) && npm run dev
+	@echo "dashboard: open http://127.0.0.1:$(DASHBOARD_PORT)/?server=$(DASH_SERVER)"
+	@(exec 3<>/dev/tcp/$(DASH_SERVER_HOST)/$(HTTP_PORT)) 2>/dev/null \
+		|| echo "dashboard: nothing answers at $(DASH_SERVER) yet: start it with 'make serve'" \
+			"(the page waits for it)"
+	cd $(DASH) && npm run dev -- --port $(DASHBOARD_PORT) --strictPort
 
 test: setup chromium proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -2,19 +2,25 @@
  * The dashboard (examples/dashboard) end to end in a real browser: Debian's Chromium,
  * headless, driven by playwright-core, loads the built page from a localhost origin and
  * talks to the real server's HTTP port (127.0.0.1: another origin, so CORS is exercised).
+ * `make dashboard` is run too (its Vite dev server, the URL it prints).
  *
  * run.ts starts the server; `make test-ts` builds the page (vite build) first. No mocks.
  */
 
 import assert from "node:assert/strict";
+import { spawn, type ChildProcess } from "node:child_process";
 import { existsSync, mkdirSync, readFileSync, statSync } from "node:fs";
 import { createServer, type Server } from "node:http";
+import { createServer as createTcpServer } from "node:net";
 import { extname, join, normalize, sep } from "node:path";
 import { after, before, test } from "node:test";
 import { chromium, type Browser, type Page } from "playwright-core";
+import { formatProb, tokenLabel } from "../examples/dashboard/src/format.js";
+import { createNodeClient, type TracewireClient } from "../src/node.js";
 import { REPO } from "./server.js";
 
 const HTTP_URL = process.env.TRACEWIRE_TEST_HTTP_URL;
+const GRPC_URL = process.env.TRACEWIRE_TEST_URL;
 const CHROMIUM = process.env.TRACEWIRE_CHROMIUM ?? "/usr/bin/chromium";
 const DIST = join(REPO, "clients/ts/examples/dashboard/dist");
 const OUTPUT = join(REPO, "clients/ts/test-output");
@@ -37,6 +43,7 @@ let site: Server;
 let siteUrl: string;
 let browser: Browser;
 let page: Page;
+let client: TracewireClient;
 const pageErrors: string[] = [];
 
 before(async () => {
@@ -49,6 +56,8 @@ before(async () => {
     existsSync(join(DIST, "index.html")),
     `the dashboard is not built (${DIST}): make test-ts builds it, or cd examples/dashboard && npm ci && npm run build`,
   );
+  assert.ok(GRPC_URL, "run the tests with `node dist/test/run.js` (make test-ts)");
+  client = createNodeClient(GRPC_URL);
   ({ server: site, url: siteUrl } = await serveStatic(DIST));
   // launch() gives the browser a fresh, empty --user-data-dir of its own and removes it on close.
   browser = await chromium.launch({ executablePath: CHROMIUM, args: CHROMIUM_ARGS, timeout: TIMEOUT_MS });
@@ -58,6 +67,7 @@ before(async () => {
 });
 
 after(async () => {
+  client?.close();
   await browser?.close();
   await new Promise<void>((done) => (site ? site.close(() => done()) : done()));
 });
@@ -66,7 +76,10 @@ test("dashboard: stream a trace, force a candidate at step 0, see the continuati
   try {
     // localhost (the page) vs 127.0.0.1 (the API): a cross-origin page, allowed by the default CORS.
     await page.goto(`${siteUrl}/?server=${encodeURIComponent(HTTP_URL ?? "")}`);
+    // The page asks the server (GetModelInfo) on load, before any Run.
     await page.waitForSelector("#status[data-state='idle']");
+    const info = await client.modelInfo();
+    assert.equal(await page.textContent("#status"), `ready: ${info.model} (${info.architecture}, ${info.dtype}), vLLM ${info.vllmVersion}`);
     assert.equal(await page.textContent("#server"), `${HTTP_URL} (connect)`);
 
     await page.fill("#prompt", "The capital of France is");
@@ -88,6 +101,8 @@ test("dashboard: stream a trace, force a candidate at step 0, see the continuati
     assert.equal(first[0]?.tokenId, PARIS);
     await waitLabel(page, 0, '" Paris"');
     await checkCandidates(page);
+    await checkLabels(page, client);
+    await checkProbabilities(page);
     const textBefore = await continuation(page);
     assert.match(textBefore, /^ Paris/);
 
@@ -114,19 +129,102 @@ test("dashboard: stream a trace, force a candidate at step 0, see the continuati
     assert.ok((await page.textContent("#previous"))?.includes(textBefore));
     await page.screenshot({ path: screenshotPath("dashboard.png"), fullPage: true });
 
-    // A value the server refuses: the banner names the status and the field.
+    // A value the server refuses: the control says what is wrong, the banner has the full status.
     await page.fill("#top-k", "100000");
     await page.click("#run");
     await page.waitForSelector("#status[data-state='error'][data-run='3']");
     assert.equal(await page.isVisible("#error"), true);
     assert.equal(await page.getAttribute("#error", "data-status"), "INVALID_ARGUMENT");
-    assert.match((await page.getAttribute("#error", "data-field")) ?? "", /top_k/);
+    const field = (await page.getAttribute("#error", "data-field")) ?? "";
+    assert.match(field, /read_logprobs\.top_k$/);
+    assert.equal(await page.getAttribute("#error", "data-control"), "top-k");
+    await checkFieldError(page, "top-k", /^top-k: must be in \[0, \d+\] \(the vocabulary\), got 100000$/);
+    const banner = (await page.textContent("#error")) ?? "";
+    assert.ok(banner.includes("INVALID_ARGUMENT") && banner.includes(`${field}: must be in`), banner);
     await page.screenshot({ path: screenshotPath("dashboard-error.png") });
+
+    await page.fill("#top-k", "5");
+    await page.fill("#max-tokens", "0");
+    await page.click("#run");
+    await page.waitForSelector("#status[data-state='error'][data-run='4']");
+    await checkFieldError(page, "max-tokens", /^max tokens: must be >= 1, got 0$/);
+    assert.equal(await page.locator(".field-error").count(), 1, "the top-k note stays after top-k was fixed");
+    assert.equal(await page.getAttribute("#top-k", "aria-invalid"), null);
+
+    // Greedy without ignore-EOS ends on EOS: shown by name, in the rows and the text.
+    await page.fill("#max-tokens", "64");
+    await page.uncheck("#ignore-eos");
+    await page.click("#run");
+    await waitRun(page, 5);
+    assert.equal(await page.isVisible("#error"), false);
+    assert.equal(await page.locator(".field-error").count(), 0);
+    assert.equal(await page.getAttribute("#max-tokens", "aria-invalid"), null);
+    const rows = await stepRows(page);
+    const last = rows.at(-1);
+    assert.ok(last && info.eosTokenIds.includes(last.tokenId), `the run did not end on EOS: ${JSON.stringify(rows.map((r) => r.tokenId))}`);
+    const eos = tokenLabel(await client.detokenize([last.tokenId], { skipSpecialTokens: false }), last.tokenId, {
+      eos: info.eosTokenIds,
+      bos: info.bosTokenId,
+    });
+    assert.match(eos.text, /^⟨EOS/);
+    await waitLabel(page, last.step, eos.text);
+    assert.equal(await page.getAttribute(`.step[data-step='${last.step}'] .chosen`, "data-special"), "true");
+    const piece = page.locator(`#text .piece[data-step='${last.step}']`);
+    await page.waitForFunction((s) => document.querySelector(`#text .piece[data-step='${s}']`)?.hasAttribute("data-special"), last.step);
+    // EOS adds no text; its marker is drawn by CSS (::after), so the text stays what the model generated.
+    assert.equal(await piece.textContent(), "");
+    assert.equal(await piece.getAttribute("data-special"), eos.text);
+    const marker = await piece.evaluate((el) => getComputedStyle(el, "::after").content);
+    assert.equal(marker, JSON.stringify(eos.text));
+    assert.ok(((await piece.boundingBox())?.width ?? 0) > 0, "the EOS marker takes no space");
+    await page.screenshot({ path: screenshotPath("dashboard-eos.png"), fullPage: true });
 
     assert.deepEqual(pageErrors, []);
   } catch (error) {
     await page.screenshot({ path: screenshotPath("dashboard-failure.png"), fullPage: true }).catch(() => undefined);
     throw error;
+  }
+});
+
+test("dashboard: no server at ?server= shows at once (before any Run), and says how to start one", { timeout: 120_000 }, async () => {
+  const offline = await browser.newPage({ viewport: { width: 1100, height: 600 } });
+  try {
+    const closed = `http://127.0.0.1:${await freePort()}`;
+    await offline.goto(`${siteUrl}/?server=${encodeURIComponent(closed)}`);
+    await offline.waitForSelector("#status[data-state='offline']");
+    const status = (await offline.textContent("#status")) ?? "";
+    assert.ok(status.includes(`no server at ${closed}`) && status.includes("make serve"), status);
+    assert.equal(await offline.isVisible("#error"), true);
+    assert.ok((await offline.textContent("#error .error-hint"))?.includes(closed));
+    await offline.screenshot({ path: screenshotPath("dashboard-offline.png") });
+  } finally {
+    await offline.close();
+  }
+});
+
+test("dashboard: `make dashboard DASHBOARD_PORT=...` prints the URL for the running server, and the page opens ready", { timeout: 180_000 }, async () => {
+  assert.ok(HTTP_URL);
+  const port = await freePort();
+  const httpPort = new URL(HTTP_URL).port;
+  // -o setup: the checkout is set up already (make test-ts did it); the dashboard target itself runs.
+  const make = spawn("make", ["--no-print-directory", "-o", "setup", "dashboard", `DASHBOARD_PORT=${port}`, "HOST=127.0.0.1", `HTTP_PORT=${httpPort}`], {
+    cwd: REPO,
+    detached: true, // its own group: vite is a grandchild
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  const dev = await browser.newPage({ viewport: { width: 1100, height: 600 } });
+  try {
+    const output = await waitOutput(make, /Local:.*:(\d+)/);
+    const expected = `http://127.0.0.1:${port}/?server=http://127.0.0.1:${httpPort}`;
+    assert.ok(output.includes(`dashboard: open ${expected}\n`), output);
+    assert.ok(!output.includes("nothing answers"), output);
+    await dev.goto(expected);
+    await dev.waitForSelector("#status[data-state='idle']");
+    assert.equal(await dev.textContent("#server"), `http://127.0.0.1:${httpPort} (connect)`);
+    await dev.screenshot({ path: screenshotPath("dashboard-make.png") });
+  } finally {
+    await dev.close();
+    await stopGroup(make);
   }
 });
 
@@ -190,6 +288,63 @@ async function checkCandidates(page: Page): Promise<void> {
   }
 }
 
+/**
+ * Every token label shows the whole token: no ellipsis, nothing cut (long ones wrap), the
+ * tooltip repeats it, and the text is the token's, as Detokenize gives it.
+ */
+async function checkLabels(page: Page, client: TracewireClient): Promise<void> {
+  await page.waitForFunction(() => Array.from(document.querySelectorAll(".step [data-label-for]")).every((el) => !/^#\d+$/.test(el.textContent ?? "")));
+  const labels = await page.$$eval(".step [data-label-for]", (els) =>
+    els.map((el) => {
+      const e = el as HTMLElement;
+      return {
+        tokenId: Number(e.dataset.labelFor),
+        text: e.textContent ?? "",
+        title: e.title,
+        cut: e.scrollWidth > e.clientWidth + 1 || e.scrollHeight > e.clientHeight + 1,
+        ellipsis: getComputedStyle(e).textOverflow === "ellipsis",
+      };
+    }),
+  );
+  assert.ok(labels.length > STEPS * 5, `only ${labels.length} labels`);
+  const info = await client.modelInfo();
+  const specials = { eos: info.eosTokenIds, bos: info.bosTokenId };
+  const ids = [...new Set(labels.map((l) => l.tokenId))];
+  const texts = new Map(await Promise.all(ids.map(async (id) => [id, await client.detokenize([id], { skipSpecialTokens: false })] as const)));
+  for (const label of labels) {
+    const want = tokenLabel(texts.get(label.tokenId) ?? "", label.tokenId, specials).text;
+    assert.equal(label.text, want, `token ${label.tokenId}`);
+    assert.ok(!label.cut && !label.ellipsis, `token ${label.tokenId}'s label ${label.text} is cut`);
+    assert.equal(label.title, `${want} (token ${label.tokenId})`);
+  }
+}
+
+/** Each probability as formatProb writes it: small ones in scientific notation, never "0.00%". */
+async function checkProbabilities(page: Page): Promise<void> {
+  const shown = await page.$$eval(".candidate", (cs) => cs.map((c) => [Number((c as HTMLElement).dataset.prob), c.querySelector(".prob")?.textContent ?? ""] as const));
+  for (const [prob, text] of shown) {
+    assert.equal(text, formatProb(prob));
+    assert.notEqual(text, "0.00%");
+  }
+  // This model puts some top-5 candidates under 0.1% in 24 steps: they read as e.g. 3.1e-4.
+  assert.ok(shown.some(([prob, text]) => prob < 1e-3 && /^\d\.\de-\d+$/.test(text)), JSON.stringify(shown.slice(0, 10)));
+}
+
+/** The note next to `control` (after its label), the control marked invalid and described by it. */
+async function checkFieldError(page: Page, control: string, message: RegExp): Promise<void> {
+  const note = page.locator(`.field-error[data-control='${control}']`);
+  assert.equal(await note.count(), 1);
+  assert.match((await note.textContent()) ?? "", message);
+  assert.equal(await page.getAttribute(`#${control}`, "aria-invalid"), "true");
+  assert.equal(await page.getAttribute(`#${control}`, "aria-describedby"), `${control}-error`);
+  const beside = await page.evaluate((id) => {
+    const label = document.getElementById(id)?.closest("label");
+    return label?.nextElementSibling?.id;
+  }, control);
+  assert.equal(beside, `${control}-error`);
+  assert.equal(await note.isVisible(), true);
+}
+
 /** Record when each step row is added (performance.now), to tell streaming from buffering. */
 async function recordRowTimes(page: Page): Promise<void> {
   await page.evaluate(() => {
@@ -202,6 +357,46 @@ async function recordRowTimes(page: Page): Promise<void> {
       }
     }).observe(steps as Node, { childList: true });
   });
+}
+
+async function freePort(): Promise<number> {
+  const server = createTcpServer();
+  await new Promise<void>((done) => server.listen(0, "127.0.0.1", done));
+  const address = server.address();
+  assert.ok(address && typeof address === "object");
+  await new Promise<void>((done) => server.close(() => done()));
+  return address.port;
+}
+
+/** The process's stdout + stderr once `pattern` appears in it (or a failure with what it printed). */
+async function waitOutput(child: ChildProcess, pattern: RegExp): Promise<string> {
+  let output = "";
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`no ${pattern} within 60 s:\n${output}`)), 60_000);
+    const onData = (chunk: Buffer): void => {
+      output += chunk.toString();
+      if (pattern.test(output)) {
+        clearTimeout(timer);
+        resolve(output);
+      }
+    };
+    child.stdout?.on("data", onData);
+    child.stderr?.on("data", onData);
+    child.on("exit", (code) => {
+      clearTimeout(timer);
+      reject(new Error(`make dashboard exited (${code}):\n${output}`));
+    });
+  });
+}
+
+/** SIGTERM to the process group we started (make, npm, vite), and wait for make to go. */
+async function stopGroup(child: ChildProcess): Promise<void> {
+  if (child.pid === undefined || child.exitCode !== null) {
+    return;
+  }
+  const exited = new Promise<void>((done) => child.once("exit", () => done()));
+  process.kill(-child.pid, "SIGTERM");
+  await exited;
 }
 
 function screenshotPath(name: string): string {

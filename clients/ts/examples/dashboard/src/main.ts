@@ -7,7 +7,8 @@
  * A server started with --auth-tokens needs `#token=TOKEN` (see readToken).
  */
 
-import { createWebClient, type TracewireClient, type WebProtocol } from "@tracewire/client";
+import { Code, createWebClient, TracewireError, type TracewireClient, type WebProtocol } from "@tracewire/client";
+import { NO_SPECIAL_TOKENS, type SpecialTokens } from "./format.js";
 import { TokenLabels } from "./labels.js";
 import { buildInvoke, forceAt, sampling, toStepView, type Forced, type RunSettings, type StepView } from "./model.js";
 import { addStep, clearError, findElements, setStatus, showError, startRun, type Elements } from "./view.js";
@@ -16,6 +17,10 @@ import "./style.css";
 const DEFAULT_SERVER = "http://127.0.0.1:8080";
 // Long enough for a cold engine on a small CPU; a stuck call still ends.
 const TIMEOUT_MS = 300_000;
+// The load-time check (GetModelInfo): a live server answers at once.
+const CHECK_TIMEOUT_MS = 10_000;
+// While the server is unreachable the page asks again this often, and turns ready when it answers.
+const RECHECK_MS = 3_000;
 
 interface Config {
   readonly server: string;
@@ -79,14 +84,53 @@ class Dashboard {
   /** Shown with errors from fetch itself, which say no more than "Failed to fetch". */
   private readonly unreachable: string;
 
+  /** Settled by the server check: EOS / BOS ids for the labels (none if the check failed). */
+  private readonly specials: Promise<SpecialTokens>;
+  private resolveSpecials: (specials: SpecialTokens) => void = () => undefined;
+
   constructor(
     private readonly els: Elements,
     private readonly client: TracewireClient,
-    server: string,
+    private readonly server: string,
   ) {
-    this.labels = new TokenLabels(client);
+    this.specials = new Promise((resolve) => (this.resolveSpecials = resolve));
+    this.labels = new TokenLabels(client, this.specials);
     this.unreachable = `(is the server's HTTP port at ${server}? \`make serve\` opens 8080; ` +
       `pages from other origins than localhost need its --cors-origin)`;
+  }
+
+  /**
+   * Asks the server for its model (GetModelInfo) before anything is run, so an unreachable or
+   * refusing server shows at once, not on the first Run. Unreachable: asked again every few
+   * seconds until it answers (a server still loading its engine comes up by itself).
+   */
+  async checkServer(): Promise<void> {
+    setStatus(this.els, "checking", 0, `checking the server at ${this.server}…`);
+    for (;;) {
+      try {
+        const info = await this.client.modelInfo({ timeoutMs: CHECK_TIMEOUT_MS });
+        this.resolveSpecials({ eos: info.eosTokenIds, bos: info.bosTokenId });
+        if (this.runId === 0) {
+          clearError(this.els);
+          setStatus(this.els, "idle", 0, `ready: ${info.model} (${info.architecture}, ${info.dtype}), vLLM ${info.vllmVersion}`);
+        }
+        return;
+      } catch (error) {
+        if (this.runId !== 0) {
+          this.resolveSpecials(NO_SPECIAL_TOKENS); // a run took over the page and reports its own errors
+          return;
+        }
+        showError(this.els, error, this.unreachable);
+        if (!isUnreachable(error)) {
+          // The server answered and refused (a token missing, ...): asking again changes nothing.
+          this.resolveSpecials(NO_SPECIAL_TOKENS);
+          setStatus(this.els, "error", 0, `the server at ${this.server} refused GetModelInfo`);
+          return;
+        }
+        setStatus(this.els, "offline", 0, `no server at ${this.server}: start it with \`make serve\` (asking again every ${RECHECK_MS / 1000} s)`);
+        await new Promise((wake) => setTimeout(wake, RECHECK_MS));
+      }
+    }
   }
 
   start(): void {
@@ -158,8 +202,15 @@ function main(): void {
   els.server.textContent = `${config.server} (${config.protocol})`;
   const token = readToken(window.location, window.sessionStorage);
   const client = createWebClient(config.server, { protocol: config.protocol, ...(token ? { token } : {}) });
-  new Dashboard(els, client, config.server).start();
-  setStatus(els, "idle", 0, "ready");
+  const dashboard = new Dashboard(els, client, config.server);
+  dashboard.start();
+  void dashboard.checkServer();
+}
+
+/** Errors of fetch itself or of a server still starting: worth asking again. */
+function isUnreachable(error: unknown): boolean {
+  const code = error instanceof TracewireError ? error.code : Code.Unknown;
+  return code === Code.Unknown || code === Code.Unavailable || code === Code.DeadlineExceeded;
 }
 
 main();

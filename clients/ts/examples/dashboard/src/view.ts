@@ -3,15 +3,18 @@
  * continuation as text, a status line and an error banner. Everything the server sends
  * goes in through textContent / attributes, never as HTML.
  *
- * Stable hooks for tests and scripts: #status[data-state][data-run], #error[data-status][data-field],
- * .step[data-step][data-token-id][data-forced], .candidate[data-step][data-token-id][data-prob][data-chosen].
+ * Stable hooks for tests and scripts: #status[data-state][data-run], #error[data-status][data-field][data-control],
+ * .field-error[data-control] (next to the control a server error names), .step[data-step][data-token-id][data-forced],
+ * .candidate[data-step][data-token-id][data-prob][data-chosen], labels' [data-label-for][data-special].
  */
 
 import { Code, TracewireError } from "@tracewire/client";
-import { showToken, type TokenLabels } from "./labels.js";
+import { controlForField, controlMessage, formatProb, type ControlId, type TokenLabel } from "./format.js";
+import type { TokenLabels } from "./labels.js";
 import type { StepView } from "./model.js";
 
-export type RunState = "idle" | "running" | "done" | "error";
+/** "checking" / "offline": the load-time server check; the others: runs ("idle" is ready). */
+export type RunState = "checking" | "offline" | "idle" | "running" | "done" | "error";
 
 export interface Elements {
   readonly form: HTMLFormElement;
@@ -66,15 +69,46 @@ export function setStatus(els: Elements, state: RunState, run: number, message: 
 export function showError(els: Elements, error: unknown, hint?: string): void {
   const tw = error instanceof TracewireError ? error : undefined;
   const status = tw?.status ?? "ERROR";
+  const message = error instanceof Error ? error.message : String(error);
+  const control = controlForField(tw?.field);
   els.error.dataset.status = status;
   els.error.dataset.field = tw?.field ?? "";
+  els.error.dataset.control = control ?? "";
   els.error.replaceChildren(
+    ...(control && tw?.field ? [span("error-control", controlMessage(control, tw.field, message))] : []),
     span("error-status", status),
     ...(tw?.field ? [span("error-field", tw.field)] : []),
-    span("error-message", error instanceof Error ? error.message : String(error)),
+    span("error-message", message),
     ...(hint && tw?.code === Code.Unknown ? [span("error-hint", hint)] : []),
   );
   els.error.hidden = false;
+  if (control && tw?.field) {
+    markControl(els, control, controlMessage(control, tw.field, message));
+  }
+}
+
+/** The short message next to the control the error names, and the control marked invalid. */
+function markControl(els: Elements, control: ControlId, message: string): void {
+  const input = controlInput(els, control);
+  const note = span("field-error", message);
+  note.id = `${control}-error`;
+  note.dataset.control = control;
+  note.setAttribute("role", "alert");
+  input.setAttribute("aria-invalid", "true");
+  input.setAttribute("aria-describedby", note.id);
+  // After the control's <label> (the prompt has none): the note sits beside what it is about.
+  (input.closest("label") ?? input).after(note);
+}
+
+function controlInput(els: Elements, control: ControlId): HTMLInputElement {
+  const inputs: Record<ControlId, HTMLInputElement> = {
+    prompt: els.prompt,
+    "max-tokens": els.maxTokens,
+    "top-k": els.topK,
+    temperature: els.temperature,
+    "ignore-eos": els.ignoreEos,
+  };
+  return inputs[control];
 }
 
 export function clearError(els: Elements): void {
@@ -82,6 +116,12 @@ export function clearError(els: Elements): void {
   els.error.replaceChildren();
   delete els.error.dataset.status;
   delete els.error.dataset.field;
+  delete els.error.dataset.control;
+  els.form.querySelectorAll(".field-error").forEach((note) => note.remove());
+  els.form.querySelectorAll("[aria-invalid]").forEach((input) => {
+    input.removeAttribute("aria-invalid");
+    input.removeAttribute("aria-describedby");
+  });
 }
 
 /** A new run: the prompt in the text line, no rows yet; the last run's text kept for comparison. */
@@ -96,6 +136,12 @@ export function startRun(els: Elements, prompt: string, previousText: string | u
 export function addStep(els: Elements, labels: TokenLabels, step: StepView): void {
   const piece = span(step.forced ? "piece forced" : "piece", step.text);
   piece.dataset.step = String(step.step);
+  if (step.text === "") {
+    // EOS and other tokens with no text: a visible marker (CSS ::after), the text itself stays "".
+    void labels.get(step.tokenId).then((l) => {
+      piece.dataset.special = l.text;
+    });
+  }
   els.text.append(piece);
 
   const row = document.createElement("li");
@@ -104,7 +150,7 @@ export function addStep(els: Elements, labels: TokenLabels, step: StepView): voi
   row.dataset.tokenId = String(step.tokenId);
   row.dataset.forced = String(step.forced);
   const chosen = label(labels, step.tokenId, "chosen");
-  const p = step.prob === undefined ? "?" : percent(step.prob);
+  const p = step.prob === undefined ? "?" : formatProb(step.prob);
   const prob = span("chosen-prob", step.forced ? `forced (was ${p})` : p);
   const candidates = document.createElement("div");
   candidates.className = "candidates";
@@ -123,17 +169,23 @@ function candidateButton(labels: TokenLabels, step: StepView, tokenId: number, p
   button.dataset.chosen = String(tokenId === step.tokenId);
   button.title = `force token ${tokenId} at step ${step.step} and re-run`;
   const bar = span("bar", "");
-  bar.style.width = percent(prob);
-  button.append(bar, label(labels, tokenId, "label"), span("prob", percent(prob)));
+  bar.style.width = `${Math.min(Math.max(prob, 0), 1) * 100}%`;
+  button.append(bar, label(labels, tokenId, "label"), span("prob", formatProb(prob)));
   return button;
 }
 
-/** A token's label: its id at once, its text once Detokenize answers. */
+/**
+ * A token's label: its id at once, its text once Detokenize answers. The whole token always
+ * shows (the CSS wraps long ones); the tooltip repeats it with its id.
+ */
 function label(labels: TokenLabels, tokenId: number, className: string): HTMLSpanElement {
   const el = span(className, `#${tokenId}`);
   el.dataset.labelFor = String(tokenId);
-  void labels.get(tokenId).then((text) => {
-    el.textContent = showToken(text);
+  el.title = `token ${tokenId}`;
+  void labels.get(tokenId).then((l: TokenLabel) => {
+    el.textContent = l.text;
+    el.title = `${l.text} (token ${tokenId})`;
+    el.dataset.special = String(l.special);
   });
   return el;
 }
@@ -143,8 +195,4 @@ function span(className: string, text: string): HTMLSpanElement {
   el.className = className;
   el.textContent = text;
   return el;
-}
-
-function percent(prob: number): string {
-  return `${(prob * 100).toFixed(prob >= 0.1 ? 1 : 2)}%`;
 }
