@@ -28,10 +28,11 @@ STAMP := $(VENV)/.tracewire-installed
 USE_UV ?= 1
 UV_SPEC ?= uv==0.13.8
 UV := $(VENV)/bin/uv
-INSTALL = if [ -x $(UV) ] && [ "$(USE_UV)" = 1 ]; then $(UV) pip install --python $(PY) $(1); \
-	else $(PIP) install $(1); fi
-UNINSTALL = if [ -x $(UV) ] && [ "$(USE_UV)" = 1 ]; then $(UV) pip uninstall --python $(PY) $(1); \
-	else $(PIP) uninstall -y $(1); fi
+# (set -x: the command that runs is printed, not this choice)
+INSTALL = if [ -x $(UV) ] && [ "$(USE_UV)" = 1 ]; then set -x; $(UV) pip install --python $(PY) $(1); \
+	else set -x; $(PIP) install $(1); fi
+UNINSTALL = if [ -x $(UV) ] && [ "$(USE_UV)" = 1 ]; then set -x; $(UV) pip uninstall --python $(PY) $(1); \
+	else set -x; $(PIP) uninstall -y $(1); fi
 TS := clients/ts
 BUF := $(TS)/node_modules/.bin/buf
 # npm ci ran against the current package.json / package-lock.json
@@ -66,16 +67,17 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml contract/python/pyproject
 	@echo "==> [1/5] $(VENV): a virtual environment for the server, the SDK and the CLI"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "==> [2/5] pip$(if $(filter 1,$(USE_UV)), and $(UV_SPEC) (the faster installer for steps 4-5)):"
-	$(PIP) install --upgrade pip $(if $(filter 1,$(USE_UV)),$(UV_SPEC) || echo "no uv: pip installs the rest")
+	$(PIP) install --upgrade pip
+	$(if $(filter 1,$(USE_UV)),$(PIP) install $(UV_SPEC) || echo "==> no uv to be had: pip installs the rest")
 	@echo "==> [3/5] $(TORCH_SPEC) (the CPU build; ~200 MB) with pip"
 	$(PIP) install $(TORCH_SPEC)
 	@echo "==> [4/5] $(VLLM_SPEC): the inference engine, and its ~150 dependencies"
-	$(call INSTALL,$(VLLM_SPEC) $(TORCH_SPEC))
+	@$(call INSTALL,$(VLLM_SPEC) $(TORCH_SPEC))
 	# PyPI's torchvision/torchaudio/torchcodec (pulled in by vLLM) break against this torch.
-	$(call UNINSTALL,torchvision torchaudio torchcodec) || true
+	@$(call UNINSTALL,torchvision torchaudio torchcodec) || true
 	@echo "==> [5/5] tracewire (editable): the contract, the SDK and CLI, the server, the dev tools"
 	# The contract (tracewire.v1) first: the SDK and the server both depend on it.
-	$(call INSTALL,-e contract/python -e clients/python -e '.[dev]' $(TORCH_SPEC))
+	@$(call INSTALL,-e contract/python -e clients/python -e '.[dev]' $(TORCH_SPEC))
 	touch $@
 	@echo "==> installed; the SDK and CLI: source $(VENV)/bin/activate"
 
