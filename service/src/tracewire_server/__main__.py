@@ -8,8 +8,10 @@ import logging
 import sys
 from pathlib import Path
 
+from .arg_errors import one_line_errors
 from .frontend import connection_limits, launcher
 from .frontend.auth import TokenFileError, TokenTable
+from .frontend.model_path import model_problem
 from .frontend.server import ServerConfig
 from .frontend.servicer import TraceOptions
 from .frontend.tenants import TenantQuotas
@@ -138,9 +140,12 @@ def parse_args(argv: list[str]) -> ServerConfig:
     _security_flags(parser)
     connection_limits.add_flags(parser)
     parser = AsyncEngineArgs.add_cli_args(parser)
+    one_line_errors(parser)
     if _EMBEDDED_MODEL.is_dir():
         parser.set_defaults(model=str(_EMBEDDED_MODEL))
     args = parser.parse_args(argv)
+    if (problem := model_problem(args.model)) is not None:
+        raise SystemExit(f"tracewire: {problem}")
     if args.frontends < 1:
         parser.error("--frontends must be >= 1")
     if args.max_sequences < 1:

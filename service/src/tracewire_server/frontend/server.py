@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tracewire.v1 import service_pb2
 
-from . import access_log, vllm_compat
+from . import access_log, listen_errors, vllm_compat
 from .auth import ReflectionAuth, TokenTable
 from .connection_limits import ConnectionLimits
 from .engine import Engine
@@ -118,14 +118,7 @@ async def serve(
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
-    address = f"{config.host}:{config.port}"
-    bound = (
-        server.add_secure_port(address, config.tls.grpc_credentials())
-        if config.tls is not None
-        else server.add_insecure_port(address)
-    )
-    if bound == 0:
-        raise SystemExit(f"tracewire: cannot listen on {address}")
+    address = f"{config.host}:{_bind_grpc(server, config)}"
 
     async def set_health(status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -138,9 +131,21 @@ async def serve(
 
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    gateway = await _start_http(config, servicer, health_servicer)
-    metrics_gateway = await _start_metrics(config, client.index if client is not None else 0)
-    log.info("tracewire listening on %s; starting the engine", address)
+    gateway: HttpGateway | None = None
+    metrics_gateway: HttpGateway | None = None
+    try:
+        gateway = await _start_http(config, servicer, health_servicer)
+        metrics_gateway = await _start_metrics(config, client.index if client is not None else 0)
+    except BaseException:
+        # Stopped here, on the running loop: left to the garbage collector, grpc's server
+        # would try to stop itself on a closed loop ("Event loop is closed" traceback).
+        if gateway is not None:
+            await gateway.stop()
+        await server.stop(0)
+        raise
+    model = config.engine_args.model
+    log.info("tracewire listening on %s; starting the vLLM engine for %s (loads the model, sizes the KV "
+             "cache, warms up: about a minute on 2 CPU cores)", address, model)
 
     started = time.monotonic()
     engine_task = asyncio.create_task(
@@ -152,16 +157,19 @@ async def serve(
         )
     )
     stop_task = asyncio.create_task(stop.wait())
+    heartbeat = asyncio.create_task(_still_starting(started))
     await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     engine: Engine | None = None
     try:
         engine = await engine_task  # a stop during start still waits for the engine to exist
     except BaseException:
+        heartbeat.cancel()
         for http in (gateway, metrics_gateway):
             if http is not None:
                 await http.stop()
         await server.stop(0)
         raise
+    heartbeat.cancel()
     engine_died = False
     if readiness is not None:
         log.info("engine client up; waiting for the other frontends")
@@ -170,13 +178,11 @@ async def serve(
         servicer.engine = engine
         frozen = _freeze_startup_heap()
         await set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info(
-            "tracewire SERVING %s on %s (engine up in %.1f s; %d startup objects frozen out of the GC)",
-            engine.description.model,
-            address,
-            time.monotonic() - started,
-            frozen,
-        )
+        log.info("engine ready in %.1f s (%d startup objects frozen out of the GC)",
+                 time.monotonic() - started, frozen)
+        scheme = "https" if config.tls else "http"
+        log.info("tracewire SERVING %s",
+                 _served_where(engine.description.model, address, scheme, gateway, metrics_gateway))
         watcher = asyncio.create_task(_watch_engine(engine, stop))
         await stop_task
         engine_died = watcher.done() and watcher.result()
@@ -202,6 +208,42 @@ async def serve(
     gc.unfreeze()
     log.info("tracewire stopped")
     return 1 if engine_died else 0
+
+
+def _bind_grpc(server: grpc.aio.Server, config: ServerConfig) -> int:
+    """Add the gRPC port; the port bound (--port 0: the one the kernel chose)."""
+    address = f"{config.host}:{config.port}"
+    try:
+        bound = (
+            server.add_secure_port(address, config.tls.grpc_credentials())
+            if config.tls is not None
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # grpcio's "Failed to bind", which says neither why nor which flag
+        bound = 0
+    if bound == 0:
+        raise listen_errors.cannot_listen("gRPC", config.host, config.port, "--port")
+    return bound
+
+
+async def _still_starting(started: float, every_s: float = 15.0) -> None:
+    """A line every `every_s` while the engine starts: vLLM's own are at WARNING by default
+    (make serve), so without these a minute passes in silence."""
+    while True:
+        await asyncio.sleep(every_s)
+        log.info("engine still starting (%.0f s)", time.monotonic() - started)
+
+
+def _served_where(
+    model: str, grpc_address: str, scheme: str, http: HttpGateway | None, metrics: HttpGateway | None
+) -> str:
+    """One line: the model and every port it is served on."""
+    parts = [f"{model}: gRPC {grpc_address}"]
+    if http is not None:
+        parts.append(f"HTTP (Connect, gRPC-Web) {scheme}://{http.address}")
+    if metrics is not None:
+        parts.append(f"metrics http://{metrics.address}/metrics")
+    return ", ".join(parts)
 
 
 def _freeze_startup_heap() -> int:
@@ -237,10 +279,13 @@ async def _start_http(
     # Outermost the observer (a refused Host is logged too), then the Host check, before
     # CORS or any handler.
     app = HttpCallObserver(HostCheck(app, AllowedHosts.for_listener(config.host, config.allowed_hosts)), endpoints)
-    gateway = await HttpGateway.start(
-        app, config.host, config.http_port, shared=config.frontends > 1, tls=config.tls,
-        limits=config.connections,
-    )
+    try:
+        gateway = await HttpGateway.start(
+            app, config.host, config.http_port, shared=config.frontends > 1, tls=config.tls,
+            limits=config.connections,
+        )
+    except SystemExit:  # uvicorn could not start: say why, and which flag chose the port
+        raise listen_errors.cannot_listen("HTTP", config.host, config.http_port, "--http-port") from None
     log.info(
         "tracewire HTTP (Connect, gRPC-Web) on %s://%s; CORS origins: %s",
         "https" if config.tls else "http",
@@ -260,7 +305,10 @@ async def _start_metrics(config: ServerConfig, frontend: int) -> HttpGateway | N
 
     port = config.metrics_port + frontend
     app = HostCheck(metrics.asgi_app(), AllowedHosts.for_listener(config.host, config.allowed_hosts))
-    gateway = await HttpGateway.start(app, config.host, port, limits=config.connections)
+    try:
+        gateway = await HttpGateway.start(app, config.host, port, limits=config.connections)
+    except SystemExit:
+        raise listen_errors.cannot_listen("metrics", config.host, port, "--metrics-port") from None
     log.info("tracewire metrics on http://%s/metrics", gateway.address)
     return gateway
 

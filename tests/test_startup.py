@@ -1,0 +1,126 @@
+"""Starting the server as a user does (`python -m tracewire_server`, as `make serve` runs it):
+a start-up mistake ends in one line that names it and a non-zero exit, never a traceback or
+pages of usage; a good start says what is served where."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, ServerProcess
+from tracewire_server.frontend import server as server_module
+from tracewire_server.frontend.model_path import looks_like_path
+
+
+def start(*args: str) -> subprocess.CompletedProcess[str]:
+    """The server with `args`, from the checkout's root as `make serve` runs it; it is
+    expected to exit on its own."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    return subprocess.run([sys.executable, "-m", "tracewire_server", *args], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
+
+
+def last_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "usage:" not in result.stderr, result.stderr[:2000]
+    lines = result.stderr.strip().splitlines()
+    # Besides the one line: at most the noise of the libraries below (Triton's notice,
+    # grpc's or uvicorn's own bind error), never pages.
+    assert 1 <= len(lines) <= 4, result.stderr
+    return lines[-1]
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port another server listens on."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        yield int(other.getsockname()[1])
+
+
+@pytest.mark.parametrize(("flag", "what"), [("--port", "gRPC"), ("--http-port", "HTTP"),
+                                            ("--metrics-port", "metrics")])
+def test_port_in_use_is_one_line(taken_port: int, flag: str, what: str) -> None:
+    ports = {"--port": "0", "--http-port": "0", "--metrics-port": "0", flag: str(taken_port)}
+    result = start(*[word for item in ports.items() for word in item])
+    assert result.returncode == 1
+    assert last_line(result) == (
+        f"tracewire: cannot listen on 127.0.0.1:{taken_port} for {what}: address already in use "
+        f"(another server is listening there); stop what uses it or choose another {flag}"
+    )
+    assert "Event loop is closed" not in result.stderr
+
+
+@pytest.mark.parametrize("model", ["/no/such/model", "models/no-such-model", "./no-such-model"])
+def test_missing_model_path_is_named(model: str) -> None:
+    result = start("--port", "0", "--model", model)
+    assert result.returncode == 1
+    line = last_line(result)
+    assert line.startswith(f"tracewire: --model {model}: no such directory ("), line
+    assert str((ROOT / model).resolve()) in line, line  # where it looked
+
+
+def test_directory_without_config_is_not_a_model(tmp_path: Path) -> None:
+    result = start("--port", "0", "--model", str(tmp_path))
+    assert result.returncode == 1
+    assert last_line(result) == f"tracewire: --model {tmp_path}: {tmp_path} holds no config.json: not a model directory"
+
+
+def test_paths_and_hub_ids_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # where models/ is a directory
+    for path in ["/abs/model", "./model", "../model", "~/model", "model/", "a/b/c", "models/tracewire-tiny"]:
+        assert looks_like_path(path), path
+    # Hub ids go on to vLLM untouched.
+    for hub_id in ["gpt2", "Qwen/Qwen3-0.6B", "meta-llama/Llama-3.2-1B"]:
+        assert not looks_like_path(hub_id), hub_id
+
+
+def test_unknown_engine_flag_is_one_line() -> None:
+    result = start("--port", "0", "--max-num-seqz", "3")
+    assert result.returncode == 2
+    assert last_line(result) == ("tracewire: unknown option --max-num-seqz (did you mean --max-num-seqs?); "
+                                 "run 'python -m tracewire_server --help' for every option")
+    assert result.stdout == ""
+
+
+def test_other_argument_errors_are_one_line() -> None:
+    result = start("--frontends", "0")
+    assert result.returncode == 2
+    assert last_line(result) == ("tracewire: --frontends must be >= 1 "
+                                 "(run 'python -m tracewire_server --help' for every option)")
+
+
+def test_start_says_what_is_served_where(server: ServerProcess) -> None:
+    log = server.log()
+    port = server.target.rsplit(":", 1)[1]
+    assert re.search(r"starting the vLLM engine for \S+tracewire-tiny", log), log
+    assert re.search(r"engine ready in \d+\.\d s", log), log
+    served = [line for line in log.splitlines() if "tracewire SERVING" in line]
+    assert len(served) == 1, log
+    assert served[0].endswith(
+        f"tracewire SERVING {ROOT / 'models' / 'tracewire-tiny'}: gRPC 127.0.0.1:{port}, "
+        f"HTTP (Connect, gRPC-Web) {server.http_url}"
+    ), served[0]
+
+
+def test_engine_start_is_heard_from(caplog: pytest.LogCaptureFixture) -> None:
+    """While the engine starts (a minute or more), a line every interval says it still is."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(server_module._still_starting(loop.time(), every_s=0.05))
+        await asyncio.sleep(0.18)
+        task.cancel()
+
+    with caplog.at_level(logging.INFO, logger=server_module.__name__):
+        asyncio.run(run())
+    assert [r.getMessage().startswith("engine still starting (") for r in caplog.records] == [True] * 3
