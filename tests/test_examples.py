@@ -17,6 +17,9 @@ def run_example(server, name: str) -> list[str]:
     proc = subprocess.run([sys.executable, str(EXAMPLES / name), server.target],
                           capture_output=True, text=True, timeout=180, cwd=EXAMPLES)
     assert proc.returncode == 0, proc.stderr
+    # An example whose selected steps are never reached (a stop that never fires, a read
+    # past the end) warns: it does not do what it says.
+    assert "TraceWarning" not in proc.stderr, proc.stderr
     return proc.stdout.splitlines()
 
 
@@ -73,11 +76,16 @@ def test_force(server, hf):
 
 
 def test_stop(server, hf):
+    """The stop at step 2 is what ends the generation: greedy decoding runs on past it."""
     (line,) = run_example(server, "stop.py")
-    ids, text = line.split("] ", 1)
-    expected = hf.greedy(hf.encode(PROMPT), 3)
+    ids, rest = line.split("] ", 1)
+    text, finish_reason = rest.rsplit(" ", 1)
+    prompt = hf.encode("Once upon a time")
+    assert hf.tokenizer.eos_token_id not in hf.greedy(prompt, 32)   # unstopped, it would go on
+    expected = hf.greedy(prompt, 3)
     assert ast.literal_eval(ids + "]") == expected
     assert ast.literal_eval(text) == hf.tokenizer.decode(expected)
+    assert finish_reason == "stop"
 
 
 def test_conditional(server, hf):

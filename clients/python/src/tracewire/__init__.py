@@ -30,7 +30,7 @@ from .errors import (
     Unimplemented,
 )
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .rpcs import ModelInfo, ModuleInfo, StreamUpdate
+from .rpcs import EngineStats, ModelInfo, ModuleInfo, StreamUpdate
 from .sampling import SAMPLING_KEYWORDS
 from .tls import Tls
 from .tokenizer import RemoteTokenizer
@@ -63,6 +63,7 @@ __all__ = [
     "Client",
     "CompletionOutput",
     "DeadlineExceeded",
+    "EngineStats",
     "FailedPrecondition",
     "Internal",
     "InvalidArgument",

@@ -24,7 +24,7 @@ from .channel import connect
 from .errors import InvalidArgument, TypedErrors
 from .outputs import RequestOutput
 from .prompts import PromptLike
-from .rpcs import ModelInfo, Rpc, StreamUpdate
+from .rpcs import EngineStats, ModelInfo, Rpc, StreamUpdate
 from .tls import Tls
 from .tokenizer import AsyncTokenizer
 from .tracing import Step, Tracer
@@ -131,6 +131,10 @@ class AsyncClient:
 
     async def model_info(self) -> ModelInfo:
         return await self._unary(rpcs.get_model_info())
+
+    async def engine_stats(self) -> EngineStats:
+        """GetEngineStats: requests in the engine now (unfinished, running, waiting)."""
+        return await self._unary(rpcs.get_engine_stats())
 
     async def close(self) -> None:
         await self._channel.close()

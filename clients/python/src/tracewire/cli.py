@@ -12,6 +12,8 @@ A server started with --auth-tokens needs a token: --token-file FILE, or $TRACEW
 --tls (the system's CAs), --tls-ca FILE, and for mutual TLS --tls-cert / --tls-key
 ($TRACEWIRE_TLS_CA, $TRACEWIRE_TLS_CERT, $TRACEWIRE_TLS_KEY).
 Any vLLM sampling parameter: -s name=value (value parsed as JSON when it can be).
+generate and trace decode greedily (--temperature 0) unless given --temperature (or
+-s temperature=...); the model's generation config is not applied.
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ from .client import Client
 from .errors import TracewireError
 from .tls import Tls
 
+# The server applies vLLM's defaults (temperature 1), not the model's generation config, and
+# does not expose that config: a newcomer asking for a capital should get the model's best
+# guess, so the CLI decodes greedily unless told otherwise.
+DEFAULT_TEMPERATURE = 0.0
+
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE}
     for name in ("max_tokens", "temperature", "seed"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
@@ -81,7 +88,8 @@ def _trace(client: Client, args: argparse.Namespace) -> None:
     result = tracer.result
     assert result is not None
     if args.json:
-        print(json.dumps({"text": result.outputs[0].text, "finish_reason": result.outputs[0].finish_reason}))
+        final = result.outputs[0]
+        print(json.dumps({"text": final.text, "token_ids": final.token_ids, "finish_reason": final.finish_reason}))
     else:
         print(f"\n{args.prompt}{result.outputs[0].text}")
         print(f"({len(result.outputs[0].token_ids)} tokens, {result.outputs[0].finish_reason})")
@@ -107,13 +115,51 @@ def _lens(client: Client, args: argparse.Namespace) -> None:
                        for k, layer in enumerate(layers)],
         }))
         return
-    width = 14
-    print("layer " + "".join(f"{decode(t)!r:<{width}.{width}}" for t in ids))
-    for k, layer in enumerate(layers):
-        cells = (
-            f"{decode(int(top.ids[k, p, 0]))!r} {math.exp(float(top.values[k, p, 0])):.2f}" for p in range(len(ids))
-        )
-        print(f"{layer:>5} " + "".join(f"{c:<{width}.{width}}" for c in cells))
+    header = ["layer", *(repr(decode(t)) for t in ids)]
+    rows = [
+        [str(layer), *(_Cell(repr(decode(int(top.ids[k, p, 0]))), math.exp(float(top.values[k, p, 0])))
+                       for p in range(len(ids)))]
+        for k, layer in enumerate(layers)
+    ]
+    for line in _table(header, rows, colour=_colour_wanted()):
+        print(line)
+
+
+class _Cell:
+    """A lens cell: the token and its probability, the probability coloured on a terminal."""
+
+    def __init__(self, token: str, p: float) -> None:
+        self.token, self.p = token, p
+
+    def plain(self) -> str:
+        return f"{self.token} {self.p:.2f}"
+
+    def coloured(self) -> str:
+        # Bright green when the layer is sure, yellow when it leans, dim when it guesses.
+        code = "1;32" if self.p >= 0.5 else "33" if self.p >= 0.1 else "2"
+        return f"{self.token} \x1b[{code}m{self.p:.2f}\x1b[0m"
+
+
+def _table(header: list[str], rows: list[list[Any]], colour: bool) -> list[str]:
+    """Left-aligned columns, each as wide as its widest cell (no cell is cut); the first
+    column right-aligned. Widths come from the plain text, so colour codes do not skew them."""
+    plain = [header, *([c.plain() if isinstance(c, _Cell) else c for c in row] for row in rows)]
+    widths = [max(len(line[i]) for line in plain) for i in range(len(header))]
+    lines = []
+    for n, line in enumerate(plain):
+        cells = []
+        for i, text in enumerate(line):
+            cell = rows[n - 1][i] if n > 0 else None
+            shown = cell.coloured() if colour and isinstance(cell, _Cell) else text
+            pad = " " * (widths[i] - len(text))
+            cells.append(pad + shown if i == 0 else shown + pad)
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _colour_wanted() -> bool:
+    """Colour only on a terminal, and never with $NO_COLOR set (https://no-color.org)."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
 
 def _tokenize(client: Client, args: argparse.Namespace) -> None:
@@ -157,7 +203,9 @@ def parser() -> argparse.ArgumentParser:
 
     def sampling_flags(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--max-tokens", type=int, dest="max_tokens")
-        sp.add_argument("--temperature", type=float)
+        sp.add_argument("--temperature", type=float,
+                        help=f"default {DEFAULT_TEMPERATURE:g}: greedy, the most likely token each step "
+                             "(not the model's generation config); e.g. 1.0 to sample")
         sp.add_argument("--seed", type=int)
         sp.add_argument("-s", "--param", action="append", metavar="NAME=VALUE",
                         help="any vLLM sampling parameter, e.g. -s top_p=0.9 -s 'stop=[\".\"]'")

@@ -13,7 +13,7 @@ from .channel import connect
 from .errors import InvalidArgument, TypedErrors
 from .outputs import RequestOutput
 from .prompts import PromptLike
-from .rpcs import ModelInfo, Rpc, StreamUpdate
+from .rpcs import EngineStats, ModelInfo, Rpc, StreamUpdate
 from .tls import Tls
 from .tokenizer import RemoteTokenizer
 from .tracing import Step, Tracer
@@ -104,6 +104,10 @@ class Client:
 
     def model_info(self) -> ModelInfo:
         return self._unary(rpcs.get_model_info())
+
+    def engine_stats(self) -> EngineStats:
+        """GetEngineStats: requests in the engine now (unfinished, running, waiting)."""
+        return self._unary(rpcs.get_engine_stats())
 
     def close(self) -> None:
         self._channel.close()

@@ -72,6 +72,16 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    """GetEngineStats: the engine's load now. With --frontends, `num_unfinished_requests`
+    counts the answering process's requests, and the scheduler's counts read 0."""
+
+    num_unfinished_requests: int  # requests the server has in the engine, not yet finished
+    num_running_requests: int  # running at the scheduler's last step
+    num_waiting_requests: int  # waiting at the scheduler's last step
+
+
+@dataclass(frozen=True)
 class StreamUpdate:
     """One streamed update: which prompt, and what is new since its last update."""
 
@@ -116,6 +126,10 @@ def get_model_info() -> Rpc[ModelInfo]:
     return Rpc("GetModelInfo", service_pb2.GetModelInfoRequest(), model_info)
 
 
+def get_engine_stats() -> Rpc[EngineStats]:
+    return Rpc("GetEngineStats", service_pb2.GetEngineStatsRequest(), engine_stats)
+
+
 def prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLike]:
     """One prompt or a list of prompts -> a list (a list of ints is one prompt)."""
     if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
@@ -146,6 +160,10 @@ def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
         engine_mode=_ENGINE_MODES.get(r.engine_mode, "unspecified"),
         steerable_layers=list(r.steerable_layers),
     )
+
+
+def engine_stats(r: service_pb2.GetEngineStatsResponse) -> EngineStats:
+    return EngineStats(r.num_unfinished_requests, r.num_running_requests, r.num_waiting_requests)
 
 
 def _request_outputs(response: service_pb2.GenerateResponse) -> list[RequestOutput]:

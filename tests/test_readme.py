@@ -1,0 +1,197 @@
+"""Every runnable snippet of README.md and clients/python/README.md runs as written against
+a real server and does what its text says.
+
+One `--enforce-eager` server serves them all (the hidden-states snippets need it; it serves
+everything a compiled one does). Python blocks run in order in one session, TraceWarnings
+as errors, each `print(...)  # claim` checked against what it printed (tests/snippets.py).
+Shell blocks run with bash, the documented ports pointed at the test server's; blocks that
+start servers or build things (`make ...`, `python -m tracewire_server`, bench/) are the
+other tests' business. The TypeScript blocks run in clients/ts/test/readme.test.ts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from certs import make_pki
+from conftest import ROOT, start_server
+from snippets import Block, blocks, claim_holds, print_claims, run_python
+
+README = ROOT / "README.md"
+SDK_README = ROOT / "clients" / "python" / "README.md"
+BUF = ROOT / "clients" / "ts" / "node_modules" / ".bin" / "buf"
+# Blocks that start a server, install or build: not snippets a reader runs against one.
+NOT_CLIENT_SIDE = ("python -m tracewire_server", "bash bench/", "make proto")
+# Lines that set up what the tests already have (a running server, the installed SDK).
+SET_UP = ("make ", "pip install ")
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("readme"), "--enforce-eager")
+    yield server
+    server.stop()
+
+
+def replacements(server) -> dict[str, str]:
+    http = server.http_url.removeprefix("http://")
+    return {"127.0.0.1:50051": server.target, "127.0.0.1:8080": http}
+
+
+# -- Python ----------------------------------------------------------------------------
+
+
+def test_python_snippets_run_and_print_what_they_claim(eager, tmp_path):
+    snippets = blocks(README, "python") + blocks(SDK_README, "python")
+    assert len(snippets) >= 5, [b.name for b in snippets]
+    # The Security snippet reads a token and a CA certificate from the working directory.
+    pki = make_pki(tmp_path / "pki")
+    shutil.copy(pki.ca, tmp_path / "ca.pem")
+    (tmp_path / "my.token").write_text("a-token-of-at-least-16-characters\n")
+    run = run_python(snippets, tmp_path, replacements(eager))
+    assert run.returncode == 0, run.stderr
+    assert "Warning" not in run.stderr, run.stderr
+    checked = 0
+    for block in snippets:
+        for line, claim in print_claims(block):
+            printed = run.prints.get((block.name, line))
+            assert printed, f"{block.name}+{line}: print never ran"
+            assert claim_holds(claim, printed[0]), f"{block.name}+{line}: printed {printed[0]!r}, README says {claim!r}"
+            checked += 1
+    assert checked >= 7
+
+
+def test_readme_trace_shows_what_the_model_wanted_at_the_forced_step(eager, tmp_path):
+    """The README's Python trace forces " Berlin" at step 0; the values it prints for that
+    step are the row before the force (" Paris" first), not the forced row (only " Berlin")."""
+    (trace,) = [b for b in blocks(README, "python") if "before_writes" in b.code]
+    (sdk,) = [b for b in blocks(README, "python") if "client.generate([" in b.code]
+    run = run_python([sdk, trace], tmp_path, replacements(eager))
+    assert run.returncode == 0, run.stderr
+    (line,) = [n for n, text in enumerate(trace.code.splitlines(), 1) if "top[0].ids" in text]
+    (printed,) = run.prints[(trace.name, line)]
+    assert printed.startswith("[' Paris'"), printed
+    assert len(eval(printed)) == 3
+
+
+# -- shell -----------------------------------------------------------------------------
+
+
+def shell_blocks() -> list[Block]:
+    """The client-side shell blocks, without their set-up lines (`make serve`, `pip install`)."""
+    runnable = []
+    for block in blocks(README, "bash") + blocks(SDK_README, "bash"):
+        if any(marker in block.code for marker in NOT_CLIENT_SIDE):
+            continue
+        lines = [line for line in block.code.splitlines() if not line.startswith(SET_UP)]
+        if any(line.strip() and not line.lstrip().startswith("#") for line in lines):
+            runnable.append(Block(block.path, block.line, block.lang, "\n".join(lines) + "\n"))
+    return runnable
+
+
+def run_shell(block: Block, server) -> str:
+    code = block.code
+    for old, new in replacements(server).items():
+        code = code.replace(old, new)
+    env = dict(os.environ, BUF=str(BUF), TRACEWIRE_TARGET=server.target,
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{block.name}:\n{code}\n{proc.stderr}"
+    return proc.stdout
+
+
+def json_documents(text: str) -> list[dict]:
+    """buf curl prints one pretty-printed JSON object per message."""
+    decoder, docs, i = json.JSONDecoder(), [], 0
+    while (i := _skip_space(text, i)) < len(text):
+        doc, i = decoder.raw_decode(text, i)
+        docs.append(doc)
+    return docs
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def shell_block(containing: str) -> Block:
+    (block,) = [b for b in shell_blocks() if containing in b.code]
+    return block
+
+
+def test_every_client_side_shell_block_is_run_here():
+    """The blocks below are all there are: a new one needs a test of what it claims."""
+    names = {b.code.split("\n", 1)[0] for b in shell_blocks()}
+    assert len(shell_blocks()) == 7, names
+
+
+def test_buf_curl_trace_stops_at_step_3(eager):
+    """The reflection example forces " a", and its stop at step 3 is what ends the
+    generation (greedy goes on past 16 tokens): four steps, the last stopped, no warning."""
+    docs = json_documents(run_shell(shell_block("force_sample"), eager))
+    generate, trace = docs[0], docs[1:]
+    assert generate["outputs"][0]["outputs"][0]["text"] == " Paris."
+    steps = [r for d in trace if "steps" in d for r in d["steps"]["results"]]
+    assert [s.get("step", 0) for s in steps] == [0, 1, 2, 3]
+    assert [bool(s.get("stopped")) for s in steps] == [False, False, False, True]
+    (result,) = [d["invokeResult"]["output"]["outputs"][0] for d in trace if "invokeResult" in d]
+    assert result["text"] == " a ball named Max" and result["finishReason"] == "FINISH_REASON_STOP"
+    (end,) = [d["end"] for d in trace if "end" in d]
+    assert "warnings" not in end, end["warnings"]
+    # The base64 the README decodes is this step 0's `top` (from this float32 server).
+    top = steps[0]["values"]["top"]
+    decode = shell_block("base64 -d").code
+    assert top["values"]["data"] in decode and top["tokenIds"]["data"] in decode
+
+
+def test_unstopped_the_buf_curl_trace_would_run_on(eager):
+    import tracewire as tw
+
+    with tw.Client(eager.target, timeout=60) as client:
+        prompt = client.tokenizer.encode("Once upon a time") + [276]
+        (out,) = client.generate([prompt], temperature=0.0, max_tokens=15)
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_base64_decoding_prints_what_the_readme_says(eager):
+    out = run_shell(shell_block("base64 -d"), eager).splitlines()
+    assert out[0].split() == ["17.046825", "9.906333", "9.862729"]
+    assert out[1].split() == ["441", "1315", "1059"]
+    assert [round(v, 4) for v in json.loads(out[2])] == [17.0468, 9.9063, 9.8627]
+    code = shell_block("base64 -d").code
+    assert "17.046825 9.906333 9.862729" in code and "441 1315 1059" in code
+
+
+def test_connect_curl(eager):
+    out = run_shell(shell_block("curl -s"), eager)
+    generate, health = json_documents(out)
+    assert generate["outputs"][0]["outputs"][0]["text"] == " Paris."
+    assert health == {"status": "SERVING"}
+
+
+def test_buf_curl_connect_trace(eager):
+    docs = json_documents(run_shell(shell_block("--protocol connect"), eager))
+    steps = [r for d in docs if "steps" in d for r in d["steps"]["results"]]
+    assert [s.get("tokenId", 0) for s in steps] == [806, 14, 0]   # " Paris" "." EOS
+    assert all(s["values"]["top"]["values"]["shape"] == ["3"] for s in steps)
+
+
+def test_tracewire_lens(eager):
+    lines = run_shell(shell_block("tracewire lens"), eager).splitlines()
+    header, rows = lines[0], lines[1:]
+    assert header.split()[0] == "layer" and "' France'" in header
+    assert len(rows) == 4 and all("' Paris'" in row.split("  ")[-1] for row in rows[1:])
+
+
+def test_tracewire_trace_tables(eager):
+    for containing in ("--top-k 5 --max-tokens 8   #", "--top-k 5 --max-tokens 8\n"):
+        out = run_shell(shell_block(containing), eager)
+        assert "' Paris'" in out and "The capital of France is Paris." in out
