@@ -60,7 +60,6 @@ __all__ = [
     "StatLoggerBase",
     "VLLM_VERSION",
     "get_tokenizer",
-    "tokenizer_from_config",
     "make_sampling_params",
     "num_unfinished_requests",
     "stop_engine",
@@ -91,15 +90,6 @@ def tokens_prompt(token_ids: list[int], cache_salt: str | None = None) -> dict[s
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
     return prompt
-
-
-def tokenizer_from_config(model_config: Any) -> Any:
-    """The tokenizer vLLM builds for a model config (the worker's copy of the engine's)."""
-    try:  # vLLM >= 0.30
-        from vllm.tokenizers import cached_tokenizer_from_config
-    except ImportError:  # pragma: no cover - vLLM 0.26
-        from vllm.transformers_utils.tokenizer import cached_tokenizer_from_config
-    return cached_tokenizer_from_config(model_config)
 
 
 async def get_tokenizer(llm: AsyncLLM) -> Any:
