@@ -31,15 +31,8 @@ Table = dict[int, tuple[str, int]]  # enum value -> (name, bytes per element)
 
 
 def _server_tensors() -> ModuleType:
-    """The server's tensors module, wherever the server's layout keeps it."""
-    for name in ("tracewire_server.frontend.tensors", "tracewire_server.shared.tensors"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "_NUMPY") and hasattr(module, "_DTYPE_NAMES"):
-            return module
-    raise AssertionError("no tracewire_server tensors module with _NUMPY / _DTYPE_NAMES")
+    """The server's tensors module: its dtype tables are _NUMPY and _DTYPES."""
+    return importlib.import_module("tracewire_server.frontend.tensors")
 
 
 def _proto_values() -> set[int]:
@@ -47,7 +40,7 @@ def _proto_values() -> set[int]:
 
 
 def _server_table(server: ModuleType) -> Table:
-    names: dict[str, int] = server._DTYPE_NAMES
+    names: dict[str, int] = server._DTYPES
     numpy: dict[int, np.dtype[Any]] = server._NUMPY
     assert sorted(names.values()) == sorted(numpy), "the server's name and numpy tables cover different dtypes"
     return {value: (name, numpy[value].itemsize) for name, value in names.items()}

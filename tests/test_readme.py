@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -130,7 +131,25 @@ def shell_block(containing: str) -> Block:
 def test_every_client_side_shell_block_is_run_here():
     """The blocks below are all there are: a new one needs a test of what it claims."""
     names = {b.code.split("\n", 1)[0] for b in shell_blocks()}
-    assert len(shell_blocks()) == 7, names
+    assert len(shell_blocks()) == 8, names
+
+
+def test_activating_the_venv_reaches_the_cli_and_the_sdk(eager):
+    """The quick start's block, from a new user's shell: no venv on PATH, no PYTHONPATH into
+    the checkout. Without the README's step there is no `tracewire`; with it the CLI and the
+    SDK answer."""
+    block = shell_block("source .venv/bin/activate")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = "/usr/local/bin:/usr/bin:/bin"
+    env["TRACEWIRE_TARGET"] = eager.target
+    before = subprocess.run(["bash", "-c", "command -v tracewire"], capture_output=True, text=True, env=env)
+    assert before.returncode != 0, before.stdout
+    result = subprocess.run(["bash", "-e", "-c", block.code], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert "' Paris'" in result.stdout, result.stdout  # the CLI's tokenize table
+    assert re.fullmatch(r"\d+\.\d+\.\d+", lines[-1]), lines  # the SDK's version
 
 
 def test_buf_curl_trace_stops_at_step_3(eager):
