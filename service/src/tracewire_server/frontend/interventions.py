@@ -1,0 +1,329 @@
+"""One invoke's interventions -> plan ops, validated: actions, step selectors, positions,
+conditions. Kept apart from the trace-level compiler (compiler.py: invokes, sampling, sequences,
+the read-bytes budget) because it knows the intervention messages and nothing of the request
+around them; every error names the intervention's field path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tracewire.v1 import intervention_pb2 as ipb
+
+from ..shared import plan as P
+from ..shared import textmatch
+from ..shared.limits import ModelLimits
+from .errors import FailedPrecondition, InvalidArgument
+from .tensors import float_vector
+
+# With --enable-fault-injection (tests only), an intervention named
+# "__fault__:<message>" raises <message> inside the worker hook at its steps.
+FAULT_PREFIX = "__fault__:"
+
+
+_STAGES: dict[int, P.LogitsStage] = {
+    ipb.LOGITS_STAGE_UNSPECIFIED: "processed",
+    ipb.LOGITS_STAGE_RAW: "raw",
+    ipb.LOGITS_STAGE_BEFORE_WRITES: "before_writes",
+    ipb.LOGITS_STAGE_PROCESSED: "processed",
+}
+
+_COMPARISONS = {
+    ipb.COMPARISON_GREATER: ">",
+    ipb.COMPARISON_GREATER_EQUAL: ">=",
+    ipb.COMPARISON_LESS: "<",
+    ipb.COMPARISON_LESS_EQUAL: "<=",
+}
+
+
+
+class InterventionCompiler:
+    def __init__(self, limits: ModelLimits, fault_injection: bool) -> None:
+        self.limits = limits
+        self.fault_injection = fault_injection
+        self.prompt_len = 0  # of the invoke being compiled
+
+    def ops(self, interventions: Any, field: str, prompt_len: int) -> tuple[P.Op, ...]:
+        """An invoke's interventions -> its plan's ops (`prompt_len` bounds prompt positions)."""
+        self.prompt_len = prompt_len
+        ops: list[P.Op] = []
+        names: dict[str, int] = {}
+        for j, iv in enumerate(interventions):
+            f = f"{field}[{j}]"
+            action = self.action(iv, f)
+            name = iv.name
+            if self.fault_injection and name.startswith(FAULT_PREFIX):
+                action = P.InjectFault(name.removeprefix(FAULT_PREFIX))
+            if isinstance(action, P.READS) and not name:
+                raise InvalidArgument(f"{f}.name", "reads need a name to return values under")
+            if name:
+                if name in names:
+                    raise InvalidArgument(
+                        f"{f}.name", f"duplicate name {name!r} (also {field}[{names[name]}])"
+                    )
+                names[name] = j
+            condition = self.condition(iv.condition, f"{f}.condition") if iv.HasField(
+                "condition") else None
+            if isinstance(action, P.WriteModule) and condition is not None and not P.text_only(condition):
+                raise InvalidArgument(
+                    f"{f}.condition",
+                    "a module write acts inside the forward pass, before this step's logits exist: "
+                    "only text conditions (text_contains, text_matches) can gate it",
+                )
+            if isinstance(action, P.WRITES) and P.uses_drawn_token(condition):
+                raise InvalidArgument(
+                    f"{f}.condition",
+                    "a write acts before the draw, so its condition cannot use the drawn token "
+                    "(sampled_in, token_probability without token_id)",
+                )
+            steps = self.steps(iv.steps, f"{f}.steps") if iv.HasField("steps") else P.StepSet()
+            ops.append(P.Op(name or f"#{j}", steps, condition, action))
+        return tuple(ops)
+
+    def steps(self, sel: ipb.StepSelector, field: str) -> P.StepSet:
+        kind = sel.WhichOneof("kind")
+        if kind == "range":
+            start = sel.range.start
+            stop = sel.range.stop if sel.range.HasField("stop") else None
+            if start < 0:
+                raise InvalidArgument(f"{field}.range.start", f"must be >= 0, got {start}")
+            if stop is not None and stop < start:
+                raise InvalidArgument(
+                    f"{field}.range.stop", f"must be >= start ({start}), got {stop}"
+                )
+            return P.StepSet(start=start, stop=stop)
+        if kind == "list":
+            for k, s in enumerate(sel.list.steps):
+                if s < 0:
+                    raise InvalidArgument(f"{field}.list.steps[{k}]", f"must be >= 0, got {s}")
+            if not sel.list.steps:
+                raise InvalidArgument(f"{field}.list.steps", "must not be empty")
+            return P.StepSet(steps=frozenset(sel.list.steps))
+        return P.StepSet()  # all (or unset)
+
+    def token(self, token: int, field: str) -> int:
+        if not 0 <= token < self.limits.vocab_size:
+            raise InvalidArgument(
+                field, f"token id {token} is outside the vocabulary [0, {self.limits.vocab_size})"
+            )
+        return token
+
+    def tokens(self, ids: Any, field: str) -> tuple[int, ...]:
+        if not len(ids):
+            raise InvalidArgument(field, "must not be empty")
+        return tuple(self.token(t, f"{field}[{k}]") for k, t in enumerate(ids))
+
+    def top_k(self, k: int, field: str, allow_zero: bool = False) -> int:
+        low = 0 if allow_zero else 1
+        if not low <= k <= self.limits.vocab_size:
+            raise InvalidArgument(
+                field, f"must be in [{low}, {self.limits.vocab_size}] (the vocabulary), got {k}"
+            )
+        return k
+
+    def action(self, iv: ipb.Intervention, field: str) -> P.Action:
+        kind = iv.WhichOneof("action")
+        if kind is None:
+            raise InvalidArgument(f"{field}.action", "set one action (a read, a write or stop)")
+        f = f"{field}.{kind}"
+        if kind == "read_logits":
+            r = iv.read_logits
+            stage = _STAGES[r.stage]  # (bounds.py refused values the proto does not define)
+            which = r.WhichOneof("selection")
+            if which == "top_k":
+                return P.ReadLogits(stage, top_k=self.top_k(r.top_k.k, f"{f}.top_k.k"))
+            if which == "token_ids":
+                return P.ReadLogits(
+                    stage, token_ids=self.tokens(r.token_ids.token_ids, f"{f}.token_ids.token_ids")
+                )
+            return P.ReadLogits(stage)
+        if kind == "read_sample":
+            return P.ReadSample()
+        if kind == "read_logprobs":
+            return P.ReadLogprobs(self.top_k(iv.read_logprobs.top_k, f"{f}.top_k", True))
+        if kind == "force_sample":
+            return P.ForceSample(self.token(iv.force_sample.token_id, f"{f}.token_id"))
+        if kind == "write_logits":
+            return self.write_logits(iv.write_logits, f)
+        if kind == "stop":
+            return P.Stop()
+        if kind == "read_module":
+            return self.read_module(iv.read_module, f)
+        if kind == "read_logit_lens":
+            return self.read_logit_lens(iv.read_logit_lens, f)
+        if kind == "write_module":
+            return self.write_module(iv.write_module, f)
+        raise InvalidArgument(f"{field}.action", f"unknown action {kind!r}")
+
+    def require_eager(self, field: str) -> None:
+        if not self.limits.module_interventions:
+            raise FailedPrecondition(
+                f"{field}: module hooks do not run inside compiled / CUDA-graph steps; this server "
+                "runs its engine compiled. Start it with --enforce-eager to serve module interventions"
+                + ("" if self.limits.steerable_layers else
+                   " (or --compiled-steering for add / replace / zero writes on decoder layers)")
+            )
+
+    def require_writable(self, module: str, edit: str | None, field: str) -> None:
+        """Eager engines write any module; compiled ones with --compiled-steering only
+        what their graph tables express."""
+        if self.limits.module_interventions:
+            return
+        if not self.limits.steerable_layers:
+            self.require_eager(field)
+        if not P.is_decoder_layer(module):
+            raise FailedPrecondition(
+                f"{field}.module: this server's compiled engine writes decoder layers (layers.N) only, "
+                f"not {module!r}; start it with --enforce-eager to write other modules"
+            )
+        if P.layer_number(module) not in self.limits.steerable_layers:
+            layers = ", ".join(map(str, sorted(self.limits.steerable_layers)))
+            raise FailedPrecondition(
+                f"{field}.module: this server has steering tables on layers {layers} only, not on "
+                f"{module!r} (--compiled-steering LAYERS)"
+            )
+        if edit not in P.COMPILED_EDITS:
+            raise FailedPrecondition(
+                f"{field}.op: this server's compiled engine serves {', '.join(P.COMPILED_EDITS)} "
+                f"writes, not {edit!r}; start it with --enforce-eager for it"
+            )
+
+    def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:
+        self.require_eager(field)
+        num_layers = self.limits.num_layers
+        if not r.layers:
+            raise InvalidArgument(f"{field}.layers", "name at least one layer")
+        layers = []
+        for k, layer in enumerate(r.layers):
+            if not -num_layers <= layer < num_layers:
+                raise InvalidArgument(f"{field}.layers[{k}]", f"layer {layer} is outside [0, {num_layers})")
+            layers.append(layer % num_layers)
+        positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
+        top_k = self.top_k(r.top_k, f"{field}.top_k", allow_zero=True)
+        return P.ReadLogitLens(tuple(layers), positions, top_k)
+
+    def write_module(self, w: ipb.WriteModule, field: str) -> P.Action:
+        self.module_path(w.module, f"{field}.module")
+        self.require_writable(w.module, w.WhichOneof("op"), field)
+        positions = self.positions(w.positions, f"{field}.positions") if w.HasField("positions") else P.Positions()
+        scale = w.scale if w.HasField("scale") else 1.0
+        if not math.isfinite(scale):
+            raise InvalidArgument(f"{field}.scale", "must be finite")
+        op = w.WhichOneof("op")
+        if op in ("add", "replace"):
+            vector = float_vector(getattr(w, op), self.limits.hidden_size, f"{field}.{op}")
+            return P.WriteModule(w.module, positions, op, vector.astype("<f4").tobytes(), scale)
+        if op in ("zero", "mean"):
+            return P.WriteModule(w.module, positions, op)
+        raise InvalidArgument(f"{field}.op", "set add, replace, zero or mean")
+
+    def module_path(self, path: str, field: str) -> None:
+        if path not in self.limits.modules:
+            known = ", ".join(sorted(self.limits.modules, key=_module_order)[:8])
+            raise InvalidArgument(field, f"unknown module {path!r}; GetModelInfo lists them ({known}, ...)")
+
+    def read_module(self, r: ipb.ReadModule, field: str) -> P.Action:
+        self.require_eager(field)
+        self.module_path(r.module, f"{field}.module")
+        positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
+        return P.ReadModule(r.module, positions, mean=r.reduction == ipb.REDUCTION_MEAN)
+
+    def positions(self, p: ipb.Positions, field: str) -> P.Positions:
+        kind = p.WhichOneof("kind")
+        n = self.prompt_len
+        if kind == "prompt_range":
+            stop = p.prompt_range.stop if p.prompt_range.HasField("stop") else None
+            for name, value in (("start", p.prompt_range.start), ("stop", stop)):
+                if value is not None and not -n <= value <= n:
+                    raise InvalidArgument(
+                        f"{field}.prompt_range.{name}", f"{value} is outside the prompt's {n} positions"
+                    )
+            selected = P.Positions("prompt_range", start=p.prompt_range.start, stop=stop)
+            if not selected.prompt_positions(n):
+                raise InvalidArgument(f"{field}.prompt_range", "selects no prompt position")
+            return selected
+        if kind == "prompt_list":
+            if not p.prompt_list.positions:
+                raise InvalidArgument(f"{field}.prompt_list.positions", "must not be empty")
+            for k, value in enumerate(p.prompt_list.positions):
+                if not -n <= value < n:
+                    raise InvalidArgument(
+                        f"{field}.prompt_list.positions[{k}]", f"{value} is outside the prompt's {n} positions"
+                    )
+            return P.Positions("prompt_list", items=tuple(p.prompt_list.positions))
+        if kind == "all_prompt":
+            return P.Positions("all_prompt")
+        if kind == "all":
+            return P.Positions("all")
+        return P.Positions()
+
+    def write_logits(self, w: ipb.WriteLogits, field: str) -> P.Action:
+        op = w.WhichOneof("op")
+        vocab = self.limits.vocab_size
+        if op == "replace":
+            values = float_vector(w.replace, vocab, f"{field}.replace")
+            return P.ReplaceLogits(values.astype("<f4").tobytes())
+        if op == "add":
+            values = float_vector(w.add, vocab, f"{field}.add")
+            return P.AddLogits(values.astype("<f4").tobytes())
+        if op == "bias":
+            if not w.bias.bias:
+                raise InvalidArgument(f"{field}.bias.bias", "must not be empty")
+            for token, value in w.bias.bias.items():
+                self.token(token, f"{field}.bias.bias[{token}]")
+                if not math.isfinite(value):
+                    raise InvalidArgument(f"{field}.bias.bias[{token}]", "must be finite")
+            return P.BiasLogits(dict(w.bias.bias))
+        if op == "mask":
+            return P.MaskLogits(self.tokens(w.mask.token_ids, f"{field}.mask.token_ids"))
+        raise InvalidArgument(f"{field}.op", "set replace, add, bias or mask")
+
+    def condition(self, c: ipb.Condition, field: str) -> P.Condition:
+        kind = c.WhichOneof("kind")
+        f = f"{field}.{kind}"
+        if kind == "sampled_in":
+            return P.SampledIn(frozenset(self.tokens(c.sampled_in.token_ids, f"{f}.token_ids")))
+        if kind == "argmax_in":
+            return P.ArgmaxIn(frozenset(self.tokens(c.argmax_in.token_ids, f"{f}.token_ids")))
+        if kind == "text_contains":
+            try:
+                textmatch.check_needle(c.text_contains)
+            except textmatch.PatternError as e:
+                raise InvalidArgument(f, str(e)) from None
+            return P.TextContains(c.text_contains)
+        if kind == "text_matches":
+            try:
+                textmatch.compile_pattern(c.text_matches)
+            except textmatch.PatternError as e:
+                raise InvalidArgument(f, str(e)) from None
+            return P.TextMatches(c.text_matches)
+        if kind == "token_probability":
+            tp = c.token_probability
+            token = self.token(tp.token_id, f"{f}.token_id") if tp.HasField("token_id") else None
+            cmp, value = self.threshold(tp.threshold, f"{f}.threshold")
+            return P.TokenProbability(token, cmp, value)
+        if kind == "entropy":
+            cmp, value = self.threshold(c.entropy, f)
+            return P.Entropy(cmp, value)
+        if kind in ("all_of", "any_of"):
+            group = getattr(c, kind).conditions
+            if not group:
+                raise InvalidArgument(f"{f}.conditions", "must not be empty")
+            items = tuple(self.condition(x, f"{f}.conditions[{k}]") for k, x in enumerate(group))
+            return P.AllOf(items) if kind == "all_of" else P.AnyOf(items)
+        if kind == "not":
+            return P.Not(self.condition(getattr(c, "not"), f))
+        raise InvalidArgument(field, "set one condition kind")
+
+    def threshold(self, t: ipb.Threshold, field: str) -> tuple[P.Comparison, float]:
+        if t.comparison not in _COMPARISONS:
+            raise InvalidArgument(f"{field}.comparison", "set a comparison")
+        if not math.isfinite(t.value):
+            raise InvalidArgument(f"{field}.value", "must be finite")
+        return _COMPARISONS[t.comparison], t.value  # type: ignore[return-value]
+
+
+def _module_order(path: str) -> tuple[int, str]:
+    parts = path.split(".")
+    return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1, path)
