@@ -211,6 +211,7 @@ test("dashboard: `make dashboard DASHBOARD_PORT=...` prints the URL for the runn
     cwd: REPO,
     detached: true, // its own group: vite is a grandchild
     stdio: ["ignore", "pipe", "pipe"],
+    env: { ...process.env, NO_COLOR: "1" },
   });
   const dev = await browser.newPage({ viewport: { width: 1100, height: 600 } });
   try {
@@ -374,7 +375,9 @@ async function waitOutput(child: ChildProcess, pattern: RegExp): Promise<string>
   return new Promise((resolve, reject) => {
     const timer = setTimeout(() => reject(new Error(`no ${pattern} within 60 s:\n${output}`)), 60_000);
     const onData = (chunk: Buffer): void => {
-      output += chunk.toString();
+      // Vite colours its banner when it thinks a terminal is there (CI=true does it): the
+      // escape codes would sit between "Local:" and the port.
+      output += chunk.toString().replace(/\u001b\[[0-9;]*m/g, "");
       if (pattern.test(output)) {
         clearTimeout(timer);
         resolve(output);
