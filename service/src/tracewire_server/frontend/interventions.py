@@ -21,7 +21,6 @@ from .tensors import float_vector
 # "__fault__:<message>" raises <message> inside the worker hook at its steps.
 FAULT_PREFIX = "__fault__:"
 
-
 _STAGES: dict[int, P.LogitsStage] = {
     ipb.LOGITS_STAGE_UNSPECIFIED: "processed",
     ipb.LOGITS_STAGE_RAW: "raw",
@@ -35,7 +34,6 @@ _COMPARISONS = {
     ipb.COMPARISON_LESS: "<",
     ipb.COMPARISON_LESS_EQUAL: "<=",
 }
-
 
 
 class InterventionCompiler:
