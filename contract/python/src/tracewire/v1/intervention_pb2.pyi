@@ -40,7 +40,7 @@ COMPARISON_LESS: Comparison
 COMPARISON_LESS_EQUAL: Comparison
 
 class Intervention(_message.Message):
-    __slots__ = ("name", "steps", "condition", "read_logits", "read_sample", "read_logprobs", "read_module", "read_logit_lens", "force_sample", "write_logits", "write_module", "stop")
+    __slots__ = ("name", "steps", "condition", "read_logits", "read_sample", "read_logprobs", "read_module", "read_logit_lens", "read_attention_pattern", "force_sample", "write_logits", "write_module", "stop")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     CONDITION_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class Intervention(_message.Message):
     READ_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     READ_MODULE_FIELD_NUMBER: _ClassVar[int]
     READ_LOGIT_LENS_FIELD_NUMBER: _ClassVar[int]
+    READ_ATTENTION_PATTERN_FIELD_NUMBER: _ClassVar[int]
     FORCE_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     WRITE_LOGITS_FIELD_NUMBER: _ClassVar[int]
     WRITE_MODULE_FIELD_NUMBER: _ClassVar[int]
@@ -61,11 +62,12 @@ class Intervention(_message.Message):
     read_logprobs: ReadLogprobs
     read_module: ReadModule
     read_logit_lens: ReadLogitLens
+    read_attention_pattern: ReadAttentionPattern
     force_sample: ForceSample
     write_logits: WriteLogits
     write_module: WriteModule
     stop: Stop
-    def __init__(self, name: _Optional[str] = ..., steps: _Optional[_Union[StepSelector, _Mapping]] = ..., condition: _Optional[_Union[Condition, _Mapping]] = ..., read_logits: _Optional[_Union[ReadLogits, _Mapping]] = ..., read_sample: _Optional[_Union[ReadSample, _Mapping]] = ..., read_logprobs: _Optional[_Union[ReadLogprobs, _Mapping]] = ..., read_module: _Optional[_Union[ReadModule, _Mapping]] = ..., read_logit_lens: _Optional[_Union[ReadLogitLens, _Mapping]] = ..., force_sample: _Optional[_Union[ForceSample, _Mapping]] = ..., write_logits: _Optional[_Union[WriteLogits, _Mapping]] = ..., write_module: _Optional[_Union[WriteModule, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., steps: _Optional[_Union[StepSelector, _Mapping]] = ..., condition: _Optional[_Union[Condition, _Mapping]] = ..., read_logits: _Optional[_Union[ReadLogits, _Mapping]] = ..., read_sample: _Optional[_Union[ReadSample, _Mapping]] = ..., read_logprobs: _Optional[_Union[ReadLogprobs, _Mapping]] = ..., read_module: _Optional[_Union[ReadModule, _Mapping]] = ..., read_logit_lens: _Optional[_Union[ReadLogitLens, _Mapping]] = ..., read_attention_pattern: _Optional[_Union[ReadAttentionPattern, _Mapping]] = ..., force_sample: _Optional[_Union[ForceSample, _Mapping]] = ..., write_logits: _Optional[_Union[WriteLogits, _Mapping]] = ..., write_module: _Optional[_Union[WriteModule, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
 
 class StepSelector(_message.Message):
     __slots__ = ("all", "range", "list")
@@ -192,6 +194,18 @@ class ReadLogitLens(_message.Message):
     positions: Positions
     top_k: int
     def __init__(self, layers: _Optional[_Iterable[int]] = ..., positions: _Optional[_Union[Positions, _Mapping]] = ..., top_k: _Optional[int] = ...) -> None: ...
+
+class ReadAttentionPattern(_message.Message):
+    __slots__ = ("layers", "heads", "positions", "top_k")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    heads: _containers.RepeatedScalarFieldContainer[int]
+    positions: Positions
+    top_k: int
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., heads: _Optional[_Iterable[int]] = ..., positions: _Optional[_Union[Positions, _Mapping]] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class ForceSample(_message.Message):
     __slots__ = ("token_id",)

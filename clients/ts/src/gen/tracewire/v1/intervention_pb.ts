@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tracewire/v1/intervention.proto.
  */
 export const file_tracewire_v1_intervention: GenFile = /*@__PURE__*/
-  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEiugQKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABIxCgxmb3JjZV9zYW1wbGUYFCABKAsyGS50cmFjZXdpcmUudjEuRm9yY2VTYW1wbGVIABIxCgx3cml0ZV9sb2dpdHMYFSABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVMb2dpdHNIABIxCgx3cml0ZV9tb2R1bGUYFiABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVNb2R1bGVIABIiCgRzdG9wGB4gASgLMhIudHJhY2V3aXJlLnYxLlN0b3BIAEIICgZhY3Rpb24ijwEKDFN0ZXBTZWxlY3RvchIlCgNhbGwYASABKAsyFi50cmFjZXdpcmUudjEuQWxsU3RlcHNIABIoCgVyYW5nZRgCIAEoCzIXLnRyYWNld2lyZS52MS5TdGVwUmFuZ2VIABImCgRsaXN0GAMgASgLMhYudHJhY2V3aXJlLnYxLlN0ZXBMaXN0SABCBgoEa2luZCIKCghBbGxTdGVwcyI2CglTdGVwUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIhkKCFN0ZXBMaXN0Eg0KBXN0ZXBzGAEgAygFIh0KCFRva2VuU2V0EhEKCXRva2VuX2lkcxgBIAMoBSK8AQoKUmVhZExvZ2l0cxIoCgVzdGFnZRgBIAEoDjIZLnRyYWNld2lyZS52MS5Mb2dpdHNTdGFnZRIlCgRmdWxsGAIgASgLMhUudHJhY2V3aXJlLnYxLkZ1bGxSb3dIABIjCgV0b3BfaxgDIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSAASKwoJdG9rZW5faWRzGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCCwoJc2VsZWN0aW9uIgkKB0Z1bGxSb3ciEQoEVG9wSxIJCgFrGAEgASgFIgwKClJlYWRTYW1wbGUiHQoMUmVhZExvZ3Byb2JzEg0KBXRvcF9rGAEgASgFIoICCglQb3NpdGlvbnMSKwoJbmV3X3Rva2VuGAEgASgLMhYudHJhY2V3aXJlLnYxLk5ld1Rva2VuSAASLQoKYWxsX3Byb21wdBgCIAEoCzIXLnRyYWNld2lyZS52MS5BbGxQcm9tcHRIABIzCgxwcm9tcHRfcmFuZ2UYAyABKAsyGy50cmFjZXdpcmUudjEuUG9zaXRpb25SYW5nZUgAEjEKC3Byb21wdF9saXN0GAQgASgLMhoudHJhY2V3aXJlLnYxLlBvc2l0aW9uTGlzdEgAEikKA2FsbBgFIAEoCzIaLnRyYWNld2lyZS52MS5BbGxQb3NpdGlvbnNIAEIGCgRraW5kIgoKCE5ld1Rva2VuIgsKCUFsbFByb21wdCIOCgxBbGxQb3NpdGlvbnMiOgoNUG9zaXRpb25SYW5nZRINCgVzdGFydBgBIAEoBRIRCgRzdG9wGAIgASgFSACIAQFCBwoFX3N0b3AiIQoMUG9zaXRpb25MaXN0EhEKCXBvc2l0aW9ucxgBIAMoBSJ0CgpSZWFkTW9kdWxlEg4KBm1vZHVsZRgBIAEoCRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEioKCXJlZHVjdGlvbhgDIAEoDjIXLnRyYWNld2lyZS52MS5SZWR1Y3Rpb24iWgoNUmVhZExvZ2l0TGVucxIOCgZsYXllcnMYASADKAUSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxINCgV0b3BfaxgDIAEoBSIfCgtGb3JjZVNhbXBsZRIQCgh0b2tlbl9pZBgBIAEoBSKyAQoLV3JpdGVMb2dpdHMSJwoHcmVwbGFjZRgBIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABIjCgNhZGQYAiABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASJwoEYmlhcxgDIAEoCzIXLnRyYWNld2lyZS52MS5Ub2tlbkJpYXNIABImCgRtYXNrGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCBAoCb3AiaQoJVG9rZW5CaWFzEi8KBGJpYXMYASADKAsyIS50cmFjZXdpcmUudjEuVG9rZW5CaWFzLkJpYXNFbnRyeRorCglCaWFzRW50cnkSCwoDa2V5GAEgASgFEg0KBXZhbHVlGAIgASgCOgI4ASKTAgoLV3JpdGVNb2R1bGUSDgoGbW9kdWxlGAEgASgJEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSIwoDYWRkGAMgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEicKB3JlcGxhY2UYBCABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASKgoEemVybxgFIAEoCzIaLnRyYWNld2lyZS52MS5aZXJvQWJsYXRpb25IABIqCgRtZWFuGAYgASgLMhoudHJhY2V3aXJlLnYxLk1lYW5BYmxhdGlvbkgAEhIKBXNjYWxlGAcgASgCSAGIAQFCBAoCb3BCCAoGX3NjYWxlIg4KDFplcm9BYmxhdGlvbiIOCgxNZWFuQWJsYXRpb24iBgoEU3RvcCKIAwoJQ29uZGl0aW9uEiwKCnNhbXBsZWRfaW4YASABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIrCglhcmdtYXhfaW4YAiABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIXCg10ZXh0X2NvbnRhaW5zGAMgASgJSAASFgoMdGV4dF9tYXRjaGVzGAQgASgJSAASOwoRdG9rZW5fcHJvYmFiaWxpdHkYBSABKAsyHi50cmFjZXdpcmUudjEuVG9rZW5Qcm9iYWJpbGl0eUgAEioKB2VudHJvcHkYBiABKAsyFy50cmFjZXdpcmUudjEuVGhyZXNob2xkSAASKgoGYWxsX29mGAcgASgLMhgudHJhY2V3aXJlLnYxLkNvbmRpdGlvbnNIABIqCgZhbnlfb2YYCCABKAsyGC50cmFjZXdpcmUudjEuQ29uZGl0aW9uc0gAEiYKA25vdBgJIAEoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb25IAEIGCgRraW5kIjkKCkNvbmRpdGlvbnMSKwoKY29uZGl0aW9ucxgBIAMoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb24iYgoQVG9rZW5Qcm9iYWJpbGl0eRIVCgh0b2tlbl9pZBgBIAEoBUgAiAEBEioKCXRocmVzaG9sZBgCIAEoCzIXLnRyYWNld2lyZS52MS5UaHJlc2hvbGRCCwoJX3Rva2VuX2lkIkgKCVRocmVzaG9sZBIsCgpjb21wYXJpc29uGAEgASgOMhgudHJhY2V3aXJlLnYxLkNvbXBhcmlzb24SDQoFdmFsdWUYAiABKAEqfQoLTG9naXRzU3RhZ2USHAoYTE9HSVRTX1NUQUdFX1VOU1BFQ0lGSUVEEAASFAoQTE9HSVRTX1NUQUdFX1JBVxABEhoKFkxPR0lUU19TVEFHRV9QUk9DRVNTRUQQAhIeChpMT0dJVFNfU1RBR0VfQkVGT1JFX1dSSVRFUxADKjoKCVJlZHVjdGlvbhIZChVSRURVQ1RJT05fVU5TUEVDSUZJRUQQABISCg5SRURVQ1RJT05fTUVBThABKo4BCgpDb21wYXJpc29uEhoKFkNPTVBBUklTT05fVU5TUEVDSUZJRUQQABIWChJDT01QQVJJU09OX0dSRUFURVIQARIcChhDT01QQVJJU09OX0dSRUFURVJfRVFVQUwQAhITCg9DT01QQVJJU09OX0xFU1MQAxIZChVDT01QQVJJU09OX0xFU1NfRVFVQUwQBGIGcHJvdG8z", [file_tracewire_v1_tensor]);
+  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEigAUKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABJEChZyZWFkX2F0dGVudGlvbl9wYXR0ZXJuGA8gASgLMiIudHJhY2V3aXJlLnYxLlJlYWRBdHRlbnRpb25QYXR0ZXJuSAASMQoMZm9yY2Vfc2FtcGxlGBQgASgLMhkudHJhY2V3aXJlLnYxLkZvcmNlU2FtcGxlSAASMQoMd3JpdGVfbG9naXRzGBUgASgLMhkudHJhY2V3aXJlLnYxLldyaXRlTG9naXRzSAASMQoMd3JpdGVfbW9kdWxlGBYgASgLMhkudHJhY2V3aXJlLnYxLldyaXRlTW9kdWxlSAASIgoEc3RvcBgeIAEoCzISLnRyYWNld2lyZS52MS5TdG9wSABCCAoGYWN0aW9uIo8BCgxTdGVwU2VsZWN0b3ISJQoDYWxsGAEgASgLMhYudHJhY2V3aXJlLnYxLkFsbFN0ZXBzSAASKAoFcmFuZ2UYAiABKAsyFy50cmFjZXdpcmUudjEuU3RlcFJhbmdlSAASJgoEbGlzdBgDIAEoCzIWLnRyYWNld2lyZS52MS5TdGVwTGlzdEgAQgYKBGtpbmQiCgoIQWxsU3RlcHMiNgoJU3RlcFJhbmdlEg0KBXN0YXJ0GAEgASgFEhEKBHN0b3AYAiABKAVIAIgBAUIHCgVfc3RvcCIZCghTdGVwTGlzdBINCgVzdGVwcxgBIAMoBSIdCghUb2tlblNldBIRCgl0b2tlbl9pZHMYASADKAUivAEKClJlYWRMb2dpdHMSKAoFc3RhZ2UYASABKA4yGS50cmFjZXdpcmUudjEuTG9naXRzU3RhZ2USJQoEZnVsbBgCIAEoCzIVLnRyYWNld2lyZS52MS5GdWxsUm93SAASIwoFdG9wX2sYAyABKAsyEi50cmFjZXdpcmUudjEuVG9wS0gAEisKCXRva2VuX2lkcxgEIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAQgsKCXNlbGVjdGlvbiIJCgdGdWxsUm93IhEKBFRvcEsSCQoBaxgBIAEoBSIMCgpSZWFkU2FtcGxlIh0KDFJlYWRMb2dwcm9icxINCgV0b3BfaxgBIAEoBSKCAgoJUG9zaXRpb25zEisKCW5ld190b2tlbhgBIAEoCzIWLnRyYWNld2lyZS52MS5OZXdUb2tlbkgAEi0KCmFsbF9wcm9tcHQYAiABKAsyFy50cmFjZXdpcmUudjEuQWxsUHJvbXB0SAASMwoMcHJvbXB0X3JhbmdlGAMgASgLMhsudHJhY2V3aXJlLnYxLlBvc2l0aW9uUmFuZ2VIABIxCgtwcm9tcHRfbGlzdBgEIAEoCzIaLnRyYWNld2lyZS52MS5Qb3NpdGlvbkxpc3RIABIpCgNhbGwYBSABKAsyGi50cmFjZXdpcmUudjEuQWxsUG9zaXRpb25zSABCBgoEa2luZCIKCghOZXdUb2tlbiILCglBbGxQcm9tcHQiDgoMQWxsUG9zaXRpb25zIjoKDVBvc2l0aW9uUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIiEKDFBvc2l0aW9uTGlzdBIRCglwb3NpdGlvbnMYASADKAUidAoKUmVhZE1vZHVsZRIOCgZtb2R1bGUYASABKAkSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxIqCglyZWR1Y3Rpb24YAyABKA4yFy50cmFjZXdpcmUudjEuUmVkdWN0aW9uIloKDVJlYWRMb2dpdExlbnMSDgoGbGF5ZXJzGAEgAygFEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSDQoFdG9wX2sYAyABKAUicAoUUmVhZEF0dGVudGlvblBhdHRlcm4SDgoGbGF5ZXJzGAEgAygFEg0KBWhlYWRzGAIgAygFEioKCXBvc2l0aW9ucxgDIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSDQoFdG9wX2sYBCABKAUiHwoLRm9yY2VTYW1wbGUSEAoIdG9rZW5faWQYASABKAUisgEKC1dyaXRlTG9naXRzEicKB3JlcGxhY2UYASABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASIwoDYWRkGAIgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEicKBGJpYXMYAyABKAsyFy50cmFjZXdpcmUudjEuVG9rZW5CaWFzSAASJgoEbWFzaxgEIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAQgQKAm9wImkKCVRva2VuQmlhcxIvCgRiaWFzGAEgAygLMiEudHJhY2V3aXJlLnYxLlRva2VuQmlhcy5CaWFzRW50cnkaKwoJQmlhc0VudHJ5EgsKA2tleRgBIAEoBRINCgV2YWx1ZRgCIAEoAjoCOAEikwIKC1dyaXRlTW9kdWxlEg4KBm1vZHVsZRgBIAEoCRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEiMKA2FkZBgDIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABInCgdyZXBsYWNlGAQgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEioKBHplcm8YBSABKAsyGi50cmFjZXdpcmUudjEuWmVyb0FibGF0aW9uSAASKgoEbWVhbhgGIAEoCzIaLnRyYWNld2lyZS52MS5NZWFuQWJsYXRpb25IABISCgVzY2FsZRgHIAEoAkgBiAEBQgQKAm9wQggKBl9zY2FsZSIOCgxaZXJvQWJsYXRpb24iDgoMTWVhbkFibGF0aW9uIgYKBFN0b3AiiAMKCUNvbmRpdGlvbhIsCgpzYW1wbGVkX2luGAEgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SAASKwoJYXJnbWF4X2luGAIgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SAASFwoNdGV4dF9jb250YWlucxgDIAEoCUgAEhYKDHRleHRfbWF0Y2hlcxgEIAEoCUgAEjsKEXRva2VuX3Byb2JhYmlsaXR5GAUgASgLMh4udHJhY2V3aXJlLnYxLlRva2VuUHJvYmFiaWxpdHlIABIqCgdlbnRyb3B5GAYgASgLMhcudHJhY2V3aXJlLnYxLlRocmVzaG9sZEgAEioKBmFsbF9vZhgHIAEoCzIYLnRyYWNld2lyZS52MS5Db25kaXRpb25zSAASKgoGYW55X29mGAggASgLMhgudHJhY2V3aXJlLnYxLkNvbmRpdGlvbnNIABImCgNub3QYCSABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uSABCBgoEa2luZCI5CgpDb25kaXRpb25zEisKCmNvbmRpdGlvbnMYASADKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uImIKEFRva2VuUHJvYmFiaWxpdHkSFQoIdG9rZW5faWQYASABKAVIAIgBARIqCgl0aHJlc2hvbGQYAiABKAsyFy50cmFjZXdpcmUudjEuVGhyZXNob2xkQgsKCV90b2tlbl9pZCJICglUaHJlc2hvbGQSLAoKY29tcGFyaXNvbhgBIAEoDjIYLnRyYWNld2lyZS52MS5Db21wYXJpc29uEg0KBXZhbHVlGAIgASgBKn0KC0xvZ2l0c1N0YWdlEhwKGExPR0lUU19TVEFHRV9VTlNQRUNJRklFRBAAEhQKEExPR0lUU19TVEFHRV9SQVcQARIaChZMT0dJVFNfU1RBR0VfUFJPQ0VTU0VEEAISHgoaTE9HSVRTX1NUQUdFX0JFRk9SRV9XUklURVMQAyo6CglSZWR1Y3Rpb24SGQoVUkVEVUNUSU9OX1VOU1BFQ0lGSUVEEAASEgoOUkVEVUNUSU9OX01FQU4QASqOAQoKQ29tcGFyaXNvbhIaChZDT01QQVJJU09OX1VOU1BFQ0lGSUVEEAASFgoSQ09NUEFSSVNPTl9HUkVBVEVSEAESHAoYQ09NUEFSSVNPTl9HUkVBVEVSX0VRVUFMEAISEwoPQ09NUEFSSVNPTl9MRVNTEAMSGQoVQ09NUEFSSVNPTl9MRVNTX0VRVUFMEARiBnByb3RvMw", [file_tracewire_v1_tensor]);
 
 /**
  * One declarative intervention on a traced generation: at the selected steps,
@@ -94,6 +94,15 @@ export type Intervention = Message<"tracewire.v1.Intervention"> & {
      */
     value: ReadLogitLens;
     case: "readLogitLens";
+  } | {
+    /**
+     * Read attention patterns: query positions' attention weights over the
+     * key positions, per layer and query head.
+     *
+     * @generated from field: tracewire.v1.ReadAttentionPattern read_attention_pattern = 15;
+     */
+    value: ReadAttentionPattern;
+    case: "readAttentionPattern";
   } | {
     /**
      * Force the drawn token.
@@ -609,6 +618,79 @@ export const ReadLogitLensSchema: GenMessage<ReadLogitLens> = /*@__PURE__*/
   messageDesc(file_tracewire_v1_intervention, 18);
 
 /**
+ * Attention patterns: for chosen decoder layers and query heads, the
+ * attention weights (softmax probabilities) of query positions over key
+ * positions, computed on the server from the model's own queries and keys
+ * (after rotary embedding and any q/k norm) with the layer's scale, the causal
+ * mask, its sliding window and logit soft-capping if it has them, and grouped
+ * query attention (query head h reads KV head
+ * h / (num_attention_heads / num_key_value_heads)).
+ *
+ * Values: [layers, positions, heads, K] float32, in the order given (layers,
+ * heads) and ascending query positions; ReadValue.positions holds the query
+ * positions. With top_k > 0, K = top_k: the largest weights first, and
+ * ReadValue.token_ids (same shape, int32) holds their key positions; a query
+ * at position p sees p + 1 keys (fewer under a sliding window), and the
+ * entries past them are 0 with key position -1. With top_k = 0 (full rows),
+ * K = the last query position + 1 (keys 0 .. last query position, no
+ * token_ids); a row's keys the query cannot see (after it: at prompt
+ * positions; outside its sliding window) are 0. At the new token of step s
+ * the query position is prompt_len - 1 + s, so full rows grow by one key a
+ * step.
+ *
+ * Cost and limits: module hooks, so the server's engine must run eager
+ * (--enforce-eager) with tensor_parallel_size 1, else FAILED_PRECONDITION.
+ * Keys of earlier positions are needed at every step: from the prefill on,
+ * the server keeps each reading sequence's own post-rotary keys of the needed
+ * KV heads as float32, (prompt_len + max_tokens) x KV heads x head_dim x 4
+ * bytes per layer, and counts them against the trace's read-bytes budget
+ * (--max-read-bytes / options.max_read_bytes) with the bytes returned. Prompt
+ * positions served from the prefix cache never run through the model: a
+ * request with such a read skips reading the prefix cache.
+ *
+ * @generated from message tracewire.v1.ReadAttentionPattern
+ */
+export type ReadAttentionPattern = Message<"tracewire.v1.ReadAttentionPattern"> & {
+  /**
+   * Decoder layer indices; negative values count from the end. At least one,
+   * no duplicates.
+   *
+   * @generated from field: repeated int32 layers = 1;
+   */
+  layers: number[];
+
+  /**
+   * Query heads, 0 <= head < num_attention_heads, no duplicates, in the order
+   * the values come back in. Empty means every query head in order.
+   *
+   * @generated from field: repeated int32 heads = 2;
+   */
+  heads: number[];
+
+  /**
+   * Which query positions. Unset means NewToken.
+   *
+   * @generated from field: tracewire.v1.Positions positions = 3;
+   */
+  positions?: Positions | undefined;
+
+  /**
+   * Return the top_k largest weights per row with their key positions,
+   * 0 <= top_k <= max_model_len; 0 returns full rows.
+   *
+   * @generated from field: int32 top_k = 4;
+   */
+  topK: number;
+};
+
+/**
+ * Describes the message tracewire.v1.ReadAttentionPattern.
+ * Use `create(ReadAttentionPatternSchema)` to create a new message.
+ */
+export const ReadAttentionPatternSchema: GenMessage<ReadAttentionPattern> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 19);
+
+/**
  * Make the sampler's draw this token; the engine continues from it exactly
  * as if it had drawn it.
  *
@@ -626,7 +708,7 @@ export type ForceSample = Message<"tracewire.v1.ForceSample"> & {
  * Use `create(ForceSampleSchema)` to create a new message.
  */
 export const ForceSampleSchema: GenMessage<ForceSample> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 19);
+  messageDesc(file_tracewire_v1_intervention, 20);
 
 /**
  * Change the logits row before sampling.
@@ -677,7 +759,7 @@ export type WriteLogits = Message<"tracewire.v1.WriteLogits"> & {
  * Use `create(WriteLogitsSchema)` to create a new message.
  */
 export const WriteLogitsSchema: GenMessage<WriteLogits> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 20);
+  messageDesc(file_tracewire_v1_intervention, 21);
 
 /**
  * Per-token additive biases.
@@ -696,7 +778,7 @@ export type TokenBias = Message<"tracewire.v1.TokenBias"> & {
  * Use `create(TokenBiasSchema)` to create a new message.
  */
 export const TokenBiasSchema: GenMessage<TokenBias> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 21);
+  messageDesc(file_tracewire_v1_intervention, 22);
 
 /**
  * Change a module's output at chosen positions (for decoder layers: the
@@ -772,7 +854,7 @@ export type WriteModule = Message<"tracewire.v1.WriteModule"> & {
  * Use `create(WriteModuleSchema)` to create a new message.
  */
 export const WriteModuleSchema: GenMessage<WriteModule> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 22);
+  messageDesc(file_tracewire_v1_intervention, 23);
 
 /**
  * Zero ablation.
@@ -787,7 +869,7 @@ export type ZeroAblation = Message<"tracewire.v1.ZeroAblation"> & {
  * Use `create(ZeroAblationSchema)` to create a new message.
  */
 export const ZeroAblationSchema: GenMessage<ZeroAblation> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 23);
+  messageDesc(file_tracewire_v1_intervention, 24);
 
 /**
  * Mean ablation.
@@ -802,7 +884,7 @@ export type MeanAblation = Message<"tracewire.v1.MeanAblation"> & {
  * Use `create(MeanAblationSchema)` to create a new message.
  */
 export const MeanAblationSchema: GenMessage<MeanAblation> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 24);
+  messageDesc(file_tracewire_v1_intervention, 25);
 
 /**
  * End the sequence at the step where it fires. The token drawn at that step is
@@ -818,7 +900,7 @@ export type Stop = Message<"tracewire.v1.Stop"> & {
  * Use `create(StopSchema)` to create a new message.
  */
 export const StopSchema: GenMessage<Stop> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 25);
+  messageDesc(file_tracewire_v1_intervention, 26);
 
 /**
  * A declarative predicate over the state of one sequence at one step.
@@ -923,7 +1005,7 @@ export type Condition = Message<"tracewire.v1.Condition"> & {
  * Use `create(ConditionSchema)` to create a new message.
  */
 export const ConditionSchema: GenMessage<Condition> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 26);
+  messageDesc(file_tracewire_v1_intervention, 27);
 
 /**
  * A list of conditions.
@@ -942,7 +1024,7 @@ export type Conditions = Message<"tracewire.v1.Conditions"> & {
  * Use `create(ConditionsSchema)` to create a new message.
  */
 export const ConditionsSchema: GenMessage<Conditions> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 27);
+  messageDesc(file_tracewire_v1_intervention, 28);
 
 /**
  * Comparison of a token's probability (softmax of the logits at the stage the
@@ -971,7 +1053,7 @@ export type TokenProbability = Message<"tracewire.v1.TokenProbability"> & {
  * Use `create(TokenProbabilitySchema)` to create a new message.
  */
 export const TokenProbabilitySchema: GenMessage<TokenProbability> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 28);
+  messageDesc(file_tracewire_v1_intervention, 29);
 
 /**
  * value <op> threshold.
@@ -995,7 +1077,7 @@ export type Threshold = Message<"tracewire.v1.Threshold"> & {
  * Use `create(ThresholdSchema)` to create a new message.
  */
 export const ThresholdSchema: GenMessage<Threshold> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 29);
+  messageDesc(file_tracewire_v1_intervention, 30);
 
 /**
  * Which logits a read sees. At each step the row passes three stages, in
