@@ -34,13 +34,14 @@ from .rpcs import EngineStats, ModelInfo, ModuleInfo, StreamUpdate
 from .sampling import SAMPLING_KEYWORDS
 from .tls import Tls
 from .tokenizer import RemoteTokenizer
-from .tracing import Invoke, Logprobs, ModuleRef, Saved, Step, StepView, TopK, Tracer, TraceWarning
+from .tracing import AttentionPattern, Invoke, Logprobs, ModuleRef, Saved, Step, StepView, TopK, Tracer, TraceWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SAMPLING_KEYWORDS",
     "AsyncClient",
+    "AttentionPattern",
     "AsyncTracer",
     "Condition",
     "Invoke",

@@ -71,6 +71,19 @@ class Logprobs(NamedTuple):
     top: dict[int, float]
 
 
+class AttentionPattern(NamedTuple):
+    """Attention weights at one step: `weights` [layers, positions, heads, K] float32 (layers
+    and heads in the order asked for, query positions ascending), `keys` the key position
+    of each weight (same shape; -1 past the keys a query sees), `positions` the query
+    positions [positions]. Top-k: K = k, largest first. Full rows: K = the last query
+    position + 1, keys a read-only broadcast of arange(K); keys a query does not see (after
+    it, or outside a sliding window) weigh 0."""
+
+    weights: np.ndarray[Any, Any]
+    keys: np.ndarray[Any, Any]
+    positions: np.ndarray[Any, Any]
+
+
 class Saved(list[Any]):
     """A saved read: one value per step reached, in step order (`.steps` says which).
 
@@ -175,6 +188,17 @@ class _Decode:
         if value.HasField("token_ids"):
             return TopK(values, to_numpy(value.token_ids))
         return TopK(values, np.broadcast_to(np.arange(values.shape[-1], dtype=np.int32), values.shape))
+
+    @staticmethod
+    def pattern(value: trace_pb2.ReadValue) -> Any:
+        """An attention-pattern read: an AttentionPattern (full rows get their keys as a
+        broadcast of arange, no memory of its own)."""
+        weights = to_numpy(value.values)
+        if value.HasField("token_ids"):
+            keys = to_numpy(value.token_ids)
+        else:
+            keys = np.broadcast_to(np.arange(weights.shape[-1], dtype=np.int32), weights.shape)
+        return AttentionPattern(weights, keys, to_numpy(value.positions))
 
     @staticmethod
     def sample(value: trace_pb2.ReadValue) -> Any:
@@ -367,6 +391,34 @@ class StepView:
 
         return _Read(self, build, _Decode.lens)
 
+    def attention(
+        self,
+        layers: int | Sequence[int],
+        *,
+        heads: Sequence[int] | None = None,
+        positions: str | slice | Sequence[int] = "new",
+        top_k: int = 5,
+    ) -> _Read:
+        """Attention patterns: the attention weights of query `positions` over the keys, at
+        these decoder layers and query heads (None: all), computed on the server from the
+        model's own post-rotary q / k (its scale, causal mask, sliding window, soft-cap,
+        GQA). Per step an `AttentionPattern`: weights and key positions [layers, positions,
+        heads, top_k], or full rows with top_k=0 ([..., last query position + 1]).
+        positions as for `module()`: "new" (the token processed at each step: the query
+        at position prompt_len - 1 + step), "prompt", "all", a slice or a list. Needs an
+        eager server (--enforce-eager); the server keeps the keys it needs per sequence,
+        counted against max_read_bytes with the values."""
+        selected = _positions(positions)
+        layer_list = [layers] if isinstance(layers, int) else [int(x) for x in layers]
+        head_list = [] if heads is None else [int(h) for h in heads]
+
+        def build(iv: ipb.Intervention) -> None:
+            iv.read_attention_pattern.CopyFrom(
+                ipb.ReadAttentionPattern(layers=layer_list, heads=head_list, positions=selected, top_k=top_k)
+            )
+
+        return _Read(self, build, _Decode.pattern)
+
     def stop(self) -> None:
         """End the sequence at the first of these steps (where the condition holds)."""
         self._write(stop=ipb.Stop())
@@ -421,6 +473,16 @@ class _ModuleProxy:
     @property
     def output(self) -> ModuleRef:
         return self._view.module(self._path)
+
+    def pattern(
+        self, *, heads: Sequence[int] | None = None, positions: str | slice | Sequence[int] = "new", top_k: int = 5
+    ) -> _Read:
+        """`view.model.layers[i].self_attn.pattern(heads=[0, 3], top_k=5)`: layer i's
+        attention patterns, as `view.attention(i, ...)` reads them."""
+        parts = self._path.split(".")
+        if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] != "self_attn":
+            raise InvalidArgument(f"attention patterns are read at model.layers[i].self_attn, not {self._path!r}")
+        return self._view.attention(int(parts[1]), heads=heads, positions=positions, top_k=top_k)
 
 
 class _Iter:

@@ -126,8 +126,9 @@ class _Compiler:
             n = kwargs.pop("n", 1)
             max_tokens = kwargs.get("max_tokens", DEFAULT_MAX_TOKENS)
             self.prompt_len = len(prompt.token_ids)
-            ops = self.interventions.ops(invoke.interventions, f"{field}.interventions", self.prompt_len)
-            if any(isinstance(op.action, P.HIDDEN_READS) and op.action.positions.kind != "new_token" for op in ops):
+            ops = self.interventions.ops(invoke.interventions, f"{field}.interventions", self.prompt_len,
+                                         max_tokens)
+            if any(P.runs_whole_prompt(op.action) for op in ops):
                 # Prompt positions served from the prefix cache never run through the
                 # model: compute them again for this request.
                 kwargs["skip_reading_prefix_cache"] = True
@@ -195,7 +196,7 @@ class _Compiler:
             return 0
         bound = action.read_bound(self.limits, self.prompt_len)
         if bound.prompt is not None:  # prompt positions: once, at step 0 (then the new token for "all")
-            return bound.prompt + bound.per_step * max(0, max_tokens - 1)
+            return bound.held + bound.prompt + bound.per_step * max(0, max_tokens - 1)
         per_step = bound.per_step
         last = op.steps.last()
         if op.steps.steps is not None:
@@ -203,7 +204,7 @@ class _Compiler:
         else:
             end = max_tokens if last is None else min(last + 1, max_tokens)
             steps = max(0, end - op.steps.start)
-        return per_step * steps
+        return bound.held + per_step * steps
 
 
 def compile_trace(

@@ -142,6 +142,7 @@ class Engine:
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
             steerable_layers=steerable_layers(engine_args, description.num_layers),
+            **attention_limits(llm.model_config.hf_config, description.tensor_parallel_size),
         )
         try:
             await _install_worker_hooks(llm, receiver.address, fault_injection, route)
@@ -255,6 +256,40 @@ def steerable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
     if engine_args.load_format != steering.LOAD_FORMAT or layers is None:
         return frozenset()
     return frozenset(range(num_layers) if layers == "all" else layers)
+
+
+# HF config markers of attention that attention-pattern reads do not compute (they would
+# come back wrong, not fail): checked up front; the worker checks its layers again
+# (worker/attention_patterns.py) for what a config does not say.
+_UNSUPPORTED_ATTENTION = (
+    ("is_encoder_decoder", "encoder-decoder attention"),
+    ("alibi", "ALiBi position biases"),
+    ("kv_lora_rank", "multi-head latent attention (MLA)"),
+)
+_UNSUPPORTED_MODEL_TYPES = {"bloom": "ALiBi position biases", "mpt": "ALiBi position biases",
+                            "gpt_oss": "attention sinks"}
+
+
+def attention_limits(hf: Any, tensor_parallel_size: int) -> dict[str, Any]:
+    """ModelLimits' attention geometry, and why pattern reads are refused ("" when not)."""
+    text = getattr(hf, "get_text_config", lambda: hf)()
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or (int(text.hidden_size) // heads if heads else 0))
+    refused = ""
+    model_type = str(getattr(text, "model_type", ""))
+    found = [why for attr, why in _UNSUPPORTED_ATTENTION if getattr(text, attr, None) or getattr(hf, attr, None)]
+    if model_type in _UNSUPPORTED_MODEL_TYPES:
+        found.append(_UNSUPPORTED_MODEL_TYPES[model_type])
+    if tensor_parallel_size > 1:
+        refused = (f"attention patterns need the whole model's heads in one worker; this server runs "
+                   f"tensor_parallel_size {tensor_parallel_size}")
+    elif found:
+        refused = f"attention patterns are not computed for this model's {found[0]} ({model_type})"
+    elif not heads or not kv_heads or heads % kv_heads:
+        refused = "attention patterns need the model's num_attention_heads / num_key_value_heads"
+    return dict(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                attention_patterns_refused=refused)
 
 
 def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:

@@ -41,10 +41,13 @@ class InterventionCompiler:
         self.limits = limits
         self.fault_injection = fault_injection
         self.prompt_len = 0  # of the invoke being compiled
+        self.max_tokens = 0  # of the invoke being compiled (attention patterns' key caches)
 
-    def ops(self, interventions: Any, field: str, prompt_len: int) -> tuple[P.Op, ...]:
-        """An invoke's interventions -> its plan's ops (`prompt_len` bounds prompt positions)."""
+    def ops(self, interventions: Any, field: str, prompt_len: int, max_tokens: int = 0) -> tuple[P.Op, ...]:
+        """An invoke's interventions -> its plan's ops (`prompt_len` bounds prompt positions;
+        `max_tokens` the positions an attention pattern's keys come from)."""
         self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
         ops: list[P.Op] = []
         names: dict[str, int] = {}
         for j, iv in enumerate(interventions):
@@ -152,6 +155,8 @@ class InterventionCompiler:
             return self.read_logit_lens(iv.read_logit_lens, f)
         if kind == "write_module":
             return self.write_module(iv.write_module, f)
+        if kind == "read_attention_pattern":
+            return self.read_attention_pattern(iv.read_attention_pattern, f)
         raise InvalidArgument(f"{field}.action", f"unknown action {kind!r}")
 
     def require_eager(self, field: str) -> None:
@@ -200,6 +205,49 @@ class InterventionCompiler:
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
         top_k = self.top_k(r.top_k, f"{field}.top_k", allow_zero=True)
         return P.ReadLogitLens(tuple(layers), positions, top_k)
+
+    def read_attention_pattern(self, r: ipb.ReadAttentionPattern, field: str) -> P.Action:
+        self.require_eager(field)
+        limits = self.limits
+        if limits.attention_patterns_refused:
+            raise FailedPrecondition(f"{field}: {limits.attention_patterns_refused}")
+        layers = self.distinct_layers(r.layers, f"{field}.layers")
+        heads_count, kv_count = limits.num_attention_heads, limits.num_key_value_heads
+        heads: list[int] = []
+        for k, head in enumerate(r.heads):
+            if not 0 <= head < heads_count:
+                raise InvalidArgument(f"{field}.heads[{k}]", f"head {head} is outside [0, {heads_count}) "
+                                      "(the model's query heads)")
+            if head in heads:
+                raise InvalidArgument(f"{field}.heads[{k}]", f"duplicate head {head} (also heads[{heads.index(head)}])")
+            heads.append(head)
+        if not heads:
+            heads = list(range(heads_count))
+        if not 0 <= r.top_k <= limits.max_model_len:
+            raise InvalidArgument(f"{field}.top_k", f"must be in [0, {limits.max_model_len}] (the model's "
+                                  f"context; 0 returns full rows), got {r.top_k}")
+        positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
+        group = heads_count // kv_count  # query heads per KV head
+        return P.ReadAttentionPattern(
+            tuple(layers), tuple(heads), positions, r.top_k,
+            kv_heads=tuple(sorted({h // group for h in heads})),
+            head_dim=limits.head_dim,
+            max_len=self.prompt_len + self.max_tokens,
+        )
+
+    def distinct_layers(self, values: Any, field: str) -> list[int]:
+        """Decoder layer indices (negative: from the end), at least one, none twice."""
+        num_layers = self.limits.num_layers
+        if not values:
+            raise InvalidArgument(field, "name at least one layer")
+        layers: list[int] = []
+        for k, layer in enumerate(values):
+            if not -num_layers <= layer < num_layers:
+                raise InvalidArgument(f"{field}[{k}]", f"layer {layer} is outside [0, {num_layers})")
+            if layer % num_layers in layers:
+                raise InvalidArgument(f"{field}[{k}]", f"layer {layer} is named twice")
+            layers.append(layer % num_layers)
+        return layers
 
     def write_module(self, w: ipb.WriteModule, field: str) -> P.Action:
         self.module_path(w.module, f"{field}.module")

@@ -22,6 +22,13 @@ class ModelLimits:
     # A compiled engine started with --compiled-steering serves the writes its graph
     # tables can express: add / replace / zero on these decoder layers (steering.py).
     steerable_layers: frozenset[int] = frozenset()
+    # Attention geometry (GQA: query head h reads KV head h // (heads / kv_heads)), for
+    # attention-pattern reads; `attention_patterns_refused` says why this server cannot
+    # serve them ("": it can).
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    attention_patterns_refused: str = ""
 
     @property
     def engine_mode(self) -> EngineMode:

@@ -108,10 +108,13 @@ ReadSource = Literal["logits", "modules", "sample"]
 class ReadBound(NamedTuple):
     """An upper bound on the bytes one sequence's read returns (the compiler sums them
     against --max-read-bytes): `per_step` at each selected step; for reads of prompt
-    positions, `prompt` at step 0 and then `per_step` at each later step."""
+    positions, `prompt` at step 0 and then `per_step` at each later step. `held`: bytes
+    the worker keeps for the sequence while it runs (an attention pattern's key cache),
+    counted once against the same budget."""
 
     per_step: int
     prompt: int | None = None
+    held: int = 0
 
 
 class ReadLogits(msgspec.Struct, frozen=True, tag="read_logits"):
@@ -221,6 +224,39 @@ class ReadLogitLens(msgspec.Struct, frozen=True, tag="read_logit_lens"):
         return self.positions.read_bound(width, prompt_len)
 
 
+class ReadAttentionPattern(msgspec.Struct, frozen=True, tag="read_attention_pattern"):
+    """Attention weights of query positions over key positions, per decoder layer and
+    query head, from the layer's own post-rotary q / k (worker/attention_patterns.py):
+    [layers, positions, heads, top_k or keys]."""
+
+    layers: tuple[int, ...]  # non-negative, distinct
+    heads: tuple[int, ...]  # query heads, distinct, in the order the values come back in
+    positions: Positions  # the query positions
+    top_k: int  # 0: full rows (keys 0 .. the last query position)
+    # Set by the compiler from the model and the request, so the worker allocates and
+    # the budget counts the same bytes:
+    kv_heads: tuple[int, ...]  # the KV heads `heads` read (GQA), ascending: the key cache's
+    head_dim: int
+    max_len: int  # prompt_len + max_tokens: the most positions a sequence's key cache holds
+
+    source: ClassVar[ReadSource] = "modules"
+
+    def module_reads(self, name: str) -> list[tuple[str, str]]:
+        """(key, module path) of each layer's attention this read computes at."""
+        return [(f"{name}@{layer}", f"layers.{layer}.self_attn.attn") for layer in self.layers]
+
+    def key_cache_bytes(self) -> int:
+        """The worker's float32 copy of the keys the read needs, for the whole generation."""
+        return 4 * len(self.layers) * len(self.kv_heads) * self.head_dim * self.max_len
+
+    def read_bound(self, limits: ModelLimits, prompt_len: int) -> ReadBound:
+        # top-k: values + key positions (8 bytes an entry); full rows: values over at most
+        # max_len keys (the new token's row grows by one key a step)
+        width = len(self.layers) * len(self.heads) * (8 * self.top_k if self.top_k else 4 * self.max_len)
+        bound = self.positions.read_bound(width, prompt_len)
+        return bound._replace(held=self.key_cache_bytes())
+
+
 class ForceSample(msgspec.Struct, frozen=True, tag="force_sample"):
     token_id: int
 
@@ -278,7 +314,7 @@ class InjectFault(msgspec.Struct, frozen=True, tag="inject_fault"):
     message: str
 
 
-Read = Union[ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens]
+Read = Union[ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens, ReadAttentionPattern]
 Write = Union[ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault, WriteModule]
 Action = Union[
     ReadLogits,
@@ -286,6 +322,7 @@ Action = Union[
     ReadLogprobs,
     ReadModule,
     ReadLogitLens,
+    ReadAttentionPattern,
     ForceSample,
     ReplaceLogits,
     AddLogits,
@@ -295,11 +332,11 @@ Action = Union[
     WriteModule,
     Stop,
 ]
-READS = (ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens)
+READS = (ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens, ReadAttentionPattern)
 # The reads of the logits source: each one's equal reads are one computation.
 LogitsRead = Union[ReadLogits, ReadLogprobs]
-HIDDEN_READS = (ReadModule, ReadLogitLens)
-HIDDEN_OPS = (ReadModule, ReadLogitLens, WriteModule)
+HIDDEN_READS = (ReadModule, ReadLogitLens, ReadAttentionPattern)
+HIDDEN_OPS = (ReadModule, ReadLogitLens, ReadAttentionPattern, WriteModule)
 WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault, WriteModule)
 LOGITS_WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault)
 
@@ -343,6 +380,15 @@ class SequencePlan(msgspec.Struct, frozen=True):
     def text_needles(self) -> frozenset[str]:
         """The strings of every text_contains in the plan's conditions."""
         return frozenset(c.text for op in self.ops for c in _leaves(op.condition) if isinstance(c, TextContains))
+
+
+def runs_whole_prompt(action: Action) -> bool:
+    """Whether a read needs prompt positions to run through the model (then its request
+    skips reading the prefix cache, whose positions never do): reads of prompt
+    positions, and attention patterns at any position (their keys)."""
+    if isinstance(action, ReadAttentionPattern):
+        return True
+    return isinstance(action, HIDDEN_READS) and action.positions.kind != "new_token"
 
 
 def conditions_use_logits(ops: tuple[Op, ...]) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..shared import plan as P
+from .attention_patterns import AttentionPatterns
 from .conditions import holds_before_forward
 from .host import on_device
 from .module_reads import Lens
@@ -139,11 +140,13 @@ class ModuleHooks:
         self.sequences = sequences
         self.drain = drain  # (module_writes' text conditions: every finished step first)
         self.lens = Lens(*runner.lens_parts(), runner.vocab_size)
+        self.patterns = AttentionPatterns(runner.attention_layers())
         self._wants: dict[str, list[Want]] = {}
         self._edits: dict[str, list[Edit]] = {}
 
     def install(self) -> None:
         self.runner.on_forward(self._plan_safely)
+        self.patterns.install()
         for path, module in self.runner.modules().items():
             module.register_forward_hook(
                 lambda module, args, output, path=path: self._hook(path, output)
@@ -155,11 +158,13 @@ class ModuleHooks:
         except Exception:  # noqa: BLE001 - never break vLLM's forward pass
             log.exception("planning module hooks failed; no module interventions this step")
             self._wants, self._edits = {}, {}
+            self.patterns.begin(self.runner.live())
 
     def _plan(self) -> None:
         """Map this forward pass's flat token rows to the module reads and writes they serve."""
         self._wants = {}
         self._edits = {}
+        self.patterns.begin(self.runner.live())
         req_ids = self.runner.req_ids
         starts = self.runner.query_starts(len(req_ids))
         computed = self.runner.computed_tokens(len(req_ids))
@@ -168,13 +173,17 @@ class ModuleHooks:
             if seq is None or seq.error is not None:
                 continue
             ops = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.HIDDEN_OPS)]
-            if not ops:
+            if not ops and not seq.reads_patterns:
                 continue
             span = Span.of(len(seq.prompt_ids), self.runner.output_count(req_id),
                            int(starts[i]), int(starts[i + 1]), int(computed[i]))
+            if seq.reads_patterns:  # (their keys at every pass, selected or not)
+                self.patterns.plan(req_id, seq, span)
             for op in ops:
                 action = op.action
                 assert isinstance(action, P.HIDDEN_OPS)
+                if isinstance(action, P.ReadAttentionPattern):
+                    continue  # planned above
                 rows, wanted = span.rows(action.positions, seq.step)
                 if not rows:
                     continue

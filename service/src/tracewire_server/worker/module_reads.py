@@ -16,6 +16,7 @@ import torch
 from ..shared import plan as P
 from .batch import Row
 from .host import ColumnRow, HostBatch, HostRead, to_host
+from .pattern_state import joined
 
 
 class Lens:
@@ -77,6 +78,28 @@ def _module_value(row: Row, name: str, read: P.ReadModule) -> HostRead:
     return HostRead(HostBatch(to_host(values), None), positions=positions)
 
 
+def _pattern_value(row: Row, name: str, read: P.ReadAttentionPattern) -> HostRead:
+    """Attention weights per layer, query position and head: [layers, positions, heads,
+    K] (attention_patterns.py computed them in the forward pass)."""
+    if read.positions.new_token_only(row.seq.step):
+        expected = 1
+    else:
+        expected = len(read.positions.prompt_positions(len(row.seq.prompt_ids)))
+    values, ids, positions = [], [], []
+    for key, path in read.module_reads(name):
+        chunks = row.seq.patterns.pop(key, [])
+        layer_values, layer_ids, positions = joined(chunks) if chunks else (None, None, [])
+        if layer_values is None or len(positions) != expected:
+            raise RuntimeError(
+                f"read {key!r} of {path!r} saw {len(positions)} of {expected} query positions "
+                "(positions served from the prefix cache never run through the model)"
+            )
+        values.append(layer_values)
+        if layer_ids is not None:
+            ids.append(layer_ids)
+    return HostRead(HostBatch(to_host(torch.stack(values)), to_host(torch.stack(ids)) if ids else None), positions)
+
+
 def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
     """Launch the rows' module and logit-lens reads, each on its way to the host. A
     module's new-token reads for every row are one [rows, hidden] column with one copy
@@ -92,6 +115,8 @@ def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
                         new_token.setdefault(a.module, []).append(_NewToken(row, op.name, values[0]))
                     else:
                         row.reads[op.name] = _module_value(row, op.name, a)
+                elif isinstance(a, P.ReadAttentionPattern):
+                    row.reads[op.name] = _pattern_value(row, op.name, a)
                 else:
                     assert isinstance(a, P.ReadLogitLens) and lens is not None
                     row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)

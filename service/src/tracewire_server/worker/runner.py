@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, KeysView
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +32,44 @@ def check_supported(runner: Any) -> None:
             f"tracewire needs vLLM's V1 model runner, not {type(runner).__module__}; "
             "unset VLLM_USE_V2_MODEL_RUNNER"
         )
+
+
+class AttentionLayer(NamedTuple):
+    """A decoder layer's vLLM `Attention` module and what its weights depend on. The
+    model calls it as `module(q, k, v)` with q / k after rotary embedding (and any q / k
+    norm): [tokens, num_heads * head_size] / [tokens, num_kv_heads * head_size]."""
+
+    module: torch.nn.Module
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None  # a query sees itself and the sliding_window - 1 keys before it
+    soft_cap: float | None  # scaled logits -> soft_cap * tanh(logits / soft_cap)
+    unsupported: str  # "": patterns are computed right; else what the layer does that they do not
+
+
+def _attention_unsupported(attn: Any) -> str:
+    """What a vLLM attention module does that a pattern computed from q, k, the scale, the
+    causal mask, a sliding window and soft-capping would get wrong ("" when nothing)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    impl = getattr(attn, "impl", None)
+    if type(attn) is not Attention:  # MLA, encoder-only, chunked-local, static sinks, ...
+        return f"its attention is {type(attn).__name__}, not plain decoder attention"
+    if str(getattr(attn, "attn_type", "decoder")) not in ("decoder", "AttentionType.DECODER"):
+        return f"its attention type is {attn.attn_type}"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi position biases"
+    if getattr(attn, "has_sink", False) or getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    if getattr(attn, "kv_sharing_target_layer_name", None) is not None:
+        return "keys shared with another layer"
+    if getattr(attn, "use_mm_prefix", False):
+        return "a bidirectional multimodal prefix"
+    if "DualChunk" in type(impl).__name__:
+        return "dual-chunk attention"
+    return ""
 
 
 class RunnerView:
@@ -147,6 +185,30 @@ class RunnerView:
             found[f"layers.{i}"] = layer
             found[f"layers.{i}.self_attn"] = layer.self_attn
             found[f"layers.{i}.mlp"] = layer.mlp
+        return found
+
+    def attention_layers(self) -> dict[int, AttentionLayer]:
+        """Each decoder layer's attention module (`layers.L.self_attn.attn`), by layer."""
+        found: dict[int, AttentionLayer] = {}
+        for i, layer in enumerate(self._runner.model.model.layers):
+            attn = getattr(getattr(layer, "self_attn", None), "attn", None)
+            if attn is None:
+                continue
+            impl = getattr(attn, "impl", None)
+            window = getattr(attn, "sliding_window", None)
+            cap = getattr(impl, "logits_soft_cap", None)  # (backends store "none" as None or 0)
+            scale = getattr(impl, "scale", None)  # the backend's, the one it computes with
+            unsupported = _attention_unsupported(attn) or ("" if scale is not None else "no scale on its backend")
+            found[i] = AttentionLayer(
+                module=attn,
+                num_heads=int(attn.num_heads),
+                num_kv_heads=int(attn.num_kv_heads),
+                head_size=int(attn.head_size),
+                scale=float(scale or 0.0),
+                sliding_window=int(window) if window and window > 0 else None,
+                soft_cap=float(cap) if cap else None,
+                unsupported=unsupported,
+            )
         return found
 
     def lens_parts(self) -> tuple[torch.nn.Module, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 from ..shared import detokenize, textmatch
 from ..shared import plan as P
 from .ops import NO_OPS, StepOps
+from .pattern_state import KeyCache, PatternChunk
 from .runner import RunnerView
 
 # Sequence.steady before the steering planner has looked at the request.
@@ -56,8 +57,14 @@ class Sequence:
     # (frontend, id of the ops) when every step reads the same and only reads: the
     # key of the Block its rows join, found without looking at the ops each step.
     block: tuple[int, int] | None = None
+    # Attention-pattern reads (attention_patterns.py): whether the plan has any; the
+    # keys they need, by read name @ layer; this step's computed chunks, likewise.
+    reads_patterns: bool = False
+    key_caches: dict[str, KeyCache] = field(default_factory=dict)
+    patterns: dict[str, list[PatternChunk]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.reads_patterns = any(isinstance(op.action, P.ReadAttentionPattern) for op in self.plan.ops)
         if all(_always(op) for op in self.plan.ops):
             self.constant = StepOps.of(self.plan.ops)
             if self.constant.block_key is not None and not self.needs_text:

@@ -1,0 +1,237 @@
+"""Attention-pattern reads: a query position's attention weights over key positions.
+
+Computed from the model's own queries and keys where vLLM's `Attention` module gets
+them (a forward pre-hook on `layers.L.self_attn.attn`: q / k after rotary embedding and
+any q / k norm), never from vLLM's paged KV cache, whose layout differs per backend.
+Keys of earlier positions are needed at every step, so each sequence reading a pattern
+keeps its own float32 copy of the keys of the KV heads it reads, per layer, written by
+position from its prefill on (a chunked prefill's chunks and a preemption's recompute
+land where they belong); the compiler bounded that copy against the trace's read budget
+(plan.ReadAttentionPattern.key_cache_bytes). The weights are softmax(scale * q . k)
+over the keys the query sees (causal, within a sliding window), with soft-capping where
+the layer has it, in float32, for the selected query rows of each forward pass; the
+chunks of a step (a chunked prefill runs several passes) are joined at its sample
+(module_reads.py). What a sequence keeps meanwhile is in pattern_state.py.
+
+Eager engines only, like every module hook: Python hooks do not fire inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from ..shared import plan as P
+from .host import on_device
+from .pattern_state import KeyCache, PatternChunk
+from .runner import AttentionLayer
+
+if TYPE_CHECKING:
+    from collections.abc import KeysView
+
+    from .sequences import Sequence
+
+log = logging.getLogger(f"vllm.{__name__}")
+
+# Scores computed at once for a block of query rows (float32 elements): bounds the
+# transient memory of a long prompt's rows (64 MiB) whatever its length.
+_BLOCK_ELEMENTS = 1 << 24
+
+
+def keeps_keys(op: P.Op, step: int) -> bool:
+    """Whether a pattern read needs the keys a forward pass of `step` computes: prompt
+    positions only at the prefill (step 0); the new token up to its last selected step."""
+    read = op.action
+    assert isinstance(read, P.ReadAttentionPattern)
+    if read.positions.kind in ("new_token", "all"):
+        last = op.steps.last()
+        return last is None or step <= last
+    return step == 0 and op.steps.contains(0)
+
+
+class Rows(Protocol):
+    """One request's flat token rows in a forward pass (module_hooks.Span)."""
+
+    first: int
+    last: int
+    pos0: int
+
+    def rows(self, positions: P.Positions, step: int) -> tuple[list[int], list[int]]: ...
+
+
+@dataclass
+class _Task:
+    """One sequence's pattern read at one layer in this forward pass: record the keys of
+    its rows, and compute the weights of the query rows the read selects now."""
+
+    seq: Sequence
+    key: str  # the read's name @ layer
+    read: P.ReadAttentionPattern
+    cache: KeyCache | None  # None until the first pass on a device
+    first: int  # its flat token rows [first, last), positions from pos0
+    last: int
+    pos0: int
+    rows: list[int]  # query rows (flat), at `positions`
+    positions: list[int]
+
+
+def weights(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+    """softmax over keys of scale * q . k, masked: [rows, heads, L] float32 for q [rows,
+    heads, D] (float32) and keys [L, heads, D] (each query head's KV head), for queries
+    at `positions` ([rows]); keys a query does not see get exactly 0."""
+    scores = torch.einsum("rhd,lhd->rhl", q, keys) * layer.scale
+    if layer.soft_cap is not None:
+        scores = layer.soft_cap * torch.tanh(scores / layer.soft_cap)
+    key_pos = torch.arange(keys.shape[0], device=keys.device)
+    distance = positions[:, None] - key_pos[None, :]  # [rows, L]
+    hidden = distance < 0
+    if layer.sliding_window is not None:
+        hidden |= distance >= layer.sliding_window
+    scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def top_k(
+    probs: torch.Tensor, positions: torch.Tensor, k: int, layer: AttentionLayer
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest weights of each row with their key positions, largest first:
+    entries past the keys a query sees are 0 with key position -1."""
+    rows, heads, length = probs.shape
+    key_pos = torch.arange(length, device=probs.device)
+    distance = positions[:, None] - key_pos[None, :]
+    seen = distance >= 0
+    if layer.sliding_window is not None:
+        seen &= distance < layer.sliding_window
+    # unseen keys rank below every seen one (weights are >= 0), then are blanked
+    ranked = probs.masked_fill(~seen[:, None, :], -1.0)
+    found = torch.topk(ranked, min(k, length), dim=-1)
+    values, ids = found.values, found.indices.to(torch.int32)
+    blank = values < 0
+    values = values.masked_fill(blank, 0.0)
+    ids = ids.masked_fill(blank, -1)
+    if k > length:
+        pad = k - length
+        values = torch.cat([values, values.new_zeros((rows, heads, pad))], dim=-1)
+        ids = torch.cat([ids, ids.new_full((rows, heads, pad), -1)], dim=-1)
+    return values, ids
+
+
+class AttentionPatterns:
+    """Pre-hooks on each decoder layer's attention module: planned per forward pass
+    (module_hooks.py calls `begin` then `plan` for each request in the pass)."""
+
+    def __init__(self, layers: dict[int, AttentionLayer]) -> None:
+        self.layers = layers
+        self._tasks: dict[int, list[_Task]] = {}
+        # Requests holding key caches: dropped when the runner lets go of them (a request
+        # that ended before its last selected step holds no memory after it).
+        self._holders: dict[str, Sequence] = {}
+
+    def install(self) -> None:
+        for index, layer in self.layers.items():
+            layer.module.register_forward_pre_hook(
+                lambda module, args, kwargs, index=index: self._hook(index, args, kwargs), with_kwargs=True
+            )
+
+    def begin(self, live: KeysView[str]) -> None:
+        """A new forward pass: no tasks yet; caches of requests that ended go."""
+        self._tasks = {}
+        if self._holders:
+            for req_id in [r for r in self._holders if r not in live]:
+                self._holders.pop(req_id).key_caches.clear()
+
+    def plan(self, req_id: str, seq: Sequence, span: Rows) -> None:
+        """This pass's tasks for one request: every pattern read that still needs keys
+        records this pass's; those selected now compute their query rows."""
+        step = seq.step
+        selected = {id(op) for op in seq.plan.active_at(step)}
+        kept = False
+        for op in seq.plan.ops:
+            read = op.action
+            if not isinstance(read, P.ReadAttentionPattern) or not keeps_keys(op, step):
+                continue
+            kept = True
+            rows, positions = span.rows(read.positions, step) if id(op) in selected else ([], [])
+            for key, _ in read.module_reads(op.name):
+                index = int(key.rsplit("@", 1)[1])
+                layer = self.layers.get(index)
+                problem = self._problem(read, index, layer)
+                if problem:
+                    seq.error = seq.error or f"attention pattern read {op.name!r}: layer {index}: {problem}"
+                    return
+                self._tasks.setdefault(index, []).append(_Task(
+                    seq, key, read, seq.key_caches.get(key), span.first, span.last, span.pos0, rows, positions))
+        if kept:
+            self._holders[req_id] = seq
+        elif seq.key_caches:
+            seq.key_caches.clear()  # past every pattern read's last step
+            self._holders.pop(req_id, None)
+
+    @staticmethod
+    def _problem(read: P.ReadAttentionPattern, index: int, layer: AttentionLayer | None) -> str:
+        if layer is None:
+            return "no attention module there"
+        if layer.unsupported:
+            return f"attention patterns are not computed for {layer.unsupported}"
+        if max(read.heads) >= layer.num_heads or max(read.kv_heads) >= layer.num_kv_heads:
+            return f"this worker holds {layer.num_heads} query / {layer.num_kv_heads} KV heads"
+        if layer.head_size != read.head_dim:
+            return f"head size {layer.head_size}, not the {read.head_dim} the server planned for"
+        return ""
+
+    def _hook(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Never raises into vLLM's forward pass: a failure fails the traces involved."""
+        tasks = self._tasks.get(index)
+        if not tasks:
+            return
+        try:
+            layer = self.layers[index]
+            q = args[0] if args else kwargs["query"]
+            k = args[1] if len(args) > 1 else kwargs["key"]
+            q = q.detach().reshape(-1, layer.num_heads, layer.head_size)
+            k = k.detach().reshape(-1, layer.num_kv_heads, layer.head_size)
+        except Exception as e:  # noqa: BLE001
+            log.exception("attention-pattern hook on layer %d failed", index)
+            for task in tasks:
+                task.seq.error = task.seq.error or f"{type(e).__name__} in layers.{index}.self_attn.attn: {e}"
+            return
+        for task in tasks:
+            try:
+                self._run(task, layer, q, k)
+            except Exception as e:  # noqa: BLE001 - fails this request's trace only
+                log.exception("attention-pattern read %s failed", task.key)
+                task.seq.error = task.seq.error or f"{type(e).__name__} in layers.{index}.self_attn.attn: {e}"
+
+    def _run(self, task: _Task, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor) -> None:
+        read = task.read
+        cache = task.cache
+        if cache is None:
+            cache = task.seq.key_caches[task.key] = KeyCache(read.kv_heads, read.head_dim, read.max_len, k.device)
+        cache.write(task.pos0, k[task.first:task.last])
+        if not task.rows:
+            return
+        group = layer.num_heads // layer.num_kv_heads
+        # each selected query head's KV head, as an index into the cache's KV heads
+        kv_of = on_device([read.kv_heads.index(h // group) for h in read.heads], k.device, torch.long)
+        heads = on_device(list(read.heads), q.device, torch.long)
+        rows = on_device(task.rows, q.device, torch.long)
+        queries = q.index_select(0, rows).index_select(1, heads).to(torch.float32)  # [rows, heads, D]
+        positions = on_device(task.positions, q.device, torch.long)
+        length = task.positions[-1] + 1  # the rows are ascending: the last sees the most keys
+        keys = cache.upto(length).index_select(1, kv_of)  # [L, heads, D]
+        block = max(1, _BLOCK_ELEMENTS // (len(read.heads) * length))
+        values, ids = [], []
+        for start in range(0, len(task.rows), block):
+            part = positions[start:start + block]
+            probs = weights(queries[start:start + block], keys, part, layer)
+            if read.top_k:
+                v, i = top_k(probs, part, read.top_k, layer)
+                values.append(v)
+                ids.append(i)
+            else:
+                values.append(probs)
+        chunk = PatternChunk(task.positions, torch.cat(values), torch.cat(ids) if ids else None)
+        task.seq.patterns.setdefault(task.key, []).append(chunk)
