@@ -588,3 +588,90 @@ def test_fault_injection_names_only_with_the_flag():
     assert ops(fault)[0].action == P.Stop()
     # the action is still checked first
     invalid(trace(invoke(PROMPT, iv("__fault__:boom"))), f"{F}.action", "set one action", fault_injection=True)
+
+
+# -- attention patterns -----------------------------------------------------------
+
+# The tiny model's attention: 4 query heads over 2 KV heads (GQA), head_dim 64.
+PATTERNS = dataclasses.replace(EAGER, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def pattern(**fields) -> I.Intervention:
+    return iv("p", read_attention_pattern=I.ReadAttentionPattern(**fields))
+
+
+def test_attention_pattern_plan():
+    (op,) = ops(pattern(layers=[-1, 1], heads=[3, 2], top_k=5), limits=PATTERNS, max_tokens=10)
+    read = op.action
+    assert isinstance(read, P.ReadAttentionPattern)
+    assert (read.layers, read.heads, read.top_k) == ((3, 1), (3, 2), 5)
+    assert read.kv_heads == (1,)  # heads 2 and 3 read KV head 1
+    assert (read.head_dim, read.max_len) == (64, len(PROMPT) + 10)
+    assert read.positions == P.Positions()
+    (op,) = ops(pattern(layers=[0]), limits=PATTERNS)
+    assert op.action.heads == (0, 1, 2, 3) and op.action.kv_heads == (0, 1) and op.action.top_k == 0
+    # keys come from the prompt at every step: such requests never read the prefix cache
+    (seq,) = one(pattern(layers=[0], top_k=1), limits=PATTERNS).invokes[0].sequences
+    assert seq.sampling["skip_reading_prefix_cache"] is True
+
+
+def test_attention_pattern_bytes_count_the_key_cache():
+    keys = 4 * 2 * 1 * 64 * (len(PROMPT) + 10)  # float32 keys of 2 layers x 1 KV head, 18 positions
+    top = pattern(layers=[0, 1], heads=[0, 1], top_k=5)
+    assert one(top, limits=PATTERNS, max_tokens=10).read_bytes_bound == keys + 10 * 2 * 2 * 8 * 5
+    # full rows: up to prompt_len + max_tokens keys a row
+    full = pattern(layers=[0, 1], heads=[0, 1])
+    assert one(full, limits=PATTERNS, max_tokens=10).read_bytes_bound == keys + 10 * 2 * 2 * 4 * 18
+    # the prompt's rows at step 0 only
+    prompt = pattern(layers=[0], heads=[0], top_k=2, positions=I.Positions(all_prompt=I.AllPrompt()))
+    assert one(prompt, limits=PATTERNS, max_tokens=10).read_bytes_bound == 4 * 64 * 18 + 8 * 8 * 2
+    # the key cache alone can exceed the budget: refused up front
+    request = trace(invoke(PROMPT, iv("p", steps(at=[0]), read_attention_pattern=I.ReadAttentionPattern(
+        layers=[0, 1, 2, 3], top_k=1))), max_tokens=400)
+    held = 4 * 4 * 2 * 64 * (len(PROMPT) + 400)
+    assert compile_(request, PATTERNS).read_bytes_bound == held + 4 * 4 * 8
+    refused(ResourceExhausted, None, "over the limit", call=lambda: compile_(request, PATTERNS, held))
+
+
+def test_bad_attention_patterns():
+    f = f"{F}.read_attention_pattern"
+    bad = functools.partial(invalid, limits=PATTERNS)
+    bad(pattern(), f"{f}.layers", "name at least one layer")
+    bad(pattern(layers=[0, 4]), f"{f}.layers[1]", "layer 4 is outside [0, 4)")
+    bad(pattern(layers=[1, -3]), f"{f}.layers[1]", "named twice")
+    bad(pattern(layers=[0], heads=[0, 4]), f"{f}.heads[1]", "head 4 is outside [0, 4)")
+    bad(pattern(layers=[0], heads=[-1]), f"{f}.heads[0]", "head -1")
+    bad(pattern(layers=[0], heads=[2, 1, 2]), f"{f}.heads[2]", "duplicate head 2 (also heads[0])")
+    bad(pattern(layers=[0], top_k=-1), f"{f}.top_k", "must be in [0, 512]")
+    bad(pattern(layers=[0], top_k=513), f"{f}.top_k", "got 513")
+    bad(pattern(layers=[0], positions=I.Positions(prompt_list=I.PositionList(positions=[8]))),
+        f"{f}.positions.prompt_list.positions[0]", "outside the prompt's 8 positions")
+    # engines that cannot compute them right: refused, never silently wrong
+    precondition(pattern(layers=[0]), f, "--enforce-eager",
+                 limits=dataclasses.replace(PATTERNS, module_interventions=False))
+    precondition(pattern(layers=[0]), f, "tensor_parallel_size 2", limits=dataclasses.replace(
+        PATTERNS, attention_patterns_refused="attention patterns need ... tensor_parallel_size 2"))
+    precondition(pattern(layers=[0]), f, "attention heads", limits=EAGER)
+
+
+def test_attention_limits_from_hf_configs():
+    from types import SimpleNamespace
+
+    from tracewire_server.frontend.engine import attention_limits
+
+    qwen = SimpleNamespace(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           hidden_size=256)
+    assert attention_limits(qwen, 1) == dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                             attention_patterns_refused="")
+    assert "tensor_parallel_size 2" in attention_limits(qwen, 2)["attention_patterns_refused"]
+    mha = SimpleNamespace(model_type="llama", num_attention_heads=8, hidden_size=512)  # no KV heads, no head_dim
+    assert attention_limits(mha, 1)["num_key_value_heads"] == 8 and attention_limits(mha, 1)["head_dim"] == 64
+    for config, why in [
+        (SimpleNamespace(model_type="falcon", num_attention_heads=8, hidden_size=512, alibi=True), "ALiBi"),
+        (SimpleNamespace(model_type="bloom", num_attention_heads=8, hidden_size=512), "ALiBi"),
+        (SimpleNamespace(model_type="deepseek_v3", num_attention_heads=8, hidden_size=512, kv_lora_rank=512), "MLA"),
+        (SimpleNamespace(model_type="gpt_oss", num_attention_heads=8, hidden_size=512), "sinks"),
+        (SimpleNamespace(model_type="t5", num_attention_heads=8, hidden_size=512, is_encoder_decoder=True),
+         "encoder-decoder"),
+    ]:
+        assert why in attention_limits(config, 1)["attention_patterns_refused"], config

@@ -1,0 +1,177 @@
+"""Attention-pattern reads against transformers' `output_attentions=True` (eager attention)
+on the same weights, through the SDK, on a real eager server.
+
+The tiny model has 4 query heads and 2 KV heads (GQA: heads 0, 1 read KV head 0; heads 2,
+3 KV head 1). The server is started with a small --max-num-batched-tokens, so a long
+prompt runs through chunked prefill. Both sides compute in float32: tolerance 1e-5
+absolute on the weights (probabilities in [0, 1]).
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import tracewire as tw
+from conftest import MODEL, start_server
+from trace_requests import invoke, iv, run, trace
+from transformers import AutoModelForCausalLM
+from tracewire.v1 import intervention_pb2 as I
+from tracewire.v1 import service_pb2_grpc
+
+PROMPT = "The capital of France is"
+ATOL = 1e-5
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+STEPS = 4
+# Longer than the server's --max-num-batched-tokens (64): its prefill runs in chunks.
+LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 14)
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("patterns"), "--enforce-eager", "--max-num-batched-tokens", "64")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(eager):
+    with tw.Client(eager.target, timeout=180) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf_eager():
+    """transformers' own eager attention, whose weights output_attentions returns."""
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    return model
+
+
+def hf_attentions(model, ids: list[int]) -> np.ndarray:
+    """[layers, heads, T, T] attention weights over the sequence `ids`."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_attentions=True)
+    return torch.stack([a[0] for a in out.attentions]).numpy()
+
+
+def sequence_ids(tracer, prompt_ids: list[int]) -> list[int]:
+    """The prompt and the tokens the server drew, less the last (which no step's query
+    sees): the sequence every step's query row lives in."""
+    return prompt_ids + list(tracer.result.outputs[0].token_ids)[:-1]
+
+
+def test_full_rows_at_prompt_positions_and_every_new_token(client, hf_eager):
+    with client.trace(PROMPT, max_tokens=STEPS, **GREEDY) as tracer:
+        pattern = tracer.all().attention([0, 3], positions="all", top_k=0).save()
+    prompt_ids = list(tracer.result.prompt_token_ids)
+    n = len(prompt_ids)
+    ref = hf_attentions(hf_eager, sequence_ids(tracer, prompt_ids))  # [4, 4, T, T]
+    assert pattern.steps == list(range(STEPS))
+    first = pattern[0]
+    assert first.weights.shape == (2, n, 4, n) and first.weights.dtype == np.float32
+    assert first.positions.tolist() == list(range(n))
+    # rows of the prompt: query p over keys 0 .. n-1, keys after p weigh exactly 0
+    np.testing.assert_allclose(first.weights, ref[[0, 3]][:, :, :n, :n].transpose(0, 2, 1, 3), atol=ATOL)
+    assert np.all(np.triu(first.weights[0, :, 0, :], k=1) == 0)
+    np.testing.assert_allclose(first.weights.sum(-1), 1.0, atol=1e-5)
+    for s in range(1, STEPS):
+        got = pattern[s]
+        q = n - 1 + s  # the new token's position
+        assert got.weights.shape == (2, 1, 4, q + 1) and got.positions.tolist() == [q]
+        np.testing.assert_allclose(got.weights[:, 0], ref[[0, 3]][:, :, q, : q + 1], atol=ATOL)
+
+
+def test_top_k_of_chosen_heads_with_gqa(client, hf_eager):
+    """Heads 2 and 1 (in that order: KV heads 1 and 0) at the new token every step, via the
+    nnsight-style path; top-k equals transformers' top-k, ids and values."""
+    k = 5
+    with client.trace(PROMPT, max_tokens=STEPS, **GREEDY) as tracer:
+        pattern = tracer.all().model.layers[1].self_attn.pattern(heads=[2, 1], top_k=k).save()
+    prompt_ids = list(tracer.result.prompt_token_ids)
+    n = len(prompt_ids)
+    ref = hf_attentions(hf_eager, sequence_ids(tracer, prompt_ids))[1][[2, 1]]  # [2 heads, T, T]
+    for s, got in enumerate(pattern):
+        q = n - 1 + s
+        assert got.weights.shape == (1, 1, 2, k) and got.keys.shape == (1, 1, 2, k)
+        assert got.keys.dtype == np.int32 and got.positions.tolist() == [q]
+        for h in range(2):
+            row = ref[h, q, : q + 1]
+            want = np.argsort(-row, kind="stable")[:k]
+            np.testing.assert_allclose(got.weights[0, 0, h], row[want], atol=ATOL)
+            # the ids are the top ones: their weights are transformers' k largest
+            np.testing.assert_allclose(row[got.keys[0, 0, h]], row[want], atol=ATOL)
+            assert got.keys[0, 0, h].tolist() == want.tolist() or np.ptp(row[want]) < ATOL
+
+
+def test_top_k_longer_than_the_keys_pads_with_minus_one(client, hf_eager):
+    """At prompt positions query p sees p + 1 keys: a top-8 row of p < 7 ends with 0 / -1."""
+    with client.trace(PROMPT, max_tokens=1, **GREEDY) as tracer:
+        pattern = tracer.iter[0].attention(2, heads=[1], positions="prompt", top_k=8).save()
+    prompt_ids = list(tracer.result.prompt_token_ids)
+    n = len(prompt_ids)
+    ref = hf_attentions(hf_eager, prompt_ids)[2, 1]
+    (got,) = pattern
+    assert got.weights.shape == (1, n, 1, 8)
+    for p in range(n):
+        seen = min(p + 1, 8)
+        keys, weights = got.keys[0, p, 0], got.weights[0, p, 0]
+        assert sorted(keys[:seen].tolist()) == sorted(np.argsort(-ref[p, : p + 1])[:seen].tolist())
+        np.testing.assert_allclose(weights[:seen], np.sort(ref[p, : p + 1])[::-1][:seen], atol=ATOL)
+        assert keys[seen:].tolist() == [-1] * (8 - seen) and weights[seen:].tolist() == [0.0] * (8 - seen)
+
+
+def test_chunked_prefill_keys_and_rows(client, hf_eager):
+    """A prompt over the server's batched-token budget: its prefill runs in chunks, and both
+    the prompt rows (in several chunks) and later steps (keys from every chunk) match."""
+    with client.trace(LONG_PROMPT, max_tokens=3, **GREEDY) as tracer:
+        rows = tracer.iter[0].attention([1, 2], positions=[0, 40, 70, -1], top_k=0).save()
+        new = tracer.all().attention(2, heads=[2], top_k=0).save()
+    prompt_ids = list(tracer.result.prompt_token_ids)
+    n = len(prompt_ids)
+    assert n > 128  # at least three chunks of 64
+    ref = hf_attentions(hf_eager, sequence_ids(tracer, prompt_ids))
+    (got,) = rows
+    picked = [0, 40, 70, n - 1]
+    assert got.positions.tolist() == picked and got.weights.shape == (2, 4, 4, n)
+    for j, p in enumerate(picked):
+        np.testing.assert_allclose(got.weights[:, j, :, : p + 1], ref[[1, 2]][:, :, p, : p + 1], atol=ATOL)
+        assert np.all(got.weights[:, j, :, p + 1:] == 0)
+    for s, step in enumerate(new):
+        q = n - 1 + s
+        np.testing.assert_allclose(step.weights[0, 0, 0], ref[2, 2, q, : q + 1], atol=ATOL)
+
+
+def test_concurrent_sequences_keep_their_own_keys(client, hf_eager):
+    """Two invokes (different prompts, one batch) each equal their own transformers run."""
+    tracer = client.trace(max_tokens=3, **GREEDY)
+    saved = []
+    for prompt in (PROMPT, "Once upon a time there was"):
+        with tracer.invoke(prompt) as inv:
+            saved.append(inv.all().attention(0, top_k=0).save())
+    tracer.run()
+    for inv, pattern in zip(tracer.invokes, saved, strict=True):
+        prompt_ids = list(inv.result.prompt_token_ids)
+        ids = prompt_ids + list(inv.result.outputs[0].token_ids)[:-1]
+        ref = hf_attentions(hf_eager, ids)[0]
+        for s, got in enumerate(pattern):
+            q = len(prompt_ids) - 1 + s
+            np.testing.assert_allclose(got.weights[0, 0], ref[:, q, : q + 1], atol=ATOL)
+
+
+def test_bad_pattern_reads_name_the_field(eager):
+    with grpc.insecure_channel(eager.target) as channel:
+        stub = service_pb2_grpc.TraceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            run(stub, trace(invoke(PROMPT, iv("p", read_attention_pattern=I.ReadAttentionPattern(
+                layers=[0], heads=[0, 4])))))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "invokes[0].interventions[0].read_attention_pattern.heads[1]" in info.value.details()
+        # full rows at every step of a long generation: over a small budget, up front
+        with pytest.raises(grpc.RpcError) as info:
+            request = trace(invoke(PROMPT, iv("p", read_attention_pattern=I.ReadAttentionPattern(layers=[0, 1]))),
+                            max_tokens=64)
+            request.options.max_read_bytes = 4096
+            run(stub, request)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
