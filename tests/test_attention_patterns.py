@@ -16,9 +16,9 @@ import torch
 import tracewire as tw
 from conftest import MODEL, start_server
 from trace_requests import invoke, iv, run, trace
-from transformers import AutoModelForCausalLM
 from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2_grpc
+from transformers import AutoModelForCausalLM
 
 PROMPT = "The capital of France is"
 ATOL = 1e-5
