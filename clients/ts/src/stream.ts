@@ -22,7 +22,9 @@ import type { ReadValue, StepResult, TraceWarning, Usage } from "./gen/tracewire
  * [k]; a module read at the new token (or with mean) [hidden]; a module read over any
  * other positions [positions, hidden] at every step ("all": the prompt at step 0, then
  * [1, hidden]); the logit lens [layers, positions, k] (k = vocab for topK 0, then without
- * tokenIds: the index is the token id); a sample [].
+ * tokenIds: the index is the token id); attention patterns [layers, positions, heads, k]
+ * (tokenIds: key positions; k = last query position + 1 for topK 0, without tokenIds,
+ * positions: the query positions); a sample [].
  */
 export interface ReadResult {
   /** Logits, logprobs, hidden states; a scalar (shape []) for a sample. */

@@ -63,7 +63,7 @@ export interface Where {
 }
 
 type ActionInit = NonNullable<MessageInitShape<typeof InterventionSchema>["action"]>;
-type ReadCase = "readLogits" | "readSample" | "readLogprobs" | "readModule" | "readLogitLens";
+type ReadCase = "readLogits" | "readSample" | "readLogprobs" | "readModule" | "readLogitLens" | "readAttentionPattern";
 type WriteCase = "forceSample" | "writeLogits" | "writeModule";
 
 /** A read action, from the `read` helpers. */
@@ -129,6 +129,30 @@ export const read = {
     return {
       case: "readLogitLens",
       value: { layers: layerList, positions: positions(options.positions), topK: options.topK ?? 5 },
+    };
+  },
+
+  /**
+   * Attention patterns: the attention weights of query `positions` over the keys at these
+   * decoder layers and query heads (all by default), computed on the server from the
+   * model's own post-rotary q / k. Values [layers, positions, heads, topK], largest first,
+   * with tokenIds the key positions (-1 past the keys a query sees) and positions the query
+   * positions; topK 0 gives full rows [layers, positions, heads, last query position + 1]
+   * (keys a query does not see weigh 0). Needs --enforce-eager.
+   */
+  attention(
+    layers: number | readonly number[],
+    options: { heads?: readonly number[]; positions?: PositionsInput; topK?: number } = {},
+  ): ReadAction {
+    const layerList = typeof layers === "number" ? [layers] : [...layers];
+    return {
+      case: "readAttentionPattern",
+      value: {
+        layers: layerList,
+        heads: [...(options.heads ?? [])],
+        positions: positions(options.positions),
+        topK: options.topK ?? 5,
+      },
     };
   },
 } as const;
