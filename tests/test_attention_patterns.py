@@ -106,12 +106,19 @@ def test_top_k_of_chosen_heads_with_gqa(client, hf_eager):
 
 
 def test_top_k_longer_than_the_keys_pads_with_minus_one(client, hf_eager):
-    """At prompt positions query p sees p + 1 keys: a top-8 row of p < 7 ends with 0 / -1."""
+    """At prompt positions query p sees p + 1 keys: a top-8 row of p < 7 ends with 0 / -1;
+    so does the new token's row at step 0 (the last prompt position)."""
     with client.trace(PROMPT, max_tokens=1, **GREEDY) as tracer:
         pattern = tracer.iter[0].attention(2, heads=[1], positions="prompt", top_k=8).save()
+        new = tracer.iter[0].attention(2, heads=[1], top_k=8).save()
     prompt_ids = list(tracer.result.prompt_token_ids)
     n = len(prompt_ids)
+    assert n < 8
     ref = hf_attentions(hf_eager, prompt_ids)[2, 1]
+    (last,) = new
+    assert last.positions.tolist() == [n - 1]
+    np.testing.assert_allclose(last.weights[0, 0, 0, :n], np.sort(ref[n - 1])[::-1], atol=ATOL)
+    assert last.keys[0, 0, 0, n:].tolist() == [-1] * (8 - n) and last.weights[0, 0, 0, n:].tolist() == [0.0] * (8 - n)
     (got,) = pattern
     assert got.weights.shape == (1, n, 1, 8)
     for p in range(n):

@@ -209,20 +209,45 @@ class AttentionPatterns:
         read = task.read
         cache = task.cache
         if cache is None:
-            cache = task.seq.key_caches[task.key] = KeyCache(read.kv_heads, read.head_dim, read.max_len, k.device)
+            group = layer.num_heads // layer.num_kv_heads
+            cache = task.seq.key_caches[task.key] = KeyCache(read.kv_heads, read.head_dim, read.max_len, k.device,
+                                                             read.heads, group)
         cache.write(task.pos0, k[task.first:task.last])
         if not task.rows:
             return
-        group = layer.num_heads // layer.num_kv_heads
-        # each selected query head's KV head, as an index into the cache's KV heads
-        kv_of = on_device([read.kv_heads.index(h // group) for h in read.heads], k.device, torch.long)
-        heads = on_device(list(read.heads), q.device, torch.long)
+        length = task.positions[-1] + 1  # the rows are ascending: the last sees the most keys
+        keys = cache.upto(length).index_select(1, cache.kv_of)  # [L, heads, D]: each query head's keys
+        if len(task.rows) == 1 and (layer.sliding_window is None or length <= layer.sliding_window):
+            chunk = self._new_token(task, layer, q[task.rows[0]].index_select(0, cache.heads), keys)
+        else:
+            chunk = self._rows(task, layer, q, keys, cache.heads)
+        task.seq.patterns.setdefault(task.key, []).append(chunk)
+
+    @staticmethod
+    def _new_token(task: _Task, layer: AttentionLayer, query: torch.Tensor, keys: torch.Tensor) -> PatternChunk:
+        """One query that sees every key up to itself (the new token each step): no mask,
+        a few kernels (this runs per sequence and layer at every step)."""
+        scores = torch.einsum("hd,lhd->hl", query.to(torch.float32), keys) * layer.scale
+        if layer.soft_cap is not None:
+            scores = layer.soft_cap * torch.tanh(scores / layer.soft_cap)
+        probs = torch.softmax(scores, dim=-1)[None]  # [1, heads, L]
+        k = task.read.top_k
+        if not k:
+            return PatternChunk(task.positions, probs, None)
+        if k > probs.shape[-1]:  # (fewer keys than k: padded as any row is)
+            positions = torch.tensor(task.positions, device=probs.device)
+            return PatternChunk(task.positions, *top_k(probs, positions, k, layer))
+        found = torch.topk(probs, k, dim=-1)
+        return PatternChunk(task.positions, found.values, found.indices.to(torch.int32))
+
+    def _rows(self, task: _Task, layer: AttentionLayer, q: torch.Tensor, keys: torch.Tensor,
+              heads: torch.Tensor) -> PatternChunk:
+        """Query rows at prompt positions (or under a sliding window): masked, in blocks."""
+        read = task.read
         rows = on_device(task.rows, q.device, torch.long)
         queries = q.index_select(0, rows).index_select(1, heads).to(torch.float32)  # [rows, heads, D]
         positions = on_device(task.positions, q.device, torch.long)
-        length = task.positions[-1] + 1  # the rows are ascending: the last sees the most keys
-        keys = cache.upto(length).index_select(1, kv_of)  # [L, heads, D]
-        block = max(1, _BLOCK_ELEMENTS // (len(read.heads) * length))
+        block = max(1, _BLOCK_ELEMENTS // (len(read.heads) * keys.shape[0]))
         values, ids = [], []
         for start in range(0, len(task.rows), block):
             part = positions[start:start + block]
@@ -233,5 +258,4 @@ class AttentionPatterns:
                 ids.append(i)
             else:
                 values.append(probs)
-        chunk = PatternChunk(task.positions, torch.cat(values), torch.cat(ids) if ids else None)
-        task.seq.patterns.setdefault(task.key, []).append(chunk)
+        return PatternChunk(task.positions, torch.cat(values), torch.cat(ids) if ids else None)

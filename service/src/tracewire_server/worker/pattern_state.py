@@ -27,10 +27,15 @@ class PatternChunk(NamedTuple):
 class KeyCache:
     """One sequence's post-rotary keys of some KV heads at one layer, by position:
     [positions, kv_heads, head_dim] float32, grown as positions arrive, up to the
-    plan's max_len (what the compiler counted)."""
+    plan's max_len (what the compiler counted); with the read's head indices."""
 
-    def __init__(self, kv_heads: tuple[int, ...], head_dim: int, max_len: int, device: torch.device) -> None:
+    def __init__(self, kv_heads: tuple[int, ...], head_dim: int, max_len: int, device: torch.device,
+                 heads: tuple[int, ...], group: int) -> None:
         self.kv_index = on_device(list(kv_heads), device, torch.long)
+        # The read's query heads, and each one's KV head as an index into these keys (GQA:
+        # query head h reads KV head h // group): on the device once, not every step.
+        self.heads = on_device(list(heads), device, torch.long)
+        self.kv_of = on_device([kv_heads.index(h // group) for h in heads], device, torch.long)
         self.max_len = max_len
         self.keys = torch.empty((0, len(kv_heads), head_dim), dtype=torch.float32, device=device)
         self.known = 0  # positions 0 .. known - 1 are written
