@@ -51,7 +51,8 @@ RPC_SECONDS = Histogram(
 )
 TRACES_IN_FLIGHT = Gauge("tracewire_traces_in_flight", "Trace calls running", ["tenant"])
 TRACE_STEPS = Counter("tracewire_trace_steps", "StepResults streamed to clients", ["tenant"])
-# kind: the read's type, as the TraceRequest names it: logits, logprobs, sample, module, logit_lens.
+# kind: the read's type, as the TraceRequest names it: logits, logprobs, sample, module, logit_lens,
+# attention_pattern.
 READ_VALUES = Counter("tracewire_trace_read_values", "Read values streamed, by read kind", ["kind", "tenant"])
 READ_BYTES = Counter(
     "tracewire_trace_read_bytes", "Bytes of read values streamed (the tensors' data), by read kind",
