@@ -182,3 +182,62 @@ def test_bad_pattern_reads_name_the_field(eager):
             request.options.max_read_bytes = 4096
             run(stub, request)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# -- what the tiny model lacks: sliding windows and soft-capping (no engine) ------------
+
+
+@pytest.mark.parametrize(("window", "cap"), [(4, 5.0), (None, 5.0), (4, None)])
+def test_sliding_window_and_soft_cap_equal_transformers_eager_attention(window, cap):
+    """The worker's computation (KeyCache, chunks, the new token's fast path, top-k) on
+    random post-rotary q / k with a window and a cap, against transformers' Gemma 2 eager
+    attention (soft-capping) under its own sliding-window causal mask (masking_utils)."""
+    from types import SimpleNamespace
+
+    from tracewire_server.shared import plan as P
+    from tracewire_server.worker.attention_patterns import AttentionPatterns, _Task
+    from tracewire_server.worker.runner import AttentionLayer
+    from transformers import masking_utils
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    T, H, KV, D, scale = 13, 4, 2, 16, 0.25
+    gen = torch.Generator().manual_seed(0)
+    q, k = 3 * torch.randn(T, H, D, generator=gen), 3 * torch.randn(T, KV, D, generator=gen)
+    mask_fn = (masking_utils.sliding_window_causal_mask_function(window) if window
+               else masking_utils.causal_mask_function)
+    idx = torch.arange(T)
+    allowed = torch.stack([torch.stack([mask_fn(0, 0, i, j) for j in idx]) for i in idx])
+    additive = torch.zeros(T, T).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+    module = SimpleNamespace(num_key_value_groups=H // KV, training=False)
+    _, ref = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                     k.transpose(0, 1)[None], additive, scaling=scale, softcap=cap)
+    ref = ref[0]  # [H, T, T]
+
+    layer = AttentionLayer(None, H, KV, D, scale, window, cap, "")
+    patterns = AttentionPatterns({0: layer})
+    heads = (3, 0, 1)
+    full = P.ReadAttentionPattern((0,), heads, P.Positions("all"), 0, (0, 1), D, T)
+    top = P.ReadAttentionPattern((0,), heads, P.Positions("all"), 3, (0, 1), D, T)
+    seq = SimpleNamespace(key_caches={}, patterns={}, error=None)
+    # a prefill in two chunks (every prompt row), then three new tokens one pass each
+    for first, last in [(0, 6), (6, 10), (10, 11), (11, 12), (12, 13)]:
+        rows = list(range(last - first)) if last <= 10 else [0]
+        for key, read in (("full@0", full), ("top@0", top)):
+            task = _Task(seq, key, read, seq.key_caches.get(key), 0, last - first, first, rows,
+                         [first + r for r in rows])
+            patterns._run(task, layer, q[first:last], k[first:last])
+    assert seq.error is None
+    chunks = seq.patterns["full@0"]
+    for chunk in chunks:
+        for j, p in enumerate(chunk.positions):
+            row = chunk.values[j]  # [heads, keys]
+            np.testing.assert_allclose(row.numpy(), ref[list(heads), p, : row.shape[-1]].numpy(), atol=1e-6)
+    for chunk in seq.patterns["top@0"]:
+        for j, p in enumerate(chunk.positions):
+            for h_index, h in enumerate(heads):
+                want = ref[h, p, : p + 1]
+                seen = int((allowed[p, : p + 1]).sum())
+                ids = chunk.ids[j, h_index].tolist()
+                np.testing.assert_allclose(chunk.values[j, h_index, : min(3, seen)].numpy(),
+                                           torch.sort(want, descending=True).values[: min(3, seen)].numpy(), atol=1e-6)
+                assert all(allowed[p, i] for i in ids[:seen]) and ids[seen:] == [-1] * max(0, 3 - seen)

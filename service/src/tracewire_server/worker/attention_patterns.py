@@ -235,7 +235,7 @@ class AttentionPatterns:
         if not k:
             return PatternChunk(task.positions, probs, None)
         if k > probs.shape[-1]:  # (fewer keys than k: padded as any row is)
-            positions = torch.tensor(task.positions, device=probs.device)
+            positions = on_device(task.positions, probs.device, torch.long)
             return PatternChunk(task.positions, *top_k(probs, positions, k, layer))
         found = torch.topk(probs, k, dim=-1)
         return PatternChunk(task.positions, found.values, found.indices.to(torch.int32))
