@@ -64,6 +64,8 @@ def test_a_request_within_its_bounds_passes():
      "sampling_params.logit_bias", ("at most 2048",)),
     ("layers: the model's", trace(invoke("a", iv("l", read_logit_lens=I.ReadLogitLens(layers=[0] * 5)))),
      f"{F}.read_logit_lens.layers", ("5 entries; at most 4",)),
+    ("pattern layers: the model's", trace(invoke("a", iv("p", read_attention_pattern=I.ReadAttentionPattern(
+        layers=[0] * 5)))), f"{F}.read_attention_pattern.layers", ("5 entries; at most 4",)),
     ("stop strings", trace(invoke("a", stop=["x"] * 65)), "invokes[0].sampling_params.stop", ("at most 64",)),
     ("a stop string", trace(invoke("a"), stop=["x", "y" * 1025]), "sampling_params.stop[1]",
      ("1025 characters; at most 1024",)),

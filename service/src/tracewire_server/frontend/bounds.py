@@ -44,6 +44,7 @@ _MODEL_ITEMS = {
     "tracewire.v1.SamplingParams.allowed_token_ids": _VOCAB,
     "tracewire.v1.SamplingParams.stop_token_ids": _VOCAB,
     "tracewire.v1.ReadLogitLens.layers": _LAYERS,
+    "tracewire.v1.ReadAttentionPattern.layers": _LAYERS,
 }
 _FIXED_ITEMS = {
     "tracewire.v1.SamplingParams.stop": MAX_STOP_STRINGS,

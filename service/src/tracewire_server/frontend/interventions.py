@@ -214,16 +214,15 @@ class InterventionCompiler:
             raise FailedPrecondition(f"{field}: {why}")
         layers = self.distinct_layers(r.layers, f"{field}.layers")
         heads_count, kv_count = limits.num_attention_heads, limits.num_key_value_heads
-        heads: list[int] = []
+        seen: dict[int, int] = {}  # head -> its index in the field
         for k, head in enumerate(r.heads):
             if not 0 <= head < heads_count:
                 raise InvalidArgument(f"{field}.heads[{k}]", f"head {head} is outside [0, {heads_count}) "
                                       "(the model's query heads)")
-            if head in heads:
-                raise InvalidArgument(f"{field}.heads[{k}]", f"duplicate head {head} (also heads[{heads.index(head)}])")
-            heads.append(head)
-        if not heads:
-            heads = list(range(heads_count))
+            if head in seen:
+                raise InvalidArgument(f"{field}.heads[{k}]", f"duplicate head {head} (also heads[{seen[head]}])")
+            seen[head] = k
+        heads = list(seen) or list(range(heads_count))
         if not 0 <= r.top_k <= limits.max_model_len:
             raise InvalidArgument(f"{field}.top_k", f"must be in [0, {limits.max_model_len}] (the model's "
                                   f"context; 0 returns full rows), got {r.top_k}")
