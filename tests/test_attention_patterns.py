@@ -241,3 +241,41 @@ def test_sliding_window_and_soft_cap_equal_transformers_eager_attention(window, 
                 np.testing.assert_allclose(chunk.values[j, h_index, : min(3, seen)].numpy(),
                                            torch.sort(want, descending=True).values[: min(3, seen)].numpy(), atol=1e-6)
                 assert all(allowed[p, i] for i in ids[:seen]) and ids[seen:] == [-1] * max(0, 3 - seen)
+
+
+def test_key_caches_go_when_no_read_needs_them():
+    """A sequence's keys are kept while a pattern read can still be selected, and dropped
+    after its last selected step, or when the runner lets go of the request (no engine)."""
+    from tracewire_server.shared import plan as P
+    from tracewire_server.worker.attention_patterns import AttentionPatterns
+    from tracewire_server.worker.module_hooks import Span
+    from tracewire_server.worker.runner import AttentionLayer
+    from tracewire_server.worker.sequences import Sequence
+
+    layer = AttentionLayer(None, 4, 2, 8, 0.5, None, None, "")
+    patterns = AttentionPatterns({0: layer})
+    read = P.ReadAttentionPattern((0,), (1,), P.Positions(), 2, (0,), 8, 10)
+    plan = P.SequencePlan("k", (P.Op("p", P.StepSet(stop=2), None, read),))  # steps 0 and 1
+    q, k = torch.randn(6, 4, 8), torch.randn(6, 2, 8)
+
+    def run_pass(seq, live, n, pos0, drawn):
+        """A forward pass of n tokens of the request from position pos0."""
+        patterns.begin(live)
+        patterns.plan("r", seq, Span.of(5, drawn, 0, n, pos0))
+        patterns._hook(0, (q[:n], k[:n]), {})
+
+    seq = Sequence(plan, needs_text=False, prompt_ids=[1, 2, 3, 4, 5])
+    assert seq.reads_patterns
+    run_pass(seq, {"r"}, 5, 0, 0)  # the prefill: step 0's query row
+    assert seq.error is None and seq.key_caches["p@0"].known == 5 and len(seq.patterns["p@0"]) == 1
+    seq.step = 1
+    run_pass(seq, {"r"}, 1, 5, 1)
+    assert seq.key_caches["p@0"].known == 6
+    seq.step = 2  # past the read's last step: its keys go
+    run_pass(seq, {"r"}, 1, 6, 2)
+    assert seq.key_caches == {} and patterns._holders == {}
+    other = Sequence(plan, needs_text=False, prompt_ids=[1, 2, 3, 4, 5])
+    run_pass(other, {"r"}, 5, 0, 0)
+    assert other.key_caches
+    patterns.begin(set())  # the request ended before its last step
+    assert other.key_caches == {} and patterns._holders == {}
