@@ -187,8 +187,9 @@ def test_bad_pattern_reads_name_the_field(eager):
 # -- what the tiny model lacks: sliding windows and soft-capping (no engine) ------------
 
 
+@pytest.mark.parametrize("heads", [(3, 0, 1), (0, 1, 2, 3)])  # (every head in order: GQA as a reshape)
 @pytest.mark.parametrize(("window", "cap"), [(4, 5.0), (None, 5.0), (4, None)])
-def test_sliding_window_and_soft_cap_equal_transformers_eager_attention(window, cap):
+def test_sliding_window_and_soft_cap_equal_transformers_eager_attention(window, cap, heads):
     """The worker's computation (KeyCache, chunks, the new token's fast path, top-k) on
     random post-rotary q / k with a window and a cap, against transformers' Gemma 2 eager
     attention (soft-capping) under its own sliding-window causal mask (masking_utils)."""
@@ -215,19 +216,19 @@ def test_sliding_window_and_soft_cap_equal_transformers_eager_attention(window, 
 
     layer = AttentionLayer(None, H, KV, D, scale, window, cap, "")
     patterns = AttentionPatterns({0: layer})
-    heads = (3, 0, 1)
     full = P.ReadAttentionPattern((0,), heads, P.Positions("all"), 0, (0, 1), D, T)
     top = P.ReadAttentionPattern((0,), heads, P.Positions("all"), 3, (0, 1), D, T)
     seq = SimpleNamespace(key_caches={}, patterns={}, error=None)
     # a prefill in two chunks (every prompt row), then three new tokens one pass each
     for first, last in [(0, 6), (6, 10), (10, 11), (11, 12), (12, 13)]:
         rows = list(range(last - first)) if last <= 10 else [0]
-        for key, read in (("full@0", full), ("top@0", top)):
-            task = _Task(seq, key, read, seq.key_caches.get(key), 0, last - first, first, rows,
-                         [first + r for r in rows])
-            patterns._run(task, layer, q[first:last], k[first:last])
+        patterns._tasks = {0: [_Task(seq, key, read, seq.key_caches.get(key), 0, last - first, first, rows,
+                                     [first + r for r in rows]) for key, read in (("full@0", full), ("top@0", top))]}
+        patterns._hook(0, (q[first:last], k[first:last]), {})
     assert seq.error is None
     chunks = seq.patterns["full@0"]
+    assert [p for c in chunks for p in c.positions] == list(range(T))
+    assert [p for c in seq.patterns["top@0"] for p in c.positions] == list(range(T))
     for chunk in chunks:
         for j, p in enumerate(chunk.positions):
             row = chunk.values[j]  # [heads, keys]

@@ -82,16 +82,21 @@ def weights(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, layer:
     """softmax over keys of scale * q . k, masked: [rows, heads, L] float32 for q [rows,
     heads, D] (float32) and keys [L, heads, D] (each query head's KV head), for queries
     at `positions` ([rows]); keys a query does not see get exactly 0."""
-    scores = torch.einsum("rhd,lhd->rhl", q, keys) * layer.scale
+    return _softmax(torch.einsum("rhd,lhd->rhl", q, keys) * layer.scale, positions, layer)
+
+
+def _softmax(scores: torch.Tensor, positions: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+    """Soft-capped, masked softmax of scaled scores [rows, heads, L] of queries at
+    `positions` [rows] over keys 0 .. L - 1: keys a query does not see (after it, outside
+    its window) weigh exactly 0."""
     if layer.soft_cap is not None:
         scores = layer.soft_cap * torch.tanh(scores / layer.soft_cap)
-    key_pos = torch.arange(keys.shape[0], device=keys.device)
+    key_pos = torch.arange(scores.shape[-1], device=scores.device)
     distance = positions[:, None] - key_pos[None, :]  # [rows, L]
     hidden = distance < 0
     if layer.sliding_window is not None:
         hidden |= distance >= layer.sliding_window
-    scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
-    return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores.masked_fill(hidden[:, None, :], float("-inf")), dim=-1)
 
 
 def top_k(
@@ -198,14 +203,26 @@ class AttentionPatterns:
             for task in tasks:
                 task.seq.error = task.seq.error or f"{type(e).__name__} in layers.{index}.self_attn.attn: {e}"
             return
+        new_tokens: dict[tuple[tuple[int, ...], int], list[tuple[_Task, KeyCache]]] = {}
         for task in tasks:
             try:
-                self._run(task, layer, q, k)
+                found = self._run(task, layer, q, k)
+                if found is not None:  # a new token's row: computed with the others like it below
+                    new_tokens.setdefault((task.read.heads, task.read.top_k), []).append((task, found))
             except Exception as e:  # noqa: BLE001 - fails this request's trace only
                 log.exception("attention-pattern read %s failed", task.key)
                 task.seq.error = task.seq.error or f"{type(e).__name__} in layers.{index}.self_attn.attn: {e}"
+        for group in new_tokens.values():
+            try:
+                self._new_tokens(group, layer, q)
+            except Exception as e:  # noqa: BLE001 - fails these requests' traces only
+                log.exception("attention-pattern reads at layer %d failed", index)
+                for task, _ in group:
+                    task.seq.error = task.seq.error or f"{type(e).__name__} in layers.{index}.self_attn.attn: {e}"
 
-    def _run(self, task: _Task, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor) -> None:
+    def _run(self, task: _Task, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor) -> KeyCache | None:
+        """Record the task's keys and compute its query rows; a new token's row is left to
+        `_new_tokens` (returns its cache then)."""
         read = task.read
         cache = task.cache
         if cache is None:
@@ -214,31 +231,46 @@ class AttentionPatterns:
                                                              read.heads, group)
         cache.write(task.pos0, k[task.first:task.last])
         if not task.rows:
-            return
+            return None
+        if len(task.rows) == 1:
+            return cache
         length = task.positions[-1] + 1  # the rows are ascending: the last sees the most keys
         keys = cache.upto(length).index_select(1, cache.kv_of)  # [L, heads, D]: each query head's keys
-        if len(task.rows) == 1 and (layer.sliding_window is None or length <= layer.sliding_window):
-            chunk = self._new_token(task, layer, q[task.rows[0]].index_select(0, cache.heads), keys)
-        else:
-            chunk = self._rows(task, layer, q, keys, cache.heads)
-        task.seq.patterns.setdefault(task.key, []).append(chunk)
+        task.seq.patterns.setdefault(task.key, []).append(self._rows(task, layer, q, keys, cache.heads))
+        return None
 
     @staticmethod
-    def _new_token(task: _Task, layer: AttentionLayer, query: torch.Tensor, keys: torch.Tensor) -> PatternChunk:
-        """One query that sees every key up to itself (the new token each step): no mask,
-        a few kernels (this runs per sequence and layer at every step)."""
-        scores = torch.einsum("hd,lhd->hl", query.to(torch.float32), keys) * layer.scale
-        if layer.soft_cap is not None:
-            scores = layer.soft_cap * torch.tanh(scores / layer.soft_cap)
-        probs = torch.softmax(scores, dim=-1)[None]  # [1, heads, L]
-        k = task.read.top_k
-        if not k:
-            return PatternChunk(task.positions, probs, None)
-        if k > probs.shape[-1]:  # (fewer keys than k: padded as any row is)
-            positions = on_device(task.positions, probs.device, torch.long)
-            return PatternChunk(task.positions, *top_k(probs, positions, k, layer))
-        found = torch.topk(probs, k, dim=-1)
-        return PatternChunk(task.positions, found.values, found.indices.to(torch.int32))
+    def _new_tokens(group: list[tuple[_Task, KeyCache]], layer: AttentionLayer, q: torch.Tensor) -> None:
+        """One query row each (the new token, every step) of sequences reading the same
+        heads: their keys padded to the longest, one set of kernels for a block of them
+        rather than a set per sequence (this runs per layer at every step)."""
+        read, cache = group[0][0].read, group[0][1]
+        heads = len(read.heads)
+        longest = max(task.positions[0] for task, _ in group) + 1
+        block = max(1, _BLOCK_ELEMENTS // (longest * heads * read.head_dim))
+        for start in range(0, len(group), block):
+            part = group[start:start + block]
+            positions = on_device([task.positions[0] for task, _ in part], q.device, torch.long)
+            keys = torch.nn.utils.rnn.pad_sequence(
+                [c.upto(task.positions[0] + 1) for task, c in part], batch_first=True)  # [B, L, kv, D]
+            rows = on_device([task.rows[0] for task, _ in part], q.device, torch.long)
+            queries = q.index_select(0, rows).index_select(1, cache.heads).to(torch.float32)  # [B, heads, D]
+            if cache.grouped:  # every query head in order: GQA as a batched matmul, keys not repeated
+                b, kv, d = queries.shape[0], keys.shape[2], queries.shape[2]
+                scores = torch.matmul(queries.view(b, kv, heads // kv, d), keys.permute(0, 2, 3, 1))
+                scores = scores.reshape(b, heads, -1)
+            else:
+                scores = torch.einsum("bhd,blhd->bhl", queries, keys.index_select(2, cache.kv_of))
+            probs = _softmax(scores * layer.scale, positions, layer)  # [B, heads, L]
+            if read.top_k:
+                values, ids = top_k(probs, positions, read.top_k, layer)
+                for j, (task, _) in enumerate(part):
+                    chunk = PatternChunk(task.positions, values[j:j + 1], ids[j:j + 1])
+                    task.seq.patterns.setdefault(task.key, []).append(chunk)
+            else:
+                for j, (task, _) in enumerate(part):
+                    chunk = PatternChunk(task.positions, probs[j:j + 1, :, : task.positions[0] + 1], None)
+                    task.seq.patterns.setdefault(task.key, []).append(chunk)
 
     def _rows(self, task: _Task, layer: AttentionLayer, q: torch.Tensor, keys: torch.Tensor,
               heads: torch.Tensor) -> PatternChunk:

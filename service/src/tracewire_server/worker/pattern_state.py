@@ -36,6 +36,8 @@ class KeyCache:
         # query head h reads KV head h // group): on the device once, not every step.
         self.heads = on_device(list(heads), device, torch.long)
         self.kv_of = on_device([kv_heads.index(h // group) for h in heads], device, torch.long)
+        # Every query head in order (the read named none): GQA is a reshape, not a gather.
+        self.grouped = heads == tuple(range(len(kv_heads) * group)) and kv_heads == tuple(range(len(kv_heads)))
         self.max_len = max_len
         self.keys = torch.empty((0, len(kv_heads), head_dim), dtype=torch.float32, device=device)
         self.known = 0  # positions 0 .. known - 1 are written
