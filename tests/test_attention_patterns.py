@@ -150,6 +150,25 @@ def test_chunked_prefill_keys_and_rows(client, hf_eager):
         np.testing.assert_allclose(step.weights[0, 0, 0], ref[2, 2, q, : q + 1], atol=ATOL)
 
 
+def test_the_prefix_cache_is_not_read_for_pattern_reads(client, hf_eager):
+    """A prompt of more than one KV block (128 on the CPU) that the prefix cache holds: a
+    trace without reads is served from it, one with a new-token pattern read is not (the
+    prompt's keys must run through the model) and equals transformers."""
+    prompt = " ".join(["Once upon a time, in a land far away, lived a fox."] * 12)
+    for _ in range(2):
+        with client.trace(prompt, max_tokens=2, **GREEDY) as plain:
+            plain.all().samples.save()
+    assert plain.result.num_cached_tokens >= 128
+    with client.trace(prompt, max_tokens=2, **GREEDY) as tracer:
+        pattern = tracer.all().attention(3, heads=[0], top_k=0).save()
+    assert tracer.result.num_cached_tokens == 0
+    prompt_ids = list(tracer.result.prompt_token_ids)
+    ref = hf_attentions(hf_eager, sequence_ids(tracer, prompt_ids))[3, 0]
+    for s, got in enumerate(pattern):
+        q = len(prompt_ids) - 1 + s
+        np.testing.assert_allclose(got.weights[0, 0, 0], ref[q, : q + 1], atol=ATOL)
+
+
 def test_concurrent_sequences_keep_their_own_keys(client, hf_eager):
     """Two invokes (different prompts, one batch) each equal their own transformers run."""
     tracer = client.trace(max_tokens=3, **GREEDY)
