@@ -78,11 +78,30 @@ class _Task:
     positions: list[int]
 
 
-def weights(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
-    """softmax over keys of scale * q . k, masked: [rows, heads, L] float32 for q [rows,
-    heads, D] (float32) and keys [L, heads, D] (each query head's KV head), for queries
-    at `positions` ([rows]); keys a query does not see get exactly 0."""
-    return _softmax(torch.einsum("rhd,lhd->rhl", q, keys) * layer.scale, positions, layer)
+def shared_key_scores(queries: torch.Tensor, keys: torch.Tensor, cache: KeyCache) -> torch.Tensor:
+    """q . k of query rows [R, heads, D] (float32) over one sequence's keys [L, kv, D]:
+    [R, heads, L]. GQA by KV head: the keys are never repeated per query head."""
+    r, h, d = queries.shape
+    kv = keys.shape[1]
+    if cache.grouped:  # every query head in order: a reshape
+        return torch.matmul(queries.view(r, kv, h // kv, d), keys.permute(1, 2, 0)).reshape(r, h, -1)
+    scores = queries.new_empty((r, h, keys.shape[0]))
+    for column, heads in cache.by_kv:
+        scores.index_copy_(1, heads, torch.einsum("rgd,ld->rgl", queries.index_select(1, heads), keys[:, column]))
+    return scores
+
+
+def own_key_scores(queries: torch.Tensor, keys: torch.Tensor, cache: KeyCache) -> torch.Tensor:
+    """q . k of one query row per sequence [B, heads, D] (float32) over each one's own
+    keys [B, L, kv, D]: [B, heads, L]."""
+    b, h, d = queries.shape
+    kv = keys.shape[2]
+    if cache.grouped:
+        return torch.matmul(queries.view(b, kv, h // kv, d), keys.permute(0, 2, 3, 1)).reshape(b, h, -1)
+    scores = queries.new_empty((b, h, keys.shape[1]))
+    for column, heads in cache.by_kv:
+        scores.index_copy_(1, heads, torch.einsum("bgd,bld->bgl", queries.index_select(1, heads), keys[:, :, column]))
+    return scores
 
 
 def _softmax(scores: torch.Tensor, positions: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
@@ -235,8 +254,7 @@ class AttentionPatterns:
         if len(task.rows) == 1:
             return cache
         length = task.positions[-1] + 1  # the rows are ascending: the last sees the most keys
-        keys = cache.upto(length).index_select(1, cache.kv_of)  # [L, heads, D]: each query head's keys
-        task.seq.patterns.setdefault(task.key, []).append(self._rows(task, layer, q, keys, cache.heads))
+        task.seq.patterns.setdefault(task.key, []).append(self._rows(task, layer, q, cache.upto(length), cache))
         return None
 
     @staticmethod
@@ -247,7 +265,8 @@ class AttentionPatterns:
         read, cache = group[0][0].read, group[0][1]
         heads = len(read.heads)
         longest = max(task.positions[0] for task, _ in group) + 1
-        block = max(1, _BLOCK_ELEMENTS // (longest * heads * read.head_dim))
+        # (a block's padded keys and its scores within the transient bound)
+        block = max(1, _BLOCK_ELEMENTS // (longest * max(heads, len(read.kv_heads) * read.head_dim)))
         for start in range(0, len(group), block):
             part = group[start:start + block]
             positions = on_device([task.positions[0] for task, _ in part], q.device, torch.long)
@@ -255,13 +274,7 @@ class AttentionPatterns:
                 [c.upto(task.positions[0] + 1) for task, c in part], batch_first=True)  # [B, L, kv, D]
             rows = on_device([task.rows[0] for task, _ in part], q.device, torch.long)
             queries = q.index_select(0, rows).index_select(1, cache.heads).to(torch.float32)  # [B, heads, D]
-            if cache.grouped:  # every query head in order: GQA as a batched matmul, keys not repeated
-                b, kv, d = queries.shape[0], keys.shape[2], queries.shape[2]
-                scores = torch.matmul(queries.view(b, kv, heads // kv, d), keys.permute(0, 2, 3, 1))
-                scores = scores.reshape(b, heads, -1)
-            else:
-                scores = torch.einsum("bhd,blhd->bhl", queries, keys.index_select(2, cache.kv_of))
-            probs = _softmax(scores * layer.scale, positions, layer)  # [B, heads, L]
+            probs = _softmax(own_key_scores(queries, keys, cache) * layer.scale, positions, layer)  # [B, heads, L]
             if read.top_k:
                 values, ids = top_k(probs, positions, read.top_k, layer)
                 for j, (task, _) in enumerate(part):
@@ -273,17 +286,18 @@ class AttentionPatterns:
                     task.seq.patterns.setdefault(task.key, []).append(chunk)
 
     def _rows(self, task: _Task, layer: AttentionLayer, q: torch.Tensor, keys: torch.Tensor,
-              heads: torch.Tensor) -> PatternChunk:
-        """Query rows at prompt positions (or under a sliding window): masked, in blocks."""
+              cache: KeyCache) -> PatternChunk:
+        """Query rows at prompt positions over keys [L, kv, D]: masked, in blocks."""
         read = task.read
         rows = on_device(task.rows, q.device, torch.long)
-        queries = q.index_select(0, rows).index_select(1, heads).to(torch.float32)  # [rows, heads, D]
+        queries = q.index_select(0, rows).index_select(1, cache.heads).to(torch.float32)  # [rows, heads, D]
         positions = on_device(task.positions, q.device, torch.long)
         block = max(1, _BLOCK_ELEMENTS // (len(read.heads) * keys.shape[0]))
         values, ids = [], []
         for start in range(0, len(task.rows), block):
             part = positions[start:start + block]
-            probs = weights(queries[start:start + block], keys, part, layer)
+            scores = shared_key_scores(queries[start:start + block], keys, cache) * layer.scale
+            probs = _softmax(scores, part, layer)
             if read.top_k:
                 v, i = top_k(probs, part, read.top_k, layer)
                 values.append(v)

@@ -35,7 +35,11 @@ class KeyCache:
         # The read's query heads, and each one's KV head as an index into these keys (GQA:
         # query head h reads KV head h // group): on the device once, not every step.
         self.heads = on_device(list(heads), device, torch.long)
-        self.kv_of = on_device([kv_heads.index(h // group) for h in heads], device, torch.long)
+        kv_of = [kv_heads.index(h // group) for h in heads]
+        # Per KV head kept here: which of the read's query heads read it (GQA without
+        # repeating the keys for each query head).
+        self.by_kv = [(j, on_device([i for i, c in enumerate(kv_of) if c == j], device, torch.long))
+                      for j in sorted(set(kv_of))]
         # Every query head in order (the read named none): GQA is a reshape, not a gather.
         self.grouped = heads == tuple(range(len(kv_heads) * group)) and kv_heads == tuple(range(len(kv_heads)))
         self.max_len = max_len
