@@ -111,7 +111,8 @@ export type ReadValue = Message<"tracewire.v1.ReadValue"> & {
   /**
    * The values: logits, logprobs, hidden states. Shape depends on the read:
    * [vocab] or [k] for logits, [positions, hidden] or [hidden] for modules,
-   * [layers, positions, k] for the logit lens, [] for a sample.
+   * [layers, positions, k] for the logit lens, [layers, positions, heads, k]
+   * for attention patterns (ReadAttentionPattern), [] for a sample.
    *
    * @generated from field: tracewire.v1.Tensor values = 1;
    */
@@ -119,14 +120,16 @@ export type ReadValue = Message<"tracewire.v1.ReadValue"> & {
 
   /**
    * Token ids the values belong to, same shape as values, when they are not a
-   * full vocabulary row (top-k, chosen ids, logit lens top-k).
+   * full vocabulary row (top-k, chosen ids, logit lens top-k); for attention
+   * patterns' top-k, the key positions.
    *
    * @generated from field: tracewire.v1.Tensor token_ids = 2;
    */
   tokenIds?: Tensor | undefined;
 
   /**
-   * Prompt positions the rows belong to, for reads over prompt positions.
+   * Prompt positions the rows belong to, for reads over prompt positions; for
+   * attention patterns, the query positions.
    *
    * @generated from field: tracewire.v1.Tensor positions = 3;
    */
