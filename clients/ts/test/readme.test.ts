@@ -56,3 +56,18 @@ test("the Node snippet's stop at step 3 fires, with no warning", () => {
   );
   assert.equal(lines.at(-1), '" a ball named Max" 0'); // the text cut at the stop; no warnings
 });
+
+const TS_README = join(REPO, "clients/ts/README.md");
+
+test("clients/ts/README.md's snippets run: the Node one forces ' Berlin' and stops at the period", () => {
+  const found = snippets(TS_README);
+  assert.equal(found.length, 3, JSON.stringify(found.map((s) => s.line)));
+  const [node, ...others] = found;
+  assert.ok(node && node.code.includes("write.force(berlin)"), node?.code);
+  const lines = run(node);
+  assert.equal(lines[0], " Paris.");
+  // each step: its number, text, top-3 values and ids; the force at 0, the stop at "."
+  assert.match(lines[1] ?? "", /^0 " Berlin" Float32Array\(3\)/, lines.join("\n"));
+  assert.ok(lines.some((l) => l.startsWith(" Berlin. [] {")), lines.join("\n"));
+  for (const snippet of others) run(snippet); // the browser clients' forms, the packed project's program
+});
