@@ -104,19 +104,23 @@ def test_head_reads_at_prompt_positions_and_every_new_token_equal_hf(sdk, hf):
         np.testing.assert_allclose(one[step], ref["layers.0.self_attn.heads"][n - 1 + step][[1]], atol=READ_ATOL)
 
 
-def check_write_against_hf(sdk, hf, write, path, edit, expect_change=True):
+def check_write_against_hf(sdk, hf, write, path, edit):
     """Run `write(view)` at every position of every step with the raw logits read; compare
     each step's logits and greedy token with HF's under `edit` on `path` (all positions)."""
     with sdk.trace(PROMPT, max_tokens=STEPS, **GREEDY) as tracer:
         write(tracer.all().module(path, positions="all"))
         raw = tracer.all().logits.raw.save()
-    ids = hf.encode(PROMPT)
-    tokens = tracer.result.outputs[0].token_ids
-    if expect_change:
-        assert tokens != hf.greedy(ids, STEPS)  # the write matters here: the test can fail
-    seq = list(ids)
+    check_logits(hf, tracer.result.outputs[0].token_ids, raw, {path: edit})
+
+
+def check_logits(hf, tokens, raw, edits):
+    """Each step's logits and greedy token equal HF's under `edits`, and the edits move
+    the logits (far more than the tolerance: a write that did nothing fails)."""
+    seq = list(hf.encode(PROMPT))
+    _, plain = hf_inputs(hf, seq)
+    assert np.abs(raw[0] - plain).max() > 50 * LOGITS_ATOL
     for step in range(STEPS):
-        _, logits = hf_inputs(hf, seq, {path: edit})
+        _, logits = hf_inputs(hf, seq, edits)
         np.testing.assert_allclose(raw[step], logits, atol=LOGITS_ATOL)
         assert tokens[step] == int(logits.argmax())
         seq.append(tokens[step])
@@ -159,14 +163,7 @@ def test_head_mean_ablation_over_the_prompt_equals_hf(sdk, hf):
         x[:n] = x[:n].mean(0, keepdim=True)
         return x
 
-    tokens = tracer.result.outputs[0].token_ids
-    seq = list(ids)
-    for step in range(STEPS):
-        _, logits = hf_inputs(hf, seq, {"layers.0.self_attn.heads": mean})
-        np.testing.assert_allclose(raw[step], logits, atol=LOGITS_ATOL)
-        assert tokens[step] == int(logits.argmax())
-        seq.append(tokens[step])
-    assert tokens != hf.greedy(ids, STEPS)
+    check_logits(hf, tracer.result.outputs[0].token_ids, raw, {"layers.0.self_attn.heads": mean})
 
 
 def test_neuron_reads_at_ids_and_top_k_equal_hf(sdk, hf):
@@ -199,8 +196,10 @@ def test_neuron_set_zero_and_add_equal_hf(sdk, hf):
         x[:, ids] = torch.from_numpy(values)
         return x
 
+    many = list(range(1, NEURONS, 4))  # (a few neurons barely move the logits)
+
     def zero(x):
-        x[:, ids] = 0
+        x[:, many] = 0
         return x
 
     def add(x):
@@ -208,8 +207,7 @@ def test_neuron_set_zero_and_add_equal_hf(sdk, hf):
         return x
 
     check_write_against_hf(sdk, hf, lambda ref: ref[ids].set(values), "layers.1.mlp.act", set_)
-    # zeroing 3 of 640 neurons rarely changes the greedy tokens: the logits say it did
-    check_write_against_hf(sdk, hf, lambda ref: ref[ids].zero(), "layers.1.mlp.act", zero, expect_change=False)
+    check_write_against_hf(sdk, hf, lambda ref: ref[many].zero(), "layers.1.mlp.act", zero)
     check_write_against_hf(sdk, hf, lambda ref: ref[ids].add(values, scale=3.0), "layers.2.mlp.act", add)
 
 
