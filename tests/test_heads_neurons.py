@@ -172,10 +172,18 @@ def test_neuron_reads_at_ids_and_top_k_equal_hf(sdk, hf):
         top = tracer.all().model.layers[1].mlp.act.output.top_k(8).save()
         top_prompt = tracer.iter[0].module("layers.3.mlp.act", positions=[-2, -1]).top_k(3).save()
         full = tracer.all().model.layers[0].mlp.act.output.save()
+        every = tracer.all().module("layers.1.mlp.act", positions="all")[[5, 6]].save()
+        every_top = tracer.all().module("layers.3.mlp.act", positions="all").top_k(2).save()
     ids = hf.encode(PROMPT)
     tokens = tracer.result.outputs[0].token_ids
     ref, _ = hf_inputs(hf, ids + tokens[:-1])
     n = len(ids)
+    # "all": the prompt's rows at step 0, then the new token's as [1, ...]
+    assert [v.shape for v in every] == [(n, 2)] + [(1, 2)] * (STEPS - 1)
+    np.testing.assert_allclose(np.concatenate(every), ref["layers.1.mlp.act"][:, [5, 6]], atol=READ_ATOL)
+    assert [t.ids.shape for t in every_top] == [(n, 2)] + [(1, 2)] * (STEPS - 1)
+    expect = torch.topk(torch.from_numpy(ref["layers.3.mlp.act"]), 2)
+    np.testing.assert_array_equal(np.concatenate([t.ids for t in every_top]), expect.indices.numpy())
     np.testing.assert_allclose(chosen[0], ref["layers.2.mlp.act"][:n][:, [600, 5, 17]], atol=READ_ATOL)
     expect = torch.topk(torch.from_numpy(ref["layers.3.mlp.act"][n - 2:n]), 3)
     np.testing.assert_allclose(top_prompt[0].values, expect.values.numpy(), atol=READ_ATOL)
