@@ -205,7 +205,8 @@ BARE_ROW = "bare gRPC token stream (no tracewire)"
 INTERVAL_ROW = "top-20 logits every step, 50 ms stream interval"
 GPU_ROWS = ("trace, no interventions", "top-20 logits every step", INTERVAL_ROW, "forced token at step 0")
 # --hidden: module hooks need eager engines (both engines run --enforce-eager then).
-HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step")
+HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step",
+               "head read every step")
 # --compiled-steering: both engines compiled (CUDA graphs on a GPU), the server with its
 # steering tables; layer reads need eager engines, so only the write is measured (and
 # top-20, which the tables cost as they cost every request).
@@ -263,6 +264,9 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
     ivs = {
         "layer read every step": [I.Intervention(name="h", read_module=I.ReadModule(module="layers.1"))],
         "steering write every step": [I.Intervention(write_module=steer)],
+        # two heads of layers.1 at each step's new token: [2, head_dim] (o_proj's input)
+        "head read every step": [I.Intervention(name="heads", read_module=I.ReadModule(
+            module="layers.1.self_attn.heads", units=I.UnitSelection(ids=I.UnitIds(ids=[0, 2]))))],
         "trace, no interventions": [],
         "top-20 logits every step": [I.Intervention(name="t", read_logits=I.ReadLogits(top_k=I.TopK(k=20)))],
         INTERVAL_ROW: [I.Intervention(name="t", read_logits=I.ReadLogits(top_k=I.TopK(k=20)))],

@@ -177,6 +177,24 @@ class _Decode:
         return TopK(values, np.broadcast_to(np.arange(values.shape[-1], dtype=np.int32), values.shape))
 
     @staticmethod
+    def unit_rows(value: trace_pb2.ReadValue) -> Any:
+        """A heads / neurons read over positions: always [positions, ...]. (The server
+        sends a read of "all" positions after step 0 as the new token's row alone,
+        without positions.)"""
+        values = to_numpy(value.values)
+        return values if value.HasField("positions") else values[None]
+
+    @staticmethod
+    def unit_top_k(value: trace_pb2.ReadValue) -> Any:
+        """Top-k neurons: a TopK of [k] (new token, mean) or [positions, k]."""
+        return TopK(to_numpy(value.values), to_numpy(value.token_ids))
+
+    @staticmethod
+    def unit_top_k_rows(value: trace_pb2.ReadValue) -> Any:
+        top = TopK(to_numpy(value.values), to_numpy(value.token_ids))
+        return top if value.HasField("positions") else TopK(top.values[None], top.ids[None])
+
+    @staticmethod
     def sample(value: trace_pb2.ReadValue) -> Any:
         return int(to_numpy(value.values))
 
@@ -373,20 +391,64 @@ class StepView:
 
 
 class ModuleRef(_Read):
-    """`view.module(path)`: read it (`.save()`) or change it for the selected steps."""
+    """`view.module(path)`: read it (`.save()`) or change it for the selected steps.
 
-    def __init__(self, view: StepView, path: str, positions: ipb.Positions, mean: bool) -> None:
-        self._path, self._selected = path, positions
+    Attention heads (`layers.L.self_attn.heads`) and MLP neurons (`layers.L.mlp.act`)
+    are units: index the ref to choose some (`ref[[0, 2]]`, `ref[1]`), `.top_k(k)` for
+    the largest neurons. Saved shapes per step: heads [heads, head_dim], neurons [ids]
+    at "new" positions (and with mean=True); [positions, heads, head_dim] /
+    [positions, ids] at any other positions; `top_k`: a TopK of [k] or [positions, k]."""
+
+    def __init__(self, view: StepView, path: str, positions: ipb.Positions, mean: bool,
+                 units: Sequence[int] | None = None) -> None:
+        self._path, self._selected, self._mean = path, positions, mean
+        self._units = list(units) if units is not None else None
 
         def build(iv: ipb.Intervention) -> None:
             reduction = ipb.REDUCTION_MEAN if mean else ipb.REDUCTION_UNSPECIFIED
             iv.read_module.CopyFrom(ipb.ReadModule(module=path, positions=positions, reduction=reduction))
+            if self._units is not None:
+                iv.read_module.units.ids.ids.extend(self._units)
 
         one_row = mean or positions.WhichOneof("kind") == "new_token"
-        super().__init__(view, build, _Decode.logits if one_row else _Decode.rows)
+        unit_module = path.endswith((".self_attn.heads", ".mlp.act"))
+        rows = _Decode.unit_rows if unit_module else _Decode.rows
+        super().__init__(view, build, _Decode.logits if one_row else rows)
 
     def _edit(self, **op: Any) -> None:
-        self._view._write(write_module=ipb.WriteModule(module=self._path, positions=self._selected, **op))
+        write = ipb.WriteModule(module=self._path, positions=self._selected, **op)
+        if self._units is not None:
+            write.units.ids.extend(self._units)
+        self._view._write(write_module=write)
+
+    def __getitem__(self, units: int | Sequence[int]) -> ModuleRef:
+        """These heads (of `layers.L.self_attn.heads`) or neurons (of `layers.L.mlp.act`),
+        in this order, to `.save()` or to write: `.zero()`, `.mean_ablate()`,
+        `.replace(t)` / `.add(t, scale)` (heads: t of [head_dim], or [heads, head_dim];
+        neurons: a value per id), `.set(values)` (neurons)."""
+        ids = [int(units)] if isinstance(units, (int, np.integer)) else [int(u) for u in units]
+        return ModuleRef(self._view, self._path, self._selected, self._mean, ids)
+
+    def top_k(self, k: int) -> _Read:
+        """The k largest neurons of `layers.L.mlp.act` per position (after the mean with
+        mean=True), largest first: a TopK (values, neuron ids)."""
+        path, positions, mean = self._path, self._selected, self._mean
+
+        def build(iv: ipb.Intervention) -> None:
+            reduction = ipb.REDUCTION_MEAN if mean else ipb.REDUCTION_UNSPECIFIED
+            iv.read_module.CopyFrom(ipb.ReadModule(module=path, positions=positions, reduction=reduction,
+                                                   units=ipb.UnitSelection(top_k=ipb.TopK(k=k))))
+
+        one_row = mean or positions.WhichOneof("kind") == "new_token"
+        return _Read(self._view, build, _Decode.unit_top_k if one_row else _Decode.unit_top_k_rows)
+
+    def set(self, values: Any) -> None:
+        """Set the chosen neurons to these values (one per id, or one for all)."""
+        count = len(self._units) if self._units is not None else None
+        array = np.asarray(values, dtype=np.float32)
+        if array.ndim == 0 and count is not None:
+            array = np.full(count, array, np.float32)
+        self.replace(array)
 
     def add(self, vector: Any, scale: float = 1.0) -> None:
         """Add scale * vector ([hidden]) at the positions: a steering vector."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..shared import detokenize, steering
+from ..shared import plan as P
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
 from ..shared.limits import ModelLimits
 from . import vllm_compat
@@ -39,6 +40,7 @@ class ModuleSpec:
     path: str
     kind: str
     output_size: int
+    shape: tuple[int, ...] = ()  # per token position; () means (output_size,)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,11 @@ class ModelDescription:
     hidden_size: int
     tensor_parallel_size: int
     modules: tuple[ModuleSpec, ...]
+    # The units of layers.L.self_attn.heads and layers.L.mlp.act.
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
 
 
 @dataclass
@@ -142,6 +149,10 @@ class Engine:
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
             steerable_layers=steerable_layers(engine_args, description.num_layers),
+            num_attention_heads=description.num_attention_heads,
+            head_dim=description.head_dim,
+            intermediate_size=description.intermediate_size,
+            tensor_parallel_size=description.tensor_parallel_size,
         )
         try:
             await _install_worker_hooks(llm, receiver.address, fault_injection, route)
@@ -264,12 +275,17 @@ def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:
     hidden = int(text_config.hidden_size)
     num_layers = int(text_config.num_hidden_layers)
     vocab = int(model_config.get_vocab_size())
+    heads = int(text_config.num_attention_heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or hidden // heads)
+    intermediate = int(text_config.intermediate_size)
     modules = [ModuleSpec("embed_tokens", "embedding", hidden)]
     for i in range(num_layers):
         modules += [
             ModuleSpec(f"layers.{i}", "decoder_layer", hidden),
             ModuleSpec(f"layers.{i}.self_attn", "attention", hidden),
+            ModuleSpec(f"layers.{i}{P.HEADS_SUFFIX}", "attention_heads", heads * head_dim, (heads, head_dim)),
             ModuleSpec(f"layers.{i}.mlp", "mlp", hidden),
+            ModuleSpec(f"layers.{i}{P.NEURONS_SUFFIX}", "mlp_activation", intermediate),
         ]
     modules += [ModuleSpec("norm", "norm", hidden), ModuleSpec("lm_head", "lm_head", vocab)]
     eos: list[int] = []
@@ -293,6 +309,10 @@ def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:
         hidden_size=hidden,
         tensor_parallel_size=int(llm.vllm_config.parallel_config.tensor_parallel_size),
         modules=tuple(modules),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(text_config, "num_key_value_heads", None) or heads),
+        head_dim=head_dim,
+        intermediate_size=intermediate,
     )
 
 

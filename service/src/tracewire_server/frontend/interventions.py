@@ -16,6 +16,7 @@ from ..shared import textmatch
 from ..shared.limits import ModelLimits
 from .errors import FailedPrecondition, InvalidArgument
 from .tensors import float_vector
+from .units import read_units, require_units, unit_operand, write_units
 
 # With --enable-fault-injection (tests only), an intervention named
 # "__fault__:<message>" raises <message> inside the worker hook at its steps.
@@ -204,6 +205,8 @@ class InterventionCompiler:
     def write_module(self, w: ipb.WriteModule, field: str) -> P.Action:
         self.module_path(w.module, f"{field}.module")
         self.require_writable(w.module, w.WhichOneof("op"), field)
+        if P.unit_kind(w.module) or w.HasField("units"):
+            return self.write_units(w, field)
         positions = self.positions(w.positions, f"{field}.positions") if w.HasField("positions") else P.Positions()
         scale = w.scale if w.HasField("scale") else 1.0
         if not math.isfinite(scale):
@@ -216,6 +219,22 @@ class InterventionCompiler:
             return P.WriteModule(w.module, positions, op)
         raise InvalidArgument(f"{field}.op", "set add, replace, zero or mean")
 
+    def write_units(self, w: ipb.WriteModule, field: str) -> P.Action:
+        """A write of attention heads / MLP neurons (units.py checks the units)."""
+        units = write_units(self.limits, w, field)
+        require_units(self.limits, w.module, f"{field}.module")
+        positions = self.positions(w.positions, f"{field}.positions") if w.HasField("positions") else P.Positions()
+        scale = w.scale if w.HasField("scale") else 1.0
+        if not math.isfinite(scale):
+            raise InvalidArgument(f"{field}.scale", "must be finite")
+        op = w.WhichOneof("op")
+        if op in ("add", "replace"):
+            operand = unit_operand(self.limits, w, units, op, field)
+            return P.WriteModule(w.module, positions, op, operand, scale, units=units)
+        if op in ("zero", "mean"):
+            return P.WriteModule(w.module, positions, op, units=units)
+        raise InvalidArgument(f"{field}.op", "set add, replace, zero or mean")
+
     def module_path(self, path: str, field: str) -> None:
         if path not in self.limits.modules:
             known = ", ".join(sorted(self.limits.modules, key=_module_order)[:8])
@@ -225,7 +244,9 @@ class InterventionCompiler:
         self.require_eager(field)
         self.module_path(r.module, f"{field}.module")
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
-        return P.ReadModule(r.module, positions, mean=r.reduction == ipb.REDUCTION_MEAN)
+        units = read_units(self.limits, r, field)
+        require_units(self.limits, r.module, f"{field}.module")
+        return P.ReadModule(r.module, positions, mean=r.reduction == ipb.REDUCTION_MEAN, units=units)
 
     def positions(self, p: ipb.Positions, field: str) -> P.Positions:
         kind = p.WhichOneof("kind")

@@ -409,7 +409,8 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             hidden_size=d.hidden_size,
             architecture=d.architecture,
             modules=[
-                service_pb2.ModuleInfo(path=m.path, kind=m.kind, output_size=m.output_size)
+                service_pb2.ModuleInfo(path=m.path, kind=m.kind, output_size=m.output_size,
+                                       shape=list(m.shape or (m.output_size,)))
                 for m in d.modules
             ],
             vllm_version=vllm_compat.VLLM_VERSION,
@@ -417,6 +418,10 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             tensor_parallel_size=d.tensor_parallel_size,
             engine_mode=_ENGINE_MODES[engine.limits.engine_mode],
             steerable_layers=sorted(engine.limits.steerable_layers),
+            num_attention_heads=d.num_attention_heads,
+            num_key_value_heads=d.num_key_value_heads,
+            head_dim=d.head_dim,
+            intermediate_size=d.intermediate_size,
         )
         if d.bos_token_id is not None:
             info.bos_token_id = d.bos_token_id

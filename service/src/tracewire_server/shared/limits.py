@@ -22,6 +22,14 @@ class ModelLimits:
     # A compiled engine started with --compiled-steering serves the writes its graph
     # tables can express: add / replace / zero on these decoder layers (steering.py).
     steerable_layers: frozenset[int] = frozenset()
+    # Units of the unit-addressed modules (plan.unit_kind): attention query heads of
+    # head_dim each (o_proj's input), MLP neurons (down_proj's input).
+    num_attention_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    # Heads and neurons are split across tensor-parallel ranks: unit interventions
+    # need 1.
+    tensor_parallel_size: int = 1
 
     @property
     def engine_mode(self) -> EngineMode:

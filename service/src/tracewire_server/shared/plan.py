@@ -184,10 +184,57 @@ class Positions(msgspec.Struct, frozen=True):
         return ReadBound(width if self.kind == "all" else 0, prompt)  # (after step 0: "all" reads the new token)
 
 
+# -- units: attention heads and MLP neurons ------------------------------------------
+
+# Unit-addressed modules: a module input viewed as units per token position.
+#   "heads"    layers.L.self_attn.heads: o_proj's input, [num_attention_heads, head_dim];
+#   "neurons"  layers.L.mlp.act: down_proj's input, [intermediate_size].
+UnitKind = Literal["heads", "neurons"]
+HEADS_SUFFIX = ".self_attn.heads"
+NEURONS_SUFFIX = ".mlp.act"
+
+
+def unit_kind(path: str) -> UnitKind | None:
+    """Which units a module path addresses; None for an ordinary module."""
+    if path.startswith("layers.") and path.count(".") == 3:
+        if path.endswith(HEADS_SUFFIX):
+            return "heads"
+        if path.endswith(NEURONS_SUFFIX):
+            return "neurons"
+    return None
+
+
+def module_shape(path: str, limits: ModelLimits) -> tuple[int, ...]:
+    """A module's output shape per token position (GetModelInfo's ModuleInfo.shape)."""
+    kind = unit_kind(path)
+    if kind == "heads":
+        return (limits.num_attention_heads, limits.head_dim)
+    if kind == "neurons":
+        return (limits.intermediate_size,)
+    return (limits.hidden_size,)
+
+
+class Units(msgspec.Struct, frozen=True):
+    """The units a read of a unit-addressed module returns per position: these ids in
+    this order (None: every unit), or the `top_k` largest (neurons), largest first."""
+
+    ids: tuple[int, ...] | None = None
+    top_k: int | None = None
+
+    def read_width(self, path: str, limits: ModelLimits) -> int:
+        """Bytes per position: float32 values (and int32 ids for top-k)."""
+        shape = module_shape(path, limits)
+        if self.top_k is not None:
+            return 8 * self.top_k
+        count = len(self.ids) if self.ids is not None else shape[0]
+        return 4 * count * (shape[1] if len(shape) > 1 else 1)
+
+
 class ReadModule(msgspec.Struct, frozen=True, tag="read_module"):
     module: str
     positions: Positions
     mean: bool = False
+    units: Units | None = None  # unit-addressed modules only (unit_kind)
 
     source: ClassVar[ReadSource] = "modules"
 
@@ -196,7 +243,8 @@ class ReadModule(msgspec.Struct, frozen=True, tag="read_module"):
         return [(name, self.module)]
 
     def read_bound(self, limits: ModelLimits, prompt_len: int) -> ReadBound:
-        width = 4 * limits.hidden_size
+        units = self.units or Units()
+        width = units.read_width(self.module, limits) if unit_kind(self.module) else 4 * limits.hidden_size
         if self.mean:
             return ReadBound(width)  # one row, whatever the positions
         return self.positions.read_bound(width, prompt_len)
@@ -262,8 +310,12 @@ class WriteModule(msgspec.Struct, frozen=True, tag="write_module"):
     module: str
     positions: Positions
     edit: ModuleEdit
-    vector: bytes = b""  # float32 [hidden] for add / replace
+    vector: bytes = b""  # float32 [hidden] for add / replace (unit writes: see `units`)
     scale: float = 1.0
+    # Unit-addressed modules only (unit_kind): the heads / neurons written, None: every
+    # unit. `vector` is then float32 [units, head_dim] or [head_dim] (heads; the latter
+    # for every chosen head alike), [units] (neurons).
+    units: tuple[int, ...] | None = None
 
 
 class Stop(msgspec.Struct, frozen=True, tag="stop"):

@@ -23,6 +23,7 @@ from .host import on_device
 from .module_reads import Lens
 from .runner import RunnerView
 from .sequences import Sequence, Sequences
+from .unit_hooks import edit_units, take_rows
 
 # Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
 # worker processes; a logger of our own would have none there.
@@ -148,6 +149,11 @@ class ModuleHooks:
             module.register_forward_hook(
                 lambda module, args, output, path=path: self._hook(path, output)
             )
+        # Heads and neurons are module inputs (o_proj's, down_proj's): pre-hooks.
+        for path, (module, width) in self.runner.unit_modules().items():
+            module.register_forward_pre_hook(
+                lambda module, args, path=path, width=width: self._unit_hook(path, args[0], width)
+            )
 
     def _plan_safely(self) -> None:
         try:
@@ -198,12 +204,36 @@ class ModuleHooks:
                 value = _module_output(path, output).detach()
                 index = [r for want in wants for r in want.rows]
                 taken = value.index_select(0, on_device(index, value.device, torch.long)).to(torch.float32)
-                offset = 0
-                for want in wants:
-                    n = len(want.rows)
-                    want.seq.pending.setdefault(want.name, []).append((want.positions, taken[offset:offset + n]))
-                    offset += n
+                _keep(wants, taken)
         except Exception as e:  # noqa: BLE001
-            log.exception("module hook on %s failed", path)
-            for seq in [w.seq for w in wants or ()] + [edit.seq for edit in edits or ()]:
-                seq.error = seq.error or f"{type(e).__name__} in {path}: {e}"
+            _fail(path, e, wants, edits)
+
+    def _unit_hook(self, path: str, value: torch.Tensor, unit_width: int) -> None:
+        """A pre-hook on o_proj / down_proj: unit writes and reads on their input
+        (unit_hooks.py). Never raises into vLLM's forward pass."""
+        edits = self._edits.get(path)
+        wants = self._wants.get(path)
+        try:
+            if edits:
+                edit_units(value, unit_width, edits)  # in place: o_proj / down_proj see it
+            if wants:
+                index = on_device([r for want in wants for r in want.rows], value.device, torch.long)
+                _keep(wants, take_rows(value, unit_width, index))
+        except Exception as e:  # noqa: BLE001
+            _fail(path, e, wants, edits)
+
+
+def _keep(wants: list[Want], taken: torch.Tensor) -> None:
+    """Each read keeps its slice of the rows taken for every read of the module."""
+    offset = 0
+    for want in wants:
+        n = len(want.rows)
+        want.seq.pending.setdefault(want.name, []).append((want.positions, taken[offset:offset + n]))
+        offset += n
+
+
+def _fail(path: str, e: Exception, wants: list[Want] | None, edits: list[Edit] | None) -> None:
+    """A hook that failed fails the traces it served, and only those."""
+    log.exception("module hook on %s failed", path)
+    for seq in [w.seq for w in wants or ()] + [edit.seq for edit in edits or ()]:
+        seq.error = seq.error or f"{type(e).__name__} in {path}: {e}"

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tracewire/v1/intervention.proto.
  */
 export const file_tracewire_v1_intervention: GenFile = /*@__PURE__*/
-  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEiugQKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABIxCgxmb3JjZV9zYW1wbGUYFCABKAsyGS50cmFjZXdpcmUudjEuRm9yY2VTYW1wbGVIABIxCgx3cml0ZV9sb2dpdHMYFSABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVMb2dpdHNIABIxCgx3cml0ZV9tb2R1bGUYFiABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVNb2R1bGVIABIiCgRzdG9wGB4gASgLMhIudHJhY2V3aXJlLnYxLlN0b3BIAEIICgZhY3Rpb24ijwEKDFN0ZXBTZWxlY3RvchIlCgNhbGwYASABKAsyFi50cmFjZXdpcmUudjEuQWxsU3RlcHNIABIoCgVyYW5nZRgCIAEoCzIXLnRyYWNld2lyZS52MS5TdGVwUmFuZ2VIABImCgRsaXN0GAMgASgLMhYudHJhY2V3aXJlLnYxLlN0ZXBMaXN0SABCBgoEa2luZCIKCghBbGxTdGVwcyI2CglTdGVwUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIhkKCFN0ZXBMaXN0Eg0KBXN0ZXBzGAEgAygFIh0KCFRva2VuU2V0EhEKCXRva2VuX2lkcxgBIAMoBSK8AQoKUmVhZExvZ2l0cxIoCgVzdGFnZRgBIAEoDjIZLnRyYWNld2lyZS52MS5Mb2dpdHNTdGFnZRIlCgRmdWxsGAIgASgLMhUudHJhY2V3aXJlLnYxLkZ1bGxSb3dIABIjCgV0b3BfaxgDIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSAASKwoJdG9rZW5faWRzGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCCwoJc2VsZWN0aW9uIgkKB0Z1bGxSb3ciEQoEVG9wSxIJCgFrGAEgASgFIgwKClJlYWRTYW1wbGUiHQoMUmVhZExvZ3Byb2JzEg0KBXRvcF9rGAEgASgFIoICCglQb3NpdGlvbnMSKwoJbmV3X3Rva2VuGAEgASgLMhYudHJhY2V3aXJlLnYxLk5ld1Rva2VuSAASLQoKYWxsX3Byb21wdBgCIAEoCzIXLnRyYWNld2lyZS52MS5BbGxQcm9tcHRIABIzCgxwcm9tcHRfcmFuZ2UYAyABKAsyGy50cmFjZXdpcmUudjEuUG9zaXRpb25SYW5nZUgAEjEKC3Byb21wdF9saXN0GAQgASgLMhoudHJhY2V3aXJlLnYxLlBvc2l0aW9uTGlzdEgAEikKA2FsbBgFIAEoCzIaLnRyYWNld2lyZS52MS5BbGxQb3NpdGlvbnNIAEIGCgRraW5kIgoKCE5ld1Rva2VuIgsKCUFsbFByb21wdCIOCgxBbGxQb3NpdGlvbnMiOgoNUG9zaXRpb25SYW5nZRINCgVzdGFydBgBIAEoBRIRCgRzdG9wGAIgASgFSACIAQFCBwoFX3N0b3AiIQoMUG9zaXRpb25MaXN0EhEKCXBvc2l0aW9ucxgBIAMoBSJ0CgpSZWFkTW9kdWxlEg4KBm1vZHVsZRgBIAEoCRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEioKCXJlZHVjdGlvbhgDIAEoDjIXLnRyYWNld2lyZS52MS5SZWR1Y3Rpb24iWgoNUmVhZExvZ2l0TGVucxIOCgZsYXllcnMYASADKAUSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxINCgV0b3BfaxgDIAEoBSIfCgtGb3JjZVNhbXBsZRIQCgh0b2tlbl9pZBgBIAEoBSKyAQoLV3JpdGVMb2dpdHMSJwoHcmVwbGFjZRgBIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABIjCgNhZGQYAiABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASJwoEYmlhcxgDIAEoCzIXLnRyYWNld2lyZS52MS5Ub2tlbkJpYXNIABImCgRtYXNrGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCBAoCb3AiaQoJVG9rZW5CaWFzEi8KBGJpYXMYASADKAsyIS50cmFjZXdpcmUudjEuVG9rZW5CaWFzLkJpYXNFbnRyeRorCglCaWFzRW50cnkSCwoDa2V5GAEgASgFEg0KBXZhbHVlGAIgASgCOgI4ASKTAgoLV3JpdGVNb2R1bGUSDgoGbW9kdWxlGAEgASgJEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSIwoDYWRkGAMgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEicKB3JlcGxhY2UYBCABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASKgoEemVybxgFIAEoCzIaLnRyYWNld2lyZS52MS5aZXJvQWJsYXRpb25IABIqCgRtZWFuGAYgASgLMhoudHJhY2V3aXJlLnYxLk1lYW5BYmxhdGlvbkgAEhIKBXNjYWxlGAcgASgCSAGIAQFCBAoCb3BCCAoGX3NjYWxlIg4KDFplcm9BYmxhdGlvbiIOCgxNZWFuQWJsYXRpb24iBgoEU3RvcCKIAwoJQ29uZGl0aW9uEiwKCnNhbXBsZWRfaW4YASABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIrCglhcmdtYXhfaW4YAiABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIXCg10ZXh0X2NvbnRhaW5zGAMgASgJSAASFgoMdGV4dF9tYXRjaGVzGAQgASgJSAASOwoRdG9rZW5fcHJvYmFiaWxpdHkYBSABKAsyHi50cmFjZXdpcmUudjEuVG9rZW5Qcm9iYWJpbGl0eUgAEioKB2VudHJvcHkYBiABKAsyFy50cmFjZXdpcmUudjEuVGhyZXNob2xkSAASKgoGYWxsX29mGAcgASgLMhgudHJhY2V3aXJlLnYxLkNvbmRpdGlvbnNIABIqCgZhbnlfb2YYCCABKAsyGC50cmFjZXdpcmUudjEuQ29uZGl0aW9uc0gAEiYKA25vdBgJIAEoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb25IAEIGCgRraW5kIjkKCkNvbmRpdGlvbnMSKwoKY29uZGl0aW9ucxgBIAMoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb24iYgoQVG9rZW5Qcm9iYWJpbGl0eRIVCgh0b2tlbl9pZBgBIAEoBUgAiAEBEioKCXRocmVzaG9sZBgCIAEoCzIXLnRyYWNld2lyZS52MS5UaHJlc2hvbGRCCwoJX3Rva2VuX2lkIkgKCVRocmVzaG9sZBIsCgpjb21wYXJpc29uGAEgASgOMhgudHJhY2V3aXJlLnYxLkNvbXBhcmlzb24SDQoFdmFsdWUYAiABKAEqfQoLTG9naXRzU3RhZ2USHAoYTE9HSVRTX1NUQUdFX1VOU1BFQ0lGSUVEEAASFAoQTE9HSVRTX1NUQUdFX1JBVxABEhoKFkxPR0lUU19TVEFHRV9QUk9DRVNTRUQQAhIeChpMT0dJVFNfU1RBR0VfQkVGT1JFX1dSSVRFUxADKjoKCVJlZHVjdGlvbhIZChVSRURVQ1RJT05fVU5TUEVDSUZJRUQQABISCg5SRURVQ1RJT05fTUVBThABKo4BCgpDb21wYXJpc29uEhoKFkNPTVBBUklTT05fVU5TUEVDSUZJRUQQABIWChJDT01QQVJJU09OX0dSRUFURVIQARIcChhDT01QQVJJU09OX0dSRUFURVJfRVFVQUwQAhITCg9DT01QQVJJU09OX0xFU1MQAxIZChVDT01QQVJJU09OX0xFU1NfRVFVQUwQBGIGcHJvdG8z", [file_tracewire_v1_tensor]);
+  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEiugQKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABIxCgxmb3JjZV9zYW1wbGUYFCABKAsyGS50cmFjZXdpcmUudjEuRm9yY2VTYW1wbGVIABIxCgx3cml0ZV9sb2dpdHMYFSABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVMb2dpdHNIABIxCgx3cml0ZV9tb2R1bGUYFiABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVNb2R1bGVIABIiCgRzdG9wGB4gASgLMhIudHJhY2V3aXJlLnYxLlN0b3BIAEIICgZhY3Rpb24ijwEKDFN0ZXBTZWxlY3RvchIlCgNhbGwYASABKAsyFi50cmFjZXdpcmUudjEuQWxsU3RlcHNIABIoCgVyYW5nZRgCIAEoCzIXLnRyYWNld2lyZS52MS5TdGVwUmFuZ2VIABImCgRsaXN0GAMgASgLMhYudHJhY2V3aXJlLnYxLlN0ZXBMaXN0SABCBgoEa2luZCIKCghBbGxTdGVwcyI2CglTdGVwUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIhkKCFN0ZXBMaXN0Eg0KBXN0ZXBzGAEgAygFIh0KCFRva2VuU2V0EhEKCXRva2VuX2lkcxgBIAMoBSK8AQoKUmVhZExvZ2l0cxIoCgVzdGFnZRgBIAEoDjIZLnRyYWNld2lyZS52MS5Mb2dpdHNTdGFnZRIlCgRmdWxsGAIgASgLMhUudHJhY2V3aXJlLnYxLkZ1bGxSb3dIABIjCgV0b3BfaxgDIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSAASKwoJdG9rZW5faWRzGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCCwoJc2VsZWN0aW9uIgkKB0Z1bGxSb3ciEQoEVG9wSxIJCgFrGAEgASgFIgwKClJlYWRTYW1wbGUiHQoMUmVhZExvZ3Byb2JzEg0KBXRvcF9rGAEgASgFIoICCglQb3NpdGlvbnMSKwoJbmV3X3Rva2VuGAEgASgLMhYudHJhY2V3aXJlLnYxLk5ld1Rva2VuSAASLQoKYWxsX3Byb21wdBgCIAEoCzIXLnRyYWNld2lyZS52MS5BbGxQcm9tcHRIABIzCgxwcm9tcHRfcmFuZ2UYAyABKAsyGy50cmFjZXdpcmUudjEuUG9zaXRpb25SYW5nZUgAEjEKC3Byb21wdF9saXN0GAQgASgLMhoudHJhY2V3aXJlLnYxLlBvc2l0aW9uTGlzdEgAEikKA2FsbBgFIAEoCzIaLnRyYWNld2lyZS52MS5BbGxQb3NpdGlvbnNIAEIGCgRraW5kIgoKCE5ld1Rva2VuIgsKCUFsbFByb21wdCIOCgxBbGxQb3NpdGlvbnMiOgoNUG9zaXRpb25SYW5nZRINCgVzdGFydBgBIAEoBRIRCgRzdG9wGAIgASgFSACIAQFCBwoFX3N0b3AiIQoMUG9zaXRpb25MaXN0EhEKCXBvc2l0aW9ucxgBIAMoBSKgAQoKUmVhZE1vZHVsZRIOCgZtb2R1bGUYASABKAkSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxIqCglyZWR1Y3Rpb24YAyABKA4yFy50cmFjZXdpcmUudjEuUmVkdWN0aW9uEioKBXVuaXRzGAQgASgLMhsudHJhY2V3aXJlLnYxLlVuaXRTZWxlY3Rpb24iYgoNVW5pdFNlbGVjdGlvbhIkCgNpZHMYASABKAsyFS50cmFjZXdpcmUudjEuVW5pdElkc0gAEiMKBXRvcF9rGAIgASgLMhIudHJhY2V3aXJlLnYxLlRvcEtIAEIGCgRraW5kIhYKB1VuaXRJZHMSCwoDaWRzGAEgAygFIloKDVJlYWRMb2dpdExlbnMSDgoGbGF5ZXJzGAEgAygFEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSDQoFdG9wX2sYAyABKAUiHwoLRm9yY2VTYW1wbGUSEAoIdG9rZW5faWQYASABKAUisgEKC1dyaXRlTG9naXRzEicKB3JlcGxhY2UYASABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASIwoDYWRkGAIgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEicKBGJpYXMYAyABKAsyFy50cmFjZXdpcmUudjEuVG9rZW5CaWFzSAASJgoEbWFzaxgEIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAQgQKAm9wImkKCVRva2VuQmlhcxIvCgRiaWFzGAEgAygLMiEudHJhY2V3aXJlLnYxLlRva2VuQmlhcy5CaWFzRW50cnkaKwoJQmlhc0VudHJ5EgsKA2tleRgBIAEoBRINCgV2YWx1ZRgCIAEoAjoCOAEiuQIKC1dyaXRlTW9kdWxlEg4KBm1vZHVsZRgBIAEoCRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEiMKA2FkZBgDIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABInCgdyZXBsYWNlGAQgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEioKBHplcm8YBSABKAsyGi50cmFjZXdpcmUudjEuWmVyb0FibGF0aW9uSAASKgoEbWVhbhgGIAEoCzIaLnRyYWNld2lyZS52MS5NZWFuQWJsYXRpb25IABISCgVzY2FsZRgHIAEoAkgBiAEBEiQKBXVuaXRzGAggASgLMhUudHJhY2V3aXJlLnYxLlVuaXRJZHNCBAoCb3BCCAoGX3NjYWxlIg4KDFplcm9BYmxhdGlvbiIOCgxNZWFuQWJsYXRpb24iBgoEU3RvcCKIAwoJQ29uZGl0aW9uEiwKCnNhbXBsZWRfaW4YASABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIrCglhcmdtYXhfaW4YAiABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIXCg10ZXh0X2NvbnRhaW5zGAMgASgJSAASFgoMdGV4dF9tYXRjaGVzGAQgASgJSAASOwoRdG9rZW5fcHJvYmFiaWxpdHkYBSABKAsyHi50cmFjZXdpcmUudjEuVG9rZW5Qcm9iYWJpbGl0eUgAEioKB2VudHJvcHkYBiABKAsyFy50cmFjZXdpcmUudjEuVGhyZXNob2xkSAASKgoGYWxsX29mGAcgASgLMhgudHJhY2V3aXJlLnYxLkNvbmRpdGlvbnNIABIqCgZhbnlfb2YYCCABKAsyGC50cmFjZXdpcmUudjEuQ29uZGl0aW9uc0gAEiYKA25vdBgJIAEoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb25IAEIGCgRraW5kIjkKCkNvbmRpdGlvbnMSKwoKY29uZGl0aW9ucxgBIAMoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb24iYgoQVG9rZW5Qcm9iYWJpbGl0eRIVCgh0b2tlbl9pZBgBIAEoBUgAiAEBEioKCXRocmVzaG9sZBgCIAEoCzIXLnRyYWNld2lyZS52MS5UaHJlc2hvbGRCCwoJX3Rva2VuX2lkIkgKCVRocmVzaG9sZBIsCgpjb21wYXJpc29uGAEgASgOMhgudHJhY2V3aXJlLnYxLkNvbXBhcmlzb24SDQoFdmFsdWUYAiABKAEqfQoLTG9naXRzU3RhZ2USHAoYTE9HSVRTX1NUQUdFX1VOU1BFQ0lGSUVEEAASFAoQTE9HSVRTX1NUQUdFX1JBVxABEhoKFkxPR0lUU19TVEFHRV9QUk9DRVNTRUQQAhIeChpMT0dJVFNfU1RBR0VfQkVGT1JFX1dSSVRFUxADKjoKCVJlZHVjdGlvbhIZChVSRURVQ1RJT05fVU5TUEVDSUZJRUQQABISCg5SRURVQ1RJT05fTUVBThABKo4BCgpDb21wYXJpc29uEhoKFkNPTVBBUklTT05fVU5TUEVDSUZJRUQQABIWChJDT01QQVJJU09OX0dSRUFURVIQARIcChhDT01QQVJJU09OX0dSRUFURVJfRVFVQUwQAhITCg9DT01QQVJJU09OX0xFU1MQAxIZChVDT01QQVJJU09OX0xFU1NfRVFVQUwQBGIGcHJvdG8z", [file_tracewire_v1_tensor]);
 
 /**
  * One declarative intervention on a traced generation: at the selected steps,
@@ -564,6 +564,18 @@ export type ReadModule = Message<"tracewire.v1.ReadModule"> & {
    * @generated from field: tracewire.v1.Reduction reduction = 3;
    */
   reduction: Reduction;
+
+  /**
+   * Which units of a unit-addressed module to read (GetModelInfo lists them
+   * with kind "attention_heads" or "mlp_activation"): heads of
+   * layers.L.self_attn.heads, neurons of layers.L.mlp.act. Unset reads every
+   * unit. Values per position: [units, head_dim] for heads, [units] for
+   * neurons; with top_k the k largest neurons' values, their neuron ids in
+   * ReadValue.token_ids. Setting it on any other module is INVALID_ARGUMENT.
+   *
+   * @generated from field: tracewire.v1.UnitSelection units = 4;
+   */
+  units?: UnitSelection | undefined;
 };
 
 /**
@@ -572,6 +584,62 @@ export type ReadModule = Message<"tracewire.v1.ReadModule"> & {
  */
 export const ReadModuleSchema: GenMessage<ReadModule> = /*@__PURE__*/
   messageDesc(file_tracewire_v1_intervention, 17);
+
+/**
+ * Units of a unit-addressed module's output at each token position.
+ *
+ * @generated from message tracewire.v1.UnitSelection
+ */
+export type UnitSelection = Message<"tracewire.v1.UnitSelection"> & {
+  /**
+   * @generated from oneof tracewire.v1.UnitSelection.kind
+   */
+  kind: {
+    /**
+     * These units, in this order.
+     *
+     * @generated from field: tracewire.v1.UnitIds ids = 1;
+     */
+    value: UnitIds;
+    case: "ids";
+  } | {
+    /**
+     * The k largest units per position, largest first (neurons only; after
+     * the mean when reduction is REDUCTION_MEAN). 1 <= k <= the units.
+     *
+     * @generated from field: tracewire.v1.TopK top_k = 2;
+     */
+    value: TopK;
+    case: "topK";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message tracewire.v1.UnitSelection.
+ * Use `create(UnitSelectionSchema)` to create a new message.
+ */
+export const UnitSelectionSchema: GenMessage<UnitSelection> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 18);
+
+/**
+ * Unit ids: attention heads (0 <= id < num_attention_heads) or MLP neurons
+ * (0 <= id < intermediate_size); not empty, no duplicates.
+ *
+ * @generated from message tracewire.v1.UnitIds
+ */
+export type UnitIds = Message<"tracewire.v1.UnitIds"> & {
+  /**
+   * @generated from field: repeated int32 ids = 1;
+   */
+  ids: number[];
+};
+
+/**
+ * Describes the message tracewire.v1.UnitIds.
+ * Use `create(UnitIdsSchema)` to create a new message.
+ */
+export const UnitIdsSchema: GenMessage<UnitIds> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 19);
 
 /**
  * The logit lens: final norm + lm_head on layers' residual streams.
@@ -606,7 +674,7 @@ export type ReadLogitLens = Message<"tracewire.v1.ReadLogitLens"> & {
  * Use `create(ReadLogitLensSchema)` to create a new message.
  */
 export const ReadLogitLensSchema: GenMessage<ReadLogitLens> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 18);
+  messageDesc(file_tracewire_v1_intervention, 20);
 
 /**
  * Make the sampler's draw this token; the engine continues from it exactly
@@ -626,7 +694,7 @@ export type ForceSample = Message<"tracewire.v1.ForceSample"> & {
  * Use `create(ForceSampleSchema)` to create a new message.
  */
 export const ForceSampleSchema: GenMessage<ForceSample> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 19);
+  messageDesc(file_tracewire_v1_intervention, 21);
 
 /**
  * Change the logits row before sampling.
@@ -677,7 +745,7 @@ export type WriteLogits = Message<"tracewire.v1.WriteLogits"> & {
  * Use `create(WriteLogitsSchema)` to create a new message.
  */
 export const WriteLogitsSchema: GenMessage<WriteLogits> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 20);
+  messageDesc(file_tracewire_v1_intervention, 22);
 
 /**
  * Per-token additive biases.
@@ -696,7 +764,7 @@ export type TokenBias = Message<"tracewire.v1.TokenBias"> & {
  * Use `create(TokenBiasSchema)` to create a new message.
  */
 export const TokenBiasSchema: GenMessage<TokenBias> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 21);
+  messageDesc(file_tracewire_v1_intervention, 23);
 
 /**
  * Change a module's output at chosen positions (for decoder layers: the
@@ -765,6 +833,19 @@ export type WriteModule = Message<"tracewire.v1.WriteModule"> & {
    * @generated from field: optional float scale = 7;
    */
   scale?: number | undefined;
+
+  /**
+   * The units of a unit-addressed module to write (layers.L.self_attn.heads,
+   * layers.L.mlp.act); the others keep their values. Unset writes every unit.
+   * Operands per position: for heads, add / replace take [head_dim] (the
+   * same for every chosen head) or [units, head_dim]; for neurons, [units]
+   * (a value per chosen neuron: replace sets it). zero and mean act on the
+   * chosen units only (mean: each unit's mean over the selected positions).
+   * Setting it on any other module is INVALID_ARGUMENT.
+   *
+   * @generated from field: tracewire.v1.UnitIds units = 8;
+   */
+  units?: UnitIds | undefined;
 };
 
 /**
@@ -772,7 +853,7 @@ export type WriteModule = Message<"tracewire.v1.WriteModule"> & {
  * Use `create(WriteModuleSchema)` to create a new message.
  */
 export const WriteModuleSchema: GenMessage<WriteModule> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 22);
+  messageDesc(file_tracewire_v1_intervention, 24);
 
 /**
  * Zero ablation.
@@ -787,7 +868,7 @@ export type ZeroAblation = Message<"tracewire.v1.ZeroAblation"> & {
  * Use `create(ZeroAblationSchema)` to create a new message.
  */
 export const ZeroAblationSchema: GenMessage<ZeroAblation> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 23);
+  messageDesc(file_tracewire_v1_intervention, 25);
 
 /**
  * Mean ablation.
@@ -802,7 +883,7 @@ export type MeanAblation = Message<"tracewire.v1.MeanAblation"> & {
  * Use `create(MeanAblationSchema)` to create a new message.
  */
 export const MeanAblationSchema: GenMessage<MeanAblation> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 24);
+  messageDesc(file_tracewire_v1_intervention, 26);
 
 /**
  * End the sequence at the step where it fires. The token drawn at that step is
@@ -818,7 +899,7 @@ export type Stop = Message<"tracewire.v1.Stop"> & {
  * Use `create(StopSchema)` to create a new message.
  */
 export const StopSchema: GenMessage<Stop> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 25);
+  messageDesc(file_tracewire_v1_intervention, 27);
 
 /**
  * A declarative predicate over the state of one sequence at one step.
@@ -923,7 +1004,7 @@ export type Condition = Message<"tracewire.v1.Condition"> & {
  * Use `create(ConditionSchema)` to create a new message.
  */
 export const ConditionSchema: GenMessage<Condition> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 26);
+  messageDesc(file_tracewire_v1_intervention, 28);
 
 /**
  * A list of conditions.
@@ -942,7 +1023,7 @@ export type Conditions = Message<"tracewire.v1.Conditions"> & {
  * Use `create(ConditionsSchema)` to create a new message.
  */
 export const ConditionsSchema: GenMessage<Conditions> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 27);
+  messageDesc(file_tracewire_v1_intervention, 29);
 
 /**
  * Comparison of a token's probability (softmax of the logits at the stage the
@@ -971,7 +1052,7 @@ export type TokenProbability = Message<"tracewire.v1.TokenProbability"> & {
  * Use `create(TokenProbabilitySchema)` to create a new message.
  */
 export const TokenProbabilitySchema: GenMessage<TokenProbability> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 28);
+  messageDesc(file_tracewire_v1_intervention, 30);
 
 /**
  * value <op> threshold.
@@ -995,7 +1076,7 @@ export type Threshold = Message<"tracewire.v1.Threshold"> & {
  * Use `create(ThresholdSchema)` to create a new message.
  */
 export const ThresholdSchema: GenMessage<Threshold> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 29);
+  messageDesc(file_tracewire_v1_intervention, 31);
 
 /**
  * Which logits a read sees. At each step the row passes three stages, in
