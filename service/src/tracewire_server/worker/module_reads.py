@@ -16,6 +16,7 @@ import torch
 from ..shared import plan as P
 from .batch import Row
 from .host import ColumnRow, HostBatch, HostRead, to_host
+from .patch_store import PatchStore
 
 
 class Lens:
@@ -67,20 +68,30 @@ def _logit_lens_value(row: Row, name: str, read: P.ReadLogitLens, lens: Lens) ->
     return HostRead(HostBatch(to_host(logprobs), None), positions)
 
 
-def _module_value(row: Row, name: str, read: P.ReadModule) -> HostRead:
+def _export(store: PatchStore, row: Row, name: str, values: torch.Tensor) -> None:
+    """Keep a patch source's rows of this step for the writes that take them (a copy of
+    its own: `values` may be a slice of every request's rows of the module)."""
+    plan = row.seq.plan
+    store.put(plan.trace, plan.invoke, name, row.seq.step, values.clone())
+
+
+def _module_value(row: Row, name: str, read: P.ReadModule, store: PatchStore | None = None) -> HostRead:
     """A module read of the prompt's positions, or their mean (new-token reads travel as
     one column per module: launch_module_reads)."""
     values, positions = _gathered(row, name, read.module, read.positions)
+    if store is not None and name in row.seq.plan.exports and not read.mean:
+        _export(store, row, name, values)
     if read.mean:
         return HostRead(HostBatch(to_host(values.mean(0)), None))
     # [positions, hidden], with the prompt positions
     return HostRead(HostBatch(to_host(values), None), positions=positions)
 
 
-def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
+def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | None = None) -> None:
     """Launch the rows' module and logit-lens reads, each on its way to the host. A
     module's new-token reads for every row are one [rows, hidden] column with one copy
-    to the host, not a copy per row. A read that fails fails its own row's trace."""
+    to the host, not a copy per row. A read that fails fails its own row's trace.
+    Reads other invokes patch from (the plan's exports) also go into `store`."""
     new_token: dict[str, list[_NewToken]] = {}
     for row in rows:
         try:
@@ -90,8 +101,10 @@ def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
                     if not a.mean and a.positions.new_token_only(row.seq.step):
                         values, _ = _gathered(row, op.name, a.module, a.positions)
                         new_token.setdefault(a.module, []).append(_NewToken(row, op.name, values[0]))
+                        if store is not None and op.name in row.seq.plan.exports:
+                            _export(store, row, op.name, values)
                     else:
-                        row.reads[op.name] = _module_value(row, op.name, a)
+                        row.reads[op.name] = _module_value(row, op.name, a, store)
                 else:
                     assert isinstance(a, P.ReadLogitLens) and lens is not None
                     row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
