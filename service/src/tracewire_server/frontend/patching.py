@@ -112,11 +112,12 @@ def _resolve(
             f"({field})")
     if write.positions.kind == "new_token":
         step = _new_token_steps(drafts[i], source, op, read_op, field, f)
-        return msgspec.structs.replace(write, ref=msgspec.structs.replace(ref, trace=trace_key)), \
-            PatchWait(i, ref.invoke, step, what)
-    rows = _prompt_rows(drafts[i], source, op, write, read_op, ref, field, f)
-    resolved = msgspec.structs.replace(ref, trace=trace_key, rows=rows)
-    return msgspec.structs.replace(write, ref=resolved), PatchWait(i, ref.invoke, 0, what)
+        resolved = msgspec.structs.replace(ref, trace=trace_key)
+    else:
+        step = 0  # prompt positions: the source's prefill
+        rows = _prompt_rows(drafts[i], source, op, write, read_op, ref, field, f)
+        resolved = msgspec.structs.replace(ref, trace=trace_key, rows=rows)
+    return msgspec.structs.replace(write, ref=resolved), PatchWait(i, ref.invoke, step, what)
 
 
 def _prompt_rows(
