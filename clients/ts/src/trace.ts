@@ -23,6 +23,7 @@ import {
   InterventionSchema,
   LogitsStage,
   PositionsSchema,
+  ReadRefSchema,
   Reduction,
   StepSelectorSchema,
   type Intervention,
@@ -209,6 +210,33 @@ export const write = {
   replace(path: string, values: ArrayLike<number>, options: { positions?: PositionsInput } & UnitOptions = {}): WriteAction {
     return unitWrite(path, { case: "replace", value: float32Tensor(values, options.shape) }, options);
   },
+
+  /**
+   * Activation patching: replace a module's output at the positions with another invoke's
+   * module read of the same trace (`from`: its invoke index and read name), on the server,
+   * at the same step: prompt positions take the source's step-0 rows (`from.positions`:
+   * which of its prompt positions, in order; unset: all it read), the new token its row of
+   * the same step. The invoke starts once the source has that step. Needs --enforce-eager.
+   */
+  patch(path: string, from: ReadRefInput, options: { positions?: PositionsInput } = {}): WriteAction {
+    return {
+      case: "writeModule",
+      value: { module: path, positions: positions(options.positions), op: { case: "patch", value: readRef(from) } },
+    };
+  },
+
+  /** Add scale * another invoke's module read (taken as `patch` takes it). Needs --enforce-eager. */
+  addRead(path: string, from: ReadRefInput, options: { scale?: number; positions?: PositionsInput } = {}): WriteAction {
+    return {
+      case: "writeModule",
+      value: {
+        module: path,
+        positions: positions(options.positions),
+        op: { case: "addRead", value: readRef(from) },
+        scale: options.scale,
+      },
+    };
+  },
 } as const;
 
 /**
@@ -239,6 +267,17 @@ function unitWrite(
       units: options.units !== undefined ? { ids: [...options.units] } : undefined,
     },
   };
+}
+
+/** Another invoke's module read, as a patch's operand: its invoke index, read name and (prompt reads) positions. */
+export interface ReadRefInput {
+  readonly invoke: number;
+  readonly name: string;
+  readonly positions?: readonly number[];
+}
+
+function readRef(from: ReadRefInput): MessageInitShape<typeof ReadRefSchema> {
+  return { invoke: from.invoke, name: from.name, positions: [...(from.positions ?? [])] };
 }
 
 /** When to end the sequence (the token drawn at that step is kept). */

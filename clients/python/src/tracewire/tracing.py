@@ -82,6 +82,9 @@ class Saved(list[Any]):
         super().__init__()
         self.name = name
         self.steps: list[int] = []
+        # Activation patching: the invoke a saved module read belongs to (what `.patch()`
+        # on another invoke's module references); None for other reads.
+        self.invoke: int | None = None
 
     @property
     def value(self) -> Any:
@@ -463,6 +466,37 @@ class ModuleRef(_Read):
     def mean_ablate(self) -> None:
         """Set each selected position to the mean over the selected positions."""
         self._edit(mean=ipb.MeanAblation())
+
+    # -- activation patching across invokes --------------------------------------
+
+    def __getitem__(self, positions: int | slice | Sequence[int]) -> ModuleRef:
+        """The same module at these prompt positions (acted on at step 0; negative counts
+        from the prompt's end): `inv.iter[0].model.layers[3].output[4]`."""
+        selected = [positions] if isinstance(positions, int) else positions
+        return ModuleRef(self._view, self._path, _positions(selected), False)
+
+    def save(self, name: str | None = None) -> Saved:
+        saved = super().save(name)
+        saved.invoke = self._view._invoke.index
+        return saved
+
+    def patch(self, source: Saved, positions: Sequence[int] | None = None) -> None:
+        """Activation patching: replace the selected positions with another invoke's saved
+        module read of this trace (`source`), on the server, at the same step: for prompt
+        positions its rows of step 0 (`positions`: which of the source's prompt positions,
+        in order; None: all it read), for the new token its row of the same step. The
+        invoke then starts once the source has that step (README: Activation patching)."""
+        self._edit(patch=_read_ref(source, positions))
+
+    def add_read(self, source: Saved, scale: float = 1.0, positions: Sequence[int] | None = None) -> None:
+        """Add scale * another invoke's saved module read (as `.patch()` takes it)."""
+        self._edit(add_read=_read_ref(source, positions), scale=float(scale))
+
+
+def _read_ref(source: Saved, positions: Sequence[int] | None) -> ipb.ReadRef:
+    if not isinstance(source, Saved) or source.invoke is None:
+        raise InvalidArgument("patch from the value a module read's .save() returned (another invoke's)")
+    return ipb.ReadRef(invoke=source.invoke, name=source.name, positions=[int(p) for p in positions or ()])
 
 
 class _ModuleProxy:

@@ -20,7 +20,7 @@ from ..shared import detokenize, steering
 from ..shared import plan as P
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
 from ..shared.limits import ModelLimits
-from . import vllm_compat
+from . import metrics, vllm_compat
 from .compiler import CompiledTrace
 from .errors import InvalidArgument, Unavailable
 from .prompts import EnginePrompt
@@ -104,6 +104,7 @@ class Engine:
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    _releases: set[asyncio.Future[None]] = field(default_factory=set)  # (held: running tasks)
 
     @classmethod
     async def start(
@@ -220,6 +221,14 @@ class Engine:
         slow client."""
         return TraceRun(self, self.receiver, compiled, buffer_bytes)
 
+    def release_trace(self, trace_key: str) -> None:
+        """Free a finished trace's patch sources' values on every worker (in the
+        background: the trace's end never waits for it; the worker's own bound covers a
+        release that is lost)."""
+        task = asyncio.ensure_future(_release_trace(self.llm, trace_key))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
     def stats(self) -> EngineStats:
         return EngineStats(
             unfinished=vllm_compat.num_unfinished_requests(self.llm),
@@ -319,6 +328,22 @@ def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:
 def default_cpu_environment() -> None:
     """KV-cache size for the CPU build when the user set none (GiB)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+async def _release_trace(llm: Any, trace_key: str) -> None:
+    """collective_rpc("tracewire_release") on every worker; rank 0's answer updates the
+    patch-store metrics. Shielded for the reason _install_worker_hooks says."""
+    call = asyncio.ensure_future(llm.collective_rpc("tracewire_release", args=(trace_key,)))
+    try:
+        answers = await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - the worker's bound frees what a lost release keeps
+        log.warning("releasing trace %s's patch values failed: %s: %s", trace_key, type(e).__name__, e)
+        return
+    freed, traces, _entries, held = answers[0]
+    metrics.PATCH_RELEASED_BYTES.inc(freed)
+    metrics.PATCH_STORE_BYTES.set(held)
+    metrics.PATCH_STORE_TRACES.set(traces)
+    log.debug("released trace %s: %d bytes; the worker holds %d bytes of %d traces", trace_key, freed, held, traces)
 
 
 async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, route: int) -> None:

@@ -217,7 +217,30 @@ class InterventionCompiler:
             return P.WriteModule(w.module, positions, op, vector.astype("<f4").tobytes(), scale)
         if op in ("zero", "mean"):
             return P.WriteModule(w.module, positions, op)
-        raise InvalidArgument(f"{field}.op", "set add, replace, zero or mean")
+        if op in ("patch", "add_read"):
+            return self.read_ref_write(w, op, positions, scale, field)
+        raise InvalidArgument(f"{field}.op", "set add, replace, zero, mean, patch or add_read")
+
+    def read_ref_write(
+        self, w: ipb.WriteModule, op: P.ModuleEdit, positions: P.Positions, scale: float, field: str
+    ) -> P.Action:
+        """A patch / add_read: what one write alone can check; the reference itself
+        (the source invoke, its read, counts, steps, cycles) is resolved across the
+        trace's invokes (patching.py)."""
+        ref = getattr(w, op)
+        f = f"{field}.{op}"
+        if positions.kind == "all":
+            raise InvalidArgument(f"{field}.positions", "a patch takes either prompt positions (at step 0) "
+                                  "or the new token (at each step), not both: use two writes")
+        if ref.invoke < 0:
+            raise InvalidArgument(f"{f}.invoke", f"must be >= 0, got {ref.invoke}")
+        if not ref.name:
+            raise InvalidArgument(f"{f}.name", "name the source invoke's read_module")
+        if positions.kind == "new_token" and ref.positions:
+            raise InvalidArgument(f"{f}.positions", "a write at the new token takes the source's new-token "
+                                  "row of the same step: leave positions unset")
+        ref_op = P.ReadRef("", ref.invoke, ref.name, tuple(ref.positions))
+        return P.WriteModule(w.module, positions, op, scale=scale if op == "add_read" else 1.0, ref=ref_op)
 
     def write_units(self, w: ipb.WriteModule, field: str) -> P.Action:
         """A write of attention heads / MLP neurons (units.py checks the units)."""

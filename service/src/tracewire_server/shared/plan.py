@@ -289,7 +289,7 @@ class MaskLogits(msgspec.Struct, frozen=True, tag="mask_logits"):
     token_ids: tuple[int, ...]
 
 
-ModuleEdit = Literal["add", "replace", "zero", "mean"]
+ModuleEdit = Literal["add", "replace", "zero", "mean", "patch", "add_read"]
 # What a compiled engine's steering tables express (stream' = a * stream + b, steering.py);
 # a mean depends on the rows it averages: eager engines only.
 COMPILED_EDITS: tuple[ModuleEdit, ...] = ("add", "replace", "zero")
@@ -304,6 +304,21 @@ def layer_number(path: str) -> int:
     return int(path.split(".")[1])
 
 
+class ReadRef(msgspec.Struct, frozen=True):
+    """Activation patching: another invoke's module read in the same trace as a write's
+    operand ("patch" / "add_read"). The source's worker keeps the read's rows (device
+    tensors) in its PatchStore under (trace, invoke, name, step) before it sends that
+    step's record; the target's write takes `rows` of them at the same step. Nothing
+    here says what the rows are rows of: a patch is "these stored rows replace the
+    target's selected rows of its address", whatever the address."""
+
+    trace: str  # the trace's key ("" until the trace compiler resolves the reference)
+    invoke: int  # the source invoke
+    name: str  # the source's read
+    positions: tuple[int, ...] = ()  # as asked: the source's prompt positions (empty: all)
+    rows: tuple[int, ...] = ()  # resolved: indices into the source read's rows (empty: all, in order)
+
+
 class WriteModule(msgspec.Struct, frozen=True, tag="write_module"):
     """Change a module's output at positions (for decoder layers: the residual stream)."""
 
@@ -316,6 +331,7 @@ class WriteModule(msgspec.Struct, frozen=True, tag="write_module"):
     # unit. `vector` is then float32 [units, head_dim] or [head_dim] (heads; the latter
     # for every chosen head alike), [units] (neurons).
     units: tuple[int, ...] | None = None
+    ref: ReadRef | None = None  # the operand of "patch" / "add_read"
 
 
 class Stop(msgspec.Struct, frozen=True, tag="stop"):
@@ -383,6 +399,11 @@ class SequencePlan(msgspec.Struct, frozen=True):
     route: int = 0
     # How text conditions decode the text so far: as the client's text deltas are.
     skip_special_tokens: bool = True
+    # Activation patching: the reads of this request other invokes' writes take as operands
+    # (the worker keeps their rows under (trace, invoke, name, step) until the trace ends).
+    exports: frozenset[str] = frozenset()
+    trace: str = ""  # the trace's key, with exports
+    invoke: int = 0  # this request's invoke, with exports
 
     def active_at(self, step: int) -> tuple[Op, ...]:
         """The ops selected at `step`. The worker sends a record for a step exactly

@@ -21,6 +21,7 @@ from ..shared import plan as P
 from .conditions import holds_before_forward
 from .host import on_device
 from .module_reads import Lens
+from .patch_store import PatchStore
 from .runner import RunnerView
 from .sequences import Sequence, Sequences
 from .unit_hooks import edit_units, take_rows
@@ -93,10 +94,14 @@ def _edit_module_output(path: str, output: Any, edits: list[Edit]) -> None:
         vectors = torch.cat([module_vector(e.seq, e.write, target).expand(len(e.rows), -1) for e in edits])
         target.index_add_(0, on_device(rows, target.device, torch.long), vectors)
         return
-    for rows, edit, seq in edits:
+    for e in edits:
+        rows, edit, seq = e.rows, e.write, e.seq
         index = on_device(rows, target.device, torch.long)
         stream = target[index] + (residual[index] if residual is not None else 0)
-        if edit.edit == "add":
+        if e.operand is not None:  # patch / add_read: another invoke's rows, row for row
+            operand = e.operand.to(device=target.device, dtype=stream.dtype)
+            new_stream = operand if edit.edit == "patch" else stream + edit.scale * operand
+        elif edit.edit == "add":
             new_stream = stream + module_vector(seq, edit, target)
         elif edit.edit == "replace":
             new_stream = module_vector(seq, edit, target).expand_as(stream)
@@ -127,6 +132,8 @@ class Edit(NamedTuple):
     rows: list[int]
     write: P.WriteModule
     seq: Sequence
+    # patch / add_read: the stored source rows for `rows`, in order ([len(rows), width])
+    operand: torch.Tensor | None = None
 
 
 class ModuleHooks:
@@ -135,8 +142,10 @@ class ModuleHooks:
     module's hook then makes its writes and copies out its reads' rows. Idle unless the
     pass has module reads or writes."""
 
-    def __init__(self, runner: RunnerView, sequences: Sequences, drain: Callable[[], None]) -> None:
+    def __init__(self, runner: RunnerView, sequences: Sequences, drain: Callable[[], None],
+                 store: PatchStore | None = None) -> None:
         self.runner = runner
+        self.store = store if store is not None else PatchStore()  # patch sources' values
         self.sequences = sequences
         self.drain = drain  # (module_writes' text conditions: every finished step first)
         self.lens = Lens(*runner.lens_parts(), runner.vocab_size)
@@ -186,10 +195,28 @@ class ModuleHooks:
                     continue
                 if isinstance(action, P.WriteModule):
                     if holds_before_forward(op.condition, seq, self.drain):
-                        self._edits.setdefault(action.module, []).append(Edit(rows, action, seq))
+                        operand = None
+                        if action.ref is not None:
+                            try:
+                                operand = self._operand(action, action.ref, seq, wanted)
+                            except RuntimeError as e:  # fails this request's trace only
+                                seq.error = seq.error or f"{action.edit} of {action.module}: {e}"
+                                continue
+                        self._edits.setdefault(action.module, []).append(Edit(rows, action, seq, operand))
                     continue
                 for key, path in action.module_reads(op.name):
                     self._wants.setdefault(path, []).append(Want(seq, key, rows, wanted))
+
+    def _operand(self, write: P.WriteModule, ref: P.ReadRef, seq: Sequence, wanted: list[int]) -> torch.Tensor:
+        """The source's stored rows for the target positions `wanted` of this pass (a
+        chunked prefill's pass holds some of the write's positions: row i of the
+        reference goes to the write's i-th selected position)."""
+        stored = self.store.get(ref.trace, ref.invoke, ref.name, seq.step)
+        if write.positions.kind == "new_token":
+            return stored
+        selected = write.positions.prompt_positions(len(seq.prompt_ids))
+        rows = ref.rows or tuple(range(stored.shape[0]))
+        return stored[[rows[selected.index(p)] for p in wanted]]
 
     def _hook(self, path: str, output: Any) -> None:
         """Never raises into vLLM's forward pass: a failure fails the traces involved."""

@@ -17,6 +17,7 @@ from ..shared import plan as P
 from .batch import Row
 from .host import ColumnRow, HostBatch, HostRead, to_host
 from .unit_hooks import select_units
+from .patch_store import PatchStore
 
 
 class Lens:
@@ -68,10 +69,19 @@ def _logit_lens_value(row: Row, name: str, read: P.ReadLogitLens, lens: Lens) ->
     return HostRead(HostBatch(to_host(logprobs), None), positions)
 
 
-def _module_value(row: Row, name: str, read: P.ReadModule) -> HostRead:
+def _export(store: PatchStore, row: Row, name: str, values: torch.Tensor) -> None:
+    """Keep a patch source's rows of this step for the writes that take them (a copy of
+    its own: `values` may be a slice of every request's rows of the module)."""
+    plan = row.seq.plan
+    store.put(plan.trace, plan.invoke, name, row.seq.step, values.clone())
+
+
+def _module_value(row: Row, name: str, read: P.ReadModule, store: PatchStore | None = None) -> HostRead:
     """A module read of the prompt's positions, or their mean (new-token reads travel as
     one column per module: launch_module_reads)."""
     values, positions = _gathered(row, name, read.module, read.positions)
+    if store is not None and name in row.seq.plan.exports and not read.mean:
+        _export(store, row, name, values)
     if P.unit_kind(read.module):
         # heads / neurons: the chosen units (top-k: with their ids), of the mean
         # when reduced ([positions, units(, head_dim)] or [units(, head_dim)])
@@ -84,10 +94,11 @@ def _module_value(row: Row, name: str, read: P.ReadModule) -> HostRead:
     return HostRead(HostBatch(to_host(values), None), positions=positions)
 
 
-def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
+def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | None = None) -> None:
     """Launch the rows' module and logit-lens reads, each on its way to the host. A
     module's new-token reads for every row are one [rows, hidden] column with one copy
-    to the host, not a copy per row. A read that fails fails its own row's trace."""
+    to the host, not a copy per row. A read that fails fails its own row's trace.
+    Reads other invokes patch from (the plan's exports) also go into `store`."""
     new_token: dict[str | tuple[str, P.Units | None], list[_NewToken]] = {}
     for row in rows:
         try:
@@ -99,8 +110,10 @@ def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
                         # (unit reads: a column per module and selection, cut once for all rows)
                         column = (a.module, a.units) if P.unit_kind(a.module) else a.module
                         new_token.setdefault(column, []).append(_NewToken(row, op.name, values[0]))
+                        if store is not None and op.name in row.seq.plan.exports:
+                            _export(store, row, op.name, values)
                     else:
-                        row.reads[op.name] = _module_value(row, op.name, a)
+                        row.reads[op.name] = _module_value(row, op.name, a, store)
                 else:
                     assert isinstance(a, P.ReadLogitLens) and lens is not None
                     row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)

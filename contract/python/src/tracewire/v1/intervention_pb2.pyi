@@ -241,13 +241,15 @@ class TokenBias(_message.Message):
     def __init__(self, bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class WriteModule(_message.Message):
-    __slots__ = ("module", "positions", "add", "replace", "zero", "mean", "scale", "units")
+    __slots__ = ("module", "positions", "add", "replace", "zero", "mean", "patch", "add_read", "scale", "units")
     MODULE_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
     ZERO_FIELD_NUMBER: _ClassVar[int]
     MEAN_FIELD_NUMBER: _ClassVar[int]
+    PATCH_FIELD_NUMBER: _ClassVar[int]
+    ADD_READ_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
     module: str
@@ -256,9 +258,21 @@ class WriteModule(_message.Message):
     replace: _tensor_pb2.Tensor
     zero: ZeroAblation
     mean: MeanAblation
+    patch: ReadRef
+    add_read: ReadRef
     scale: float
     units: UnitIds
-    def __init__(self, module: _Optional[str] = ..., positions: _Optional[_Union[Positions, _Mapping]] = ..., add: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., replace: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., zero: _Optional[_Union[ZeroAblation, _Mapping]] = ..., mean: _Optional[_Union[MeanAblation, _Mapping]] = ..., scale: _Optional[float] = ..., units: _Optional[_Union[UnitIds, _Mapping]] = ...) -> None: ...
+    def __init__(self, module: _Optional[str] = ..., positions: _Optional[_Union[Positions, _Mapping]] = ..., add: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., replace: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., zero: _Optional[_Union[ZeroAblation, _Mapping]] = ..., mean: _Optional[_Union[MeanAblation, _Mapping]] = ..., patch: _Optional[_Union[ReadRef, _Mapping]] = ..., add_read: _Optional[_Union[ReadRef, _Mapping]] = ..., scale: _Optional[float] = ..., units: _Optional[_Union[UnitIds, _Mapping]] = ...) -> None: ...
+
+class ReadRef(_message.Message):
+    __slots__ = ("invoke", "name", "positions")
+    INVOKE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    invoke: int
+    name: str
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, invoke: _Optional[int] = ..., name: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ZeroAblation(_message.Message):
     __slots__ = ()

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tracewire/v1/intervention.proto.
  */
 export const file_tracewire_v1_intervention: GenFile = /*@__PURE__*/
-  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEiugQKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABIxCgxmb3JjZV9zYW1wbGUYFCABKAsyGS50cmFjZXdpcmUudjEuRm9yY2VTYW1wbGVIABIxCgx3cml0ZV9sb2dpdHMYFSABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVMb2dpdHNIABIxCgx3cml0ZV9tb2R1bGUYFiABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVNb2R1bGVIABIiCgRzdG9wGB4gASgLMhIudHJhY2V3aXJlLnYxLlN0b3BIAEIICgZhY3Rpb24ijwEKDFN0ZXBTZWxlY3RvchIlCgNhbGwYASABKAsyFi50cmFjZXdpcmUudjEuQWxsU3RlcHNIABIoCgVyYW5nZRgCIAEoCzIXLnRyYWNld2lyZS52MS5TdGVwUmFuZ2VIABImCgRsaXN0GAMgASgLMhYudHJhY2V3aXJlLnYxLlN0ZXBMaXN0SABCBgoEa2luZCIKCghBbGxTdGVwcyI2CglTdGVwUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIhkKCFN0ZXBMaXN0Eg0KBXN0ZXBzGAEgAygFIh0KCFRva2VuU2V0EhEKCXRva2VuX2lkcxgBIAMoBSK8AQoKUmVhZExvZ2l0cxIoCgVzdGFnZRgBIAEoDjIZLnRyYWNld2lyZS52MS5Mb2dpdHNTdGFnZRIlCgRmdWxsGAIgASgLMhUudHJhY2V3aXJlLnYxLkZ1bGxSb3dIABIjCgV0b3BfaxgDIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSAASKwoJdG9rZW5faWRzGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCCwoJc2VsZWN0aW9uIgkKB0Z1bGxSb3ciEQoEVG9wSxIJCgFrGAEgASgFIgwKClJlYWRTYW1wbGUiHQoMUmVhZExvZ3Byb2JzEg0KBXRvcF9rGAEgASgFIoICCglQb3NpdGlvbnMSKwoJbmV3X3Rva2VuGAEgASgLMhYudHJhY2V3aXJlLnYxLk5ld1Rva2VuSAASLQoKYWxsX3Byb21wdBgCIAEoCzIXLnRyYWNld2lyZS52MS5BbGxQcm9tcHRIABIzCgxwcm9tcHRfcmFuZ2UYAyABKAsyGy50cmFjZXdpcmUudjEuUG9zaXRpb25SYW5nZUgAEjEKC3Byb21wdF9saXN0GAQgASgLMhoudHJhY2V3aXJlLnYxLlBvc2l0aW9uTGlzdEgAEikKA2FsbBgFIAEoCzIaLnRyYWNld2lyZS52MS5BbGxQb3NpdGlvbnNIAEIGCgRraW5kIgoKCE5ld1Rva2VuIgsKCUFsbFByb21wdCIOCgxBbGxQb3NpdGlvbnMiOgoNUG9zaXRpb25SYW5nZRINCgVzdGFydBgBIAEoBRIRCgRzdG9wGAIgASgFSACIAQFCBwoFX3N0b3AiIQoMUG9zaXRpb25MaXN0EhEKCXBvc2l0aW9ucxgBIAMoBSKgAQoKUmVhZE1vZHVsZRIOCgZtb2R1bGUYASABKAkSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxIqCglyZWR1Y3Rpb24YAyABKA4yFy50cmFjZXdpcmUudjEuUmVkdWN0aW9uEioKBXVuaXRzGAQgASgLMhsudHJhY2V3aXJlLnYxLlVuaXRTZWxlY3Rpb24iYgoNVW5pdFNlbGVjdGlvbhIkCgNpZHMYASABKAsyFS50cmFjZXdpcmUudjEuVW5pdElkc0gAEiMKBXRvcF9rGAIgASgLMhIudHJhY2V3aXJlLnYxLlRvcEtIAEIGCgRraW5kIhYKB1VuaXRJZHMSCwoDaWRzGAEgAygFIloKDVJlYWRMb2dpdExlbnMSDgoGbGF5ZXJzGAEgAygFEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSDQoFdG9wX2sYAyABKAUiHwoLRm9yY2VTYW1wbGUSEAoIdG9rZW5faWQYASABKAUisgEKC1dyaXRlTG9naXRzEicKB3JlcGxhY2UYASABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASIwoDYWRkGAIgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEicKBGJpYXMYAyABKAsyFy50cmFjZXdpcmUudjEuVG9rZW5CaWFzSAASJgoEbWFzaxgEIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAQgQKAm9wImkKCVRva2VuQmlhcxIvCgRiaWFzGAEgAygLMiEudHJhY2V3aXJlLnYxLlRva2VuQmlhcy5CaWFzRW50cnkaKwoJQmlhc0VudHJ5EgsKA2tleRgBIAEoBRINCgV2YWx1ZRgCIAEoAjoCOAEiuQIKC1dyaXRlTW9kdWxlEg4KBm1vZHVsZRgBIAEoCRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEiMKA2FkZBgDIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABInCgdyZXBsYWNlGAQgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEioKBHplcm8YBSABKAsyGi50cmFjZXdpcmUudjEuWmVyb0FibGF0aW9uSAASKgoEbWVhbhgGIAEoCzIaLnRyYWNld2lyZS52MS5NZWFuQWJsYXRpb25IABISCgVzY2FsZRgHIAEoAkgBiAEBEiQKBXVuaXRzGAggASgLMhUudHJhY2V3aXJlLnYxLlVuaXRJZHNCBAoCb3BCCAoGX3NjYWxlIg4KDFplcm9BYmxhdGlvbiIOCgxNZWFuQWJsYXRpb24iBgoEU3RvcCKIAwoJQ29uZGl0aW9uEiwKCnNhbXBsZWRfaW4YASABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIrCglhcmdtYXhfaW4YAiABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIXCg10ZXh0X2NvbnRhaW5zGAMgASgJSAASFgoMdGV4dF9tYXRjaGVzGAQgASgJSAASOwoRdG9rZW5fcHJvYmFiaWxpdHkYBSABKAsyHi50cmFjZXdpcmUudjEuVG9rZW5Qcm9iYWJpbGl0eUgAEioKB2VudHJvcHkYBiABKAsyFy50cmFjZXdpcmUudjEuVGhyZXNob2xkSAASKgoGYWxsX29mGAcgASgLMhgudHJhY2V3aXJlLnYxLkNvbmRpdGlvbnNIABIqCgZhbnlfb2YYCCABKAsyGC50cmFjZXdpcmUudjEuQ29uZGl0aW9uc0gAEiYKA25vdBgJIAEoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb25IAEIGCgRraW5kIjkKCkNvbmRpdGlvbnMSKwoKY29uZGl0aW9ucxgBIAMoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb24iYgoQVG9rZW5Qcm9iYWJpbGl0eRIVCgh0b2tlbl9pZBgBIAEoBUgAiAEBEioKCXRocmVzaG9sZBgCIAEoCzIXLnRyYWNld2lyZS52MS5UaHJlc2hvbGRCCwoJX3Rva2VuX2lkIkgKCVRocmVzaG9sZBIsCgpjb21wYXJpc29uGAEgASgOMhgudHJhY2V3aXJlLnYxLkNvbXBhcmlzb24SDQoFdmFsdWUYAiABKAEqfQoLTG9naXRzU3RhZ2USHAoYTE9HSVRTX1NUQUdFX1VOU1BFQ0lGSUVEEAASFAoQTE9HSVRTX1NUQUdFX1JBVxABEhoKFkxPR0lUU19TVEFHRV9QUk9DRVNTRUQQAhIeChpMT0dJVFNfU1RBR0VfQkVGT1JFX1dSSVRFUxADKjoKCVJlZHVjdGlvbhIZChVSRURVQ1RJT05fVU5TUEVDSUZJRUQQABISCg5SRURVQ1RJT05fTUVBThABKo4BCgpDb21wYXJpc29uEhoKFkNPTVBBUklTT05fVU5TUEVDSUZJRUQQABIWChJDT01QQVJJU09OX0dSRUFURVIQARIcChhDT01QQVJJU09OX0dSRUFURVJfRVFVQUwQAhITCg9DT01QQVJJU09OX0xFU1MQAxIZChVDT01QQVJJU09OX0xFU1NfRVFVQUwQBGIGcHJvdG8z", [file_tracewire_v1_tensor]);
+  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEiugQKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABIxCgxmb3JjZV9zYW1wbGUYFCABKAsyGS50cmFjZXdpcmUudjEuRm9yY2VTYW1wbGVIABIxCgx3cml0ZV9sb2dpdHMYFSABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVMb2dpdHNIABIxCgx3cml0ZV9tb2R1bGUYFiABKAsyGS50cmFjZXdpcmUudjEuV3JpdGVNb2R1bGVIABIiCgRzdG9wGB4gASgLMhIudHJhY2V3aXJlLnYxLlN0b3BIAEIICgZhY3Rpb24ijwEKDFN0ZXBTZWxlY3RvchIlCgNhbGwYASABKAsyFi50cmFjZXdpcmUudjEuQWxsU3RlcHNIABIoCgVyYW5nZRgCIAEoCzIXLnRyYWNld2lyZS52MS5TdGVwUmFuZ2VIABImCgRsaXN0GAMgASgLMhYudHJhY2V3aXJlLnYxLlN0ZXBMaXN0SABCBgoEa2luZCIKCghBbGxTdGVwcyI2CglTdGVwUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIhkKCFN0ZXBMaXN0Eg0KBXN0ZXBzGAEgAygFIh0KCFRva2VuU2V0EhEKCXRva2VuX2lkcxgBIAMoBSK8AQoKUmVhZExvZ2l0cxIoCgVzdGFnZRgBIAEoDjIZLnRyYWNld2lyZS52MS5Mb2dpdHNTdGFnZRIlCgRmdWxsGAIgASgLMhUudHJhY2V3aXJlLnYxLkZ1bGxSb3dIABIjCgV0b3BfaxgDIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSAASKwoJdG9rZW5faWRzGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCCwoJc2VsZWN0aW9uIgkKB0Z1bGxSb3ciEQoEVG9wSxIJCgFrGAEgASgFIgwKClJlYWRTYW1wbGUiHQoMUmVhZExvZ3Byb2JzEg0KBXRvcF9rGAEgASgFIoICCglQb3NpdGlvbnMSKwoJbmV3X3Rva2VuGAEgASgLMhYudHJhY2V3aXJlLnYxLk5ld1Rva2VuSAASLQoKYWxsX3Byb21wdBgCIAEoCzIXLnRyYWNld2lyZS52MS5BbGxQcm9tcHRIABIzCgxwcm9tcHRfcmFuZ2UYAyABKAsyGy50cmFjZXdpcmUudjEuUG9zaXRpb25SYW5nZUgAEjEKC3Byb21wdF9saXN0GAQgASgLMhoudHJhY2V3aXJlLnYxLlBvc2l0aW9uTGlzdEgAEikKA2FsbBgFIAEoCzIaLnRyYWNld2lyZS52MS5BbGxQb3NpdGlvbnNIAEIGCgRraW5kIgoKCE5ld1Rva2VuIgsKCUFsbFByb21wdCIOCgxBbGxQb3NpdGlvbnMiOgoNUG9zaXRpb25SYW5nZRINCgVzdGFydBgBIAEoBRIRCgRzdG9wGAIgASgFSACIAQFCBwoFX3N0b3AiIQoMUG9zaXRpb25MaXN0EhEKCXBvc2l0aW9ucxgBIAMoBSKgAQoKUmVhZE1vZHVsZRIOCgZtb2R1bGUYASABKAkSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxIqCglyZWR1Y3Rpb24YAyABKA4yFy50cmFjZXdpcmUudjEuUmVkdWN0aW9uEioKBXVuaXRzGAQgASgLMhsudHJhY2V3aXJlLnYxLlVuaXRTZWxlY3Rpb24iYgoNVW5pdFNlbGVjdGlvbhIkCgNpZHMYASABKAsyFS50cmFjZXdpcmUudjEuVW5pdElkc0gAEiMKBXRvcF9rGAIgASgLMhIudHJhY2V3aXJlLnYxLlRvcEtIAEIGCgRraW5kIhYKB1VuaXRJZHMSCwoDaWRzGAEgAygFIloKDVJlYWRMb2dpdExlbnMSDgoGbGF5ZXJzGAEgAygFEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSDQoFdG9wX2sYAyABKAUiHwoLRm9yY2VTYW1wbGUSEAoIdG9rZW5faWQYASABKAUisgEKC1dyaXRlTG9naXRzEicKB3JlcGxhY2UYASABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASIwoDYWRkGAIgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEicKBGJpYXMYAyABKAsyFy50cmFjZXdpcmUudjEuVG9rZW5CaWFzSAASJgoEbWFzaxgEIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAQgQKAm9wImkKCVRva2VuQmlhcxIvCgRiaWFzGAEgAygLMiEudHJhY2V3aXJlLnYxLlRva2VuQmlhcy5CaWFzRW50cnkaKwoJQmlhc0VudHJ5EgsKA2tleRgBIAEoBRINCgV2YWx1ZRgCIAEoAjoCOAEijAMKC1dyaXRlTW9kdWxlEg4KBm1vZHVsZRgBIAEoCRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEiMKA2FkZBgDIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABInCgdyZXBsYWNlGAQgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEioKBHplcm8YBSABKAsyGi50cmFjZXdpcmUudjEuWmVyb0FibGF0aW9uSAASKgoEbWVhbhgGIAEoCzIaLnRyYWNld2lyZS52MS5NZWFuQWJsYXRpb25IABImCgVwYXRjaBgLIAEoCzIVLnRyYWNld2lyZS52MS5SZWFkUmVmSAASKQoIYWRkX3JlYWQYDCABKAsyFS50cmFjZXdpcmUudjEuUmVhZFJlZkgAEhIKBXNjYWxlGAcgASgCSAGIAQESJAoFdW5pdHMYCCABKAsyFS50cmFjZXdpcmUudjEuVW5pdElkc0IECgJvcEIICgZfc2NhbGUiOgoHUmVhZFJlZhIOCgZpbnZva2UYASABKAUSDAoEbmFtZRgCIAEoCRIRCglwb3NpdGlvbnMYAyADKAUiDgoMWmVyb0FibGF0aW9uIg4KDE1lYW5BYmxhdGlvbiIGCgRTdG9wIogDCglDb25kaXRpb24SLAoKc2FtcGxlZF9pbhgBIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAEisKCWFyZ21heF9pbhgCIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAEhcKDXRleHRfY29udGFpbnMYAyABKAlIABIWCgx0ZXh0X21hdGNoZXMYBCABKAlIABI7ChF0b2tlbl9wcm9iYWJpbGl0eRgFIAEoCzIeLnRyYWNld2lyZS52MS5Ub2tlblByb2JhYmlsaXR5SAASKgoHZW50cm9weRgGIAEoCzIXLnRyYWNld2lyZS52MS5UaHJlc2hvbGRIABIqCgZhbGxfb2YYByABKAsyGC50cmFjZXdpcmUudjEuQ29uZGl0aW9uc0gAEioKBmFueV9vZhgIIAEoCzIYLnRyYWNld2lyZS52MS5Db25kaXRpb25zSAASJgoDbm90GAkgASgLMhcudHJhY2V3aXJlLnYxLkNvbmRpdGlvbkgAQgYKBGtpbmQiOQoKQ29uZGl0aW9ucxIrCgpjb25kaXRpb25zGAEgAygLMhcudHJhY2V3aXJlLnYxLkNvbmRpdGlvbiJiChBUb2tlblByb2JhYmlsaXR5EhUKCHRva2VuX2lkGAEgASgFSACIAQESKgoJdGhyZXNob2xkGAIgASgLMhcudHJhY2V3aXJlLnYxLlRocmVzaG9sZEILCglfdG9rZW5faWQiSAoJVGhyZXNob2xkEiwKCmNvbXBhcmlzb24YASABKA4yGC50cmFjZXdpcmUudjEuQ29tcGFyaXNvbhINCgV2YWx1ZRgCIAEoASp9CgtMb2dpdHNTdGFnZRIcChhMT0dJVFNfU1RBR0VfVU5TUEVDSUZJRUQQABIUChBMT0dJVFNfU1RBR0VfUkFXEAESGgoWTE9HSVRTX1NUQUdFX1BST0NFU1NFRBACEh4KGkxPR0lUU19TVEFHRV9CRUZPUkVfV1JJVEVTEAMqOgoJUmVkdWN0aW9uEhkKFVJFRFVDVElPTl9VTlNQRUNJRklFRBAAEhIKDlJFRFVDVElPTl9NRUFOEAEqjgEKCkNvbXBhcmlzb24SGgoWQ09NUEFSSVNPTl9VTlNQRUNJRklFRBAAEhYKEkNPTVBBUklTT05fR1JFQVRFUhABEhwKGENPTVBBUklTT05fR1JFQVRFUl9FUVVBTBACEhMKD0NPTVBBUklTT05fTEVTUxADEhkKFUNPTVBBUklTT05fTEVTU19FUVVBTBAEYgZwcm90bzM", [file_tracewire_v1_tensor]);
 
 /**
  * One declarative intervention on a traced generation: at the selected steps,
@@ -825,10 +825,30 @@ export type WriteModule = Message<"tracewire.v1.WriteModule"> & {
      */
     value: MeanAblation;
     case: "mean";
+  } | {
+    /**
+     * Activation patching: replace the selected positions with rows of
+     * another invoke's module read in the same trace (see ReadRef); row i of
+     * the reference's selection goes to the i-th selected position. The
+     * values stay on the server.
+     *
+     * @generated from field: tracewire.v1.ReadRef patch = 11;
+     */
+    value: ReadRef;
+    case: "patch";
+  } | {
+    /**
+     * Add scale * the referenced read's rows (see ReadRef) to the selected
+     * positions, row i to the i-th selected position.
+     *
+     * @generated from field: tracewire.v1.ReadRef add_read = 12;
+     */
+    value: ReadRef;
+    case: "addRead";
   } | { case: undefined; value?: undefined };
 
   /**
-   * Multiplier for `add`; unset means 1.
+   * Multiplier for `add` and `add_read`; unset means 1.
    *
    * @generated from field: optional float scale = 7;
    */
@@ -856,6 +876,64 @@ export const WriteModuleSchema: GenMessage<WriteModule> = /*@__PURE__*/
   messageDesc(file_tracewire_v1_intervention, 24);
 
 /**
+ * Another invoke's module read in the same trace, as a write's operand
+ * (activation patching). The values never leave the server: the source's
+ * rows are kept on the worker when computed and taken by the target's write.
+ *
+ * Rules (each broken one is INVALID_ARGUMENT naming the field): the source is
+ * a read_module (not mean-reduced) of invoke `invoke`, an invoke other than
+ * the writing one and not one that patches from it (no cycles), with n = 1,
+ * whose module has the target module's width; it is selected at every step
+ * the write is: a write at prompt positions (acted on at step 0) takes the
+ * source's prompt-position rows of step 0, `positions` choosing among them
+ * (their count must equal the write's selected positions); a write at the
+ * new token takes, at step s, the source's new-token row of step s
+ * (`positions` unset). Writes at AllPositions are refused.
+ *
+ * Cost: the writing invoke's requests enter the engine only once the source
+ * has produced the step they need (step 0 for prompt positions, else the last
+ * step the write selects, or the source's end when open-ended), so they start
+ * about one source step (or a whole source generation) later. If the source
+ * fails, the trace fails; if it ends before that step, the trace fails naming
+ * the write. The kept rows count against the trace's read-bytes budget (a
+ * second time: they are also streamed to the client) and are freed when the
+ * trace ends.
+ *
+ * @generated from message tracewire.v1.ReadRef
+ */
+export type ReadRef = Message<"tracewire.v1.ReadRef"> & {
+  /**
+   * Index of the source invoke in the trace's invokes.
+   *
+   * @generated from field: int32 invoke = 1;
+   */
+  invoke: number;
+
+  /**
+   * Name of the source invoke's read_module intervention.
+   *
+   * @generated from field: string name = 2;
+   */
+  name: string;
+
+  /**
+   * Prompt positions of the source's prompt to take, in this order
+   * (negative values count from its end); each must be one the source read
+   * selects. Empty: every row of the read, in position order.
+   *
+   * @generated from field: repeated int32 positions = 3;
+   */
+  positions: number[];
+};
+
+/**
+ * Describes the message tracewire.v1.ReadRef.
+ * Use `create(ReadRefSchema)` to create a new message.
+ */
+export const ReadRefSchema: GenMessage<ReadRef> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 25);
+
+/**
  * Zero ablation.
  *
  * @generated from message tracewire.v1.ZeroAblation
@@ -868,7 +946,7 @@ export type ZeroAblation = Message<"tracewire.v1.ZeroAblation"> & {
  * Use `create(ZeroAblationSchema)` to create a new message.
  */
 export const ZeroAblationSchema: GenMessage<ZeroAblation> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 25);
+  messageDesc(file_tracewire_v1_intervention, 26);
 
 /**
  * Mean ablation.
@@ -883,7 +961,7 @@ export type MeanAblation = Message<"tracewire.v1.MeanAblation"> & {
  * Use `create(MeanAblationSchema)` to create a new message.
  */
 export const MeanAblationSchema: GenMessage<MeanAblation> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 26);
+  messageDesc(file_tracewire_v1_intervention, 27);
 
 /**
  * End the sequence at the step where it fires. The token drawn at that step is
@@ -899,7 +977,7 @@ export type Stop = Message<"tracewire.v1.Stop"> & {
  * Use `create(StopSchema)` to create a new message.
  */
 export const StopSchema: GenMessage<Stop> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 27);
+  messageDesc(file_tracewire_v1_intervention, 28);
 
 /**
  * A declarative predicate over the state of one sequence at one step.
@@ -1004,7 +1082,7 @@ export type Condition = Message<"tracewire.v1.Condition"> & {
  * Use `create(ConditionSchema)` to create a new message.
  */
 export const ConditionSchema: GenMessage<Condition> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 28);
+  messageDesc(file_tracewire_v1_intervention, 29);
 
 /**
  * A list of conditions.
@@ -1023,7 +1101,7 @@ export type Conditions = Message<"tracewire.v1.Conditions"> & {
  * Use `create(ConditionsSchema)` to create a new message.
  */
 export const ConditionsSchema: GenMessage<Conditions> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 29);
+  messageDesc(file_tracewire_v1_intervention, 30);
 
 /**
  * Comparison of a token's probability (softmax of the logits at the stage the
@@ -1052,7 +1130,7 @@ export type TokenProbability = Message<"tracewire.v1.TokenProbability"> & {
  * Use `create(TokenProbabilitySchema)` to create a new message.
  */
 export const TokenProbabilitySchema: GenMessage<TokenProbability> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 30);
+  messageDesc(file_tracewire_v1_intervention, 31);
 
 /**
  * value <op> threshold.
@@ -1076,7 +1154,7 @@ export type Threshold = Message<"tracewire.v1.Threshold"> & {
  * Use `create(ThresholdSchema)` to create a new message.
  */
 export const ThresholdSchema: GenMessage<Threshold> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 31);
+  messageDesc(file_tracewire_v1_intervention, 32);
 
 /**
  * Which logits a read sees. At each step the row passes three stages, in
