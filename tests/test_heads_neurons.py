@@ -85,10 +85,10 @@ def test_model_info_lists_heads_and_neurons_with_shapes(sdk):
 
 def test_head_reads_at_prompt_positions_and_every_new_token_equal_hf(sdk, hf):
     with sdk.trace(PROMPT, max_tokens=STEPS, **GREEDY) as tracer:
-        prompt = tracer.iter[0].module("layers.1.self_attn.heads", positions="prompt")[[2, 0]].save()
+        prompt = tracer.iter[0].module("layers.1.self_attn.heads", positions="prompt").select([2, 0]).save()
         new = tracer.all().model.layers[3].self_attn.heads.output.save()
-        one = tracer.all().model.layers[0].self_attn.heads.output[1].save()
-        mean = tracer.iter[0].module("layers.2.self_attn.heads", positions="prompt", mean=True)[[3]].save()
+        one = tracer.all().model.layers[0].self_attn.heads.output.select(1).save()
+        mean = tracer.iter[0].module("layers.2.self_attn.heads", positions="prompt", mean=True).select([3]).save()
     ids = hf.encode(PROMPT)
     tokens = tracer.result.outputs[0].token_ids
     assert tokens == hf.greedy(ids, STEPS)
@@ -156,7 +156,7 @@ def test_head_mean_ablation_over_the_prompt_equals_hf(sdk, hf):
     ids = hf.encode(PROMPT)
     n = len(ids)
     with sdk.trace(PROMPT, max_tokens=STEPS, **GREEDY) as tracer:
-        tracer.iter[0].module("layers.0.self_attn.heads", positions="prompt")[[0, 1, 2, 3]].mean_ablate()
+        tracer.iter[0].module("layers.0.self_attn.heads", positions="prompt").select([0, 1, 2, 3]).mean_ablate()
         raw = tracer.all().logits.raw.save()
 
     def mean(x):  # causal: the prompt's rows do not depend on later tokens
@@ -168,11 +168,11 @@ def test_head_mean_ablation_over_the_prompt_equals_hf(sdk, hf):
 
 def test_neuron_reads_at_ids_and_top_k_equal_hf(sdk, hf):
     with sdk.trace(PROMPT, max_tokens=STEPS, **GREEDY) as tracer:
-        chosen = tracer.iter[0].module("layers.2.mlp.act", positions="prompt")[[600, 5, 17]].save()
+        chosen = tracer.iter[0].module("layers.2.mlp.act", positions="prompt").select([600, 5, 17]).save()
         top = tracer.all().model.layers[1].mlp.act.output.top_k(8).save()
         top_prompt = tracer.iter[0].module("layers.3.mlp.act", positions=[-2, -1]).top_k(3).save()
         full = tracer.all().model.layers[0].mlp.act.output.save()
-        every = tracer.all().module("layers.1.mlp.act", positions="all")[[5, 6]].save()
+        every = tracer.all().module("layers.1.mlp.act", positions="all").select([5, 6]).save()
         every_top = tracer.all().module("layers.3.mlp.act", positions="all").top_k(2).save()
     ids = hf.encode(PROMPT)
     tokens = tracer.result.outputs[0].token_ids

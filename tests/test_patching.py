@@ -227,6 +227,75 @@ def test_the_sdk_single_patch(patched, hf):
     np.testing.assert_allclose(got.value, ref, atol=ATOL, rtol=RTOL)
 
 
+def hf_module_inputs(hf, ids: list[int], module: str) -> np.ndarray:
+    """The input of `module` (a path under the HF model, e.g. "model.layers.1.self_attn.o_proj")
+    at every position: [positions, width]."""
+    found = {}
+    handle = hf.model.get_submodule(module).register_forward_pre_hook(
+        lambda m, args: found.__setitem__("v", args[0][0].detach().clone()))
+    try:
+        with torch.no_grad():
+            hf.model(torch.tensor([ids]))
+    finally:
+        handle.remove()
+    return found["v"].numpy()
+
+
+def hf_logits_with_input(hf, ids: list[int], module: str, p: int, columns: slice | list[int], value) -> np.ndarray:
+    """The last position's logits with `module`'s input at position p, these columns, set to `value`."""
+    def hook(m, args):
+        x = args[0].clone()
+        x[0, p, columns] = torch.as_tensor(value, dtype=x.dtype)
+        return (x, *args[1:])
+    handle = hf.model.get_submodule(module).register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            return hf.model(torch.tensor([ids])).logits[0, -1].numpy()
+    finally:
+        handle.remove()
+
+
+def test_heads_and_neurons_patch_from_the_sources_same_units(patched, hf):
+    """A head of layers.1.self_attn.heads and two neurons of layers.2.mlp.act, patched at
+    position 3 from the clean run: HF doing the same copy on o_proj's / down_proj's input.
+    The source's read chose other units: the store keeps whole rows, the write takes its own."""
+    clean_ids, bad_ids = hf.encode(CLEAN), hf.encode(CORRUPTED)
+    down = hf_module_inputs(hf, clean_ids, "model.layers.2.mlp.down_proj")
+    # the 32 neurons the two prompts differ most in at position 3 (a patch that shows)
+    differ = np.abs(down[3] - hf_module_inputs(hf, bad_ids, "model.layers.2.mlp.down_proj")[3])
+    head, head_dim, neurons = 2, 64, [int(i) for i in np.argsort(-differ)[:32]]
+    with tw.Client(patched.server.target, timeout=120) as client:
+        with client.trace(max_tokens=1, temperature=0.0) as tracer:
+            with tracer.invoke(CLEAN) as clean:
+                heads = clean.iter[0].model.layers[1].self_attn.heads.output[3].select([0]).save("h")
+                act = clean.iter[0].model.layers[2].mlp.act.output[3].save("a")
+            with tracer.invoke(CORRUPTED) as one:
+                one.iter[0].model.layers[1].self_attn.heads.output[3].select(head).patch(heads)
+                got_head = one.iter[0].logits.raw.save()
+            with tracer.invoke(CORRUPTED) as two:
+                two.iter[0].model.layers[2].mlp.act.output[3].select(neurons).patch(act)
+                got_neurons = two.iter[0].logits.raw.save()
+    o_proj = hf_module_inputs(hf, clean_ids, "model.layers.1.self_attn.o_proj")
+    columns = slice(head * head_dim, (head + 1) * head_dim)
+    ref = hf_logits_with_input(hf, bad_ids, "model.layers.1.self_attn.o_proj", 3, columns, o_proj[3, columns])
+    np.testing.assert_allclose(got_head.value, ref, atol=ATOL, rtol=RTOL)
+    unpatched = hf_logits_with_input(hf, bad_ids, "model.layers.1.self_attn.o_proj", 3, [], [])
+    assert np.abs(ref - unpatched).max() > 10 * ATOL  # the patch moved the logits
+    ref = hf_logits_with_input(hf, bad_ids, "model.layers.2.mlp.down_proj", 3, neurons, down[3, neurons])
+    np.testing.assert_allclose(got_neurons.value, ref, atol=ATOL, rtol=RTOL)
+    assert np.abs(ref - unpatched).max() > 10 * ATOL
+
+
+def test_units_patch_only_from_the_same_kind_of_address(patched):
+    with tw.Client(patched.server.target, timeout=120) as client, pytest.raises(tw.InvalidArgument) as error:
+        with client.trace(max_tokens=1) as tracer:
+            with tracer.invoke(CLEAN) as clean:
+                layer = clean.iter[0].model.layers[1].output[3].save("l")  # [hidden]: 256 = 4 heads x 64
+            with tracer.invoke(CORRUPTED) as target:
+                target.iter[0].model.layers[1].self_attn.heads.output[3].select(0).patch(layer)
+    assert error.value.field == "invokes[1].interventions[0].write_module.patch.name"
+
+
 # -- failures ------------------------------------------------------------------------------
 
 

@@ -396,8 +396,10 @@ class StepView:
 class ModuleRef(_Read):
     """`view.module(path)`: read it (`.save()`) or change it for the selected steps.
 
-    Attention heads (`layers.L.self_attn.heads`) and MLP neurons (`layers.L.mlp.act`)
-    are units: index the ref to choose some (`ref[[0, 2]]`, `ref[1]`), `.top_k(k)` for
+    Indexing chooses prompt positions (`ref[4]`, `ref[2:5]`, `ref[[1, 3]]`: acted on at
+    step 0, negative counts from the prompt's end). Attention heads
+    (`layers.L.self_attn.heads`) and MLP neurons (`layers.L.mlp.act`) are units:
+    `.select([0, 2])` chooses some (as `logits.select` chooses token ids), `.top_k(k)`
     the largest neurons. Saved shapes per step: heads [heads, head_dim], neurons [ids]
     at "new" positions (and with mean=True); [positions, heads, head_dim] /
     [positions, ids] at any other positions; `top_k`: a TopK of [k] or [positions, k]."""
@@ -424,7 +426,7 @@ class ModuleRef(_Read):
             write.units.ids.extend(self._units)
         self._view._write(write_module=write)
 
-    def __getitem__(self, units: int | Sequence[int]) -> ModuleRef:
+    def select(self, units: int | Sequence[int]) -> ModuleRef:
         """These heads (of `layers.L.self_attn.heads`) or neurons (of `layers.L.mlp.act`),
         in this order, to `.save()` or to write: `.zero()`, `.mean_ablate()`,
         `.replace(t)` / `.add(t, scale)` (heads: t of [head_dim], or [heads, head_dim];
@@ -473,7 +475,7 @@ class ModuleRef(_Read):
         """The same module at these prompt positions (acted on at step 0; negative counts
         from the prompt's end): `inv.iter[0].model.layers[3].output[4]`."""
         selected = [positions] if isinstance(positions, int) else positions
-        return ModuleRef(self._view, self._path, _positions(selected), False)
+        return ModuleRef(self._view, self._path, _positions(selected), False, self._units)
 
     def save(self, name: str | None = None) -> Saved:
         saved = super().save(name)

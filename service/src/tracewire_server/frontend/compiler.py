@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from tracewire.v1 import sampling_pb2, service_pb2
 
 from ..shared import plan as P
@@ -149,8 +150,9 @@ class _Compiler:
                 zip(drafts, patches.ops, patches.exports, strict=True)):
             n, max_tokens = draft.n, draft.max_tokens
             self.prompt_len = draft.prompt_len
-            # The reads kept on the server for other invokes' writes cost their bytes again.
-            bound += sum(self.read_bytes(op, max_tokens) for op in ops if op.name in exports)
+            # The reads kept on the server for other invokes' writes cost their bytes again
+            # (whole rows: a head / neuron read keeps every unit, whichever it returns).
+            bound += sum(self.read_bytes(_whole_rows(op), max_tokens) for op in ops if op.name in exports)
             all_ops.append(ops)
             key = f"{trace_key}/{i}"
             skip_special = bool(kwargs.get("skip_special_tokens", True))
@@ -241,3 +243,10 @@ def compile_trace(
     return _Compiler(limits, encoder, server_max_read_bytes, fault_injection, route, max_sequences).trace(
         request, trace_key
     )
+
+
+def _whole_rows(op: P.Op) -> P.Op:
+    """A module read as the patch store keeps it: every unit of each row."""
+    if isinstance(op.action, P.ReadModule) and op.action.units is not None:
+        return msgspec.structs.replace(op, action=msgspec.structs.replace(op.action, units=None))
+    return op

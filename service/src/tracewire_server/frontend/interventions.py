@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
 from tracewire.v1 import intervention_pb2 as ipb
 
 from ..shared import plan as P
@@ -256,7 +257,9 @@ class InterventionCompiler:
             return P.WriteModule(w.module, positions, op, operand, scale, units=units)
         if op in ("zero", "mean"):
             return P.WriteModule(w.module, positions, op, units=units)
-        raise InvalidArgument(f"{field}.op", "set add, replace, zero or mean")
+        if op in ("patch", "add_read"):  # the chosen units, from the source's same units
+            return msgspec.structs.replace(self.read_ref_write(w, op, positions, scale, field), units=units)
+        raise InvalidArgument(f"{field}.op", "set add, replace, zero, mean, patch or add_read")
 
     def module_path(self, path: str, field: str) -> None:
         if path not in self.limits.modules:

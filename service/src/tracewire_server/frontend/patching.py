@@ -14,6 +14,7 @@ and the waits trace.py gates the invokes' engine requests on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import msgspec
@@ -52,9 +53,9 @@ class Resolved:
 
 
 def module_width(limits: ModelLimits, path: str) -> int:
-    """Values per position of a module's output (every addressable module's output is
-    [hidden] today; addresses of other widths, such as attention heads, say theirs here)."""
-    return limits.hidden_size
+    """Values per position of a module's output: [hidden], or a unit address's units
+    ([heads, head_dim], [intermediate])."""
+    return math.prod(P.module_shape(path, limits))
 
 
 def resolve_patches(drafts: list[InvokeDraft], limits: ModelLimits, trace_key: str) -> Resolved:
@@ -104,6 +105,9 @@ def _resolve(
     if read_op.condition is not None:
         raise InvalidArgument(f"{f}.name", f"invoke {ref.invoke}'s {ref.name!r} has a condition; a patch "
                               "source must be read whenever the write needs it")
+    if P.unit_kind(write.module) != P.unit_kind(read.module):
+        raise InvalidArgument(f"{f}.name", f"{write.module!r} takes its units from a read of the same kind of "
+                              f"address, not of {read.module!r}")
     width, source_width = module_width(limits, write.module), module_width(limits, read.module)
     if width != source_width:
         raise InvalidArgument(f"{f}.name", f"{read.module!r} has {source_width} values a position, "

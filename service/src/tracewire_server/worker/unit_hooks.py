@@ -13,6 +13,7 @@ the step's sample `select_units` cuts the chosen units (or the top-k) out of the
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,8 +22,15 @@ from ..shared import plan as P
 from .host import on_device
 from .sequences import Sequence
 
-# module_hooks.Edit, structurally: a request's write at these flat token rows.
-UnitEdit = tuple[list[int], P.WriteModule, Sequence]
+
+class UnitEdit(Protocol):
+    """module_hooks.Edit, structurally: a request's write at these flat token rows, and
+    (patch / add_read) the source's stored rows for them."""
+
+    rows: list[int]
+    write: P.WriteModule
+    seq: Sequence
+    operand: torch.Tensor | None
 
 
 def as_units(value: torch.Tensor, unit_width: int) -> torch.Tensor:
@@ -35,15 +43,20 @@ def edit_units(value: torch.Tensor, unit_width: int, edits: Iterable[UnitEdit]) 
     """Apply unit writes in place on a module input [tokens, units * unit_width]: only
     the chosen units of the chosen rows change."""
     view = as_units(value, unit_width)
-    for rows, write, seq in edits:
-        row_index = on_device(rows, view.device, torch.long)
+    for e in edits:
+        write, seq = e.write, e.seq
+        row_index = on_device(e.rows, view.device, torch.long)
         if write.units is None:
             unit_index = torch.arange(view.shape[1], device=view.device)
         else:
             unit_index = on_device(list(write.units), view.device, torch.long)
         where = (row_index[:, None], unit_index[None, :])
         block = view[where]  # [rows, units(, unit_width)]: a copy
-        if write.edit == "add":
+        if e.operand is not None:  # patch / add_read: the source's same units, row for row
+            source = as_units(e.operand.reshape(len(e.rows), -1), unit_width)
+            taken = source.index_select(1, unit_index).to(device=view.device, dtype=block.dtype)
+            new = taken if write.edit == "patch" else block + write.scale * taken
+        elif write.edit == "add":
             new = block + _operand(seq, write, unit_width, view)
         elif write.edit == "replace":
             new = _operand(seq, write, unit_width, view).expand_as(block)
