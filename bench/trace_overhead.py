@@ -206,7 +206,8 @@ INTERVAL_ROW = "top-20 logits every step, 50 ms stream interval"
 GPU_ROWS = ("trace, no interventions", "top-20 logits every step", INTERVAL_ROW, "forced token at step 0")
 # --hidden: module hooks need eager engines (both engines run --enforce-eager then).
 PATTERN_ROW = "attention pattern (top-5, layer 1, all heads) every step"
-HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step", PATTERN_ROW)
+HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step",
+               "head read every step", PATTERN_ROW)
 # --compiled-steering: both engines compiled (CUDA graphs on a GPU), the server with its
 # steering tables; layer reads need eager engines, so only the write is measured (and
 # top-20, which the tables cost as they cost every request).
@@ -264,6 +265,9 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
     ivs = {
         "layer read every step": [I.Intervention(name="h", read_module=I.ReadModule(module="layers.1"))],
         "steering write every step": [I.Intervention(write_module=steer)],
+        # two heads of layers.1 at each step's new token: [2, head_dim] (o_proj's input)
+        "head read every step": [I.Intervention(name="heads", read_module=I.ReadModule(
+            module="layers.1.self_attn.heads", units=I.UnitSelection(ids=I.UnitIds(ids=[0, 2]))))],
         # the new token's weights over every key, each step: the key copy, q . K, softmax, top-k
         PATTERN_ROW: [I.Intervention(name="a", read_attention_pattern=I.ReadAttentionPattern(layers=[1], top_k=5))],
         "trace, no interventions": [],

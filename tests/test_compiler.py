@@ -386,7 +386,7 @@ def test_module_writes():
     def write(**fields: Any) -> I.Intervention:
         return iv(write_module=I.WriteModule(**{"module": "layers.1", **fields}))
 
-    invalid(write(), f"{w}.op", "set add, replace, zero or mean")
+    invalid(write(), f"{w}.op", "set add, replace, zero, mean, patch or add_read")
     invalid(write(module="lm_head", zero=I.ZeroAblation()), f"{w}.module", "unknown module 'lm_head'")
     invalid(write(add=f32([1.0] * (HIDDEN + 1))), f"{w}.add.shape", f"a vector of {HIDDEN} elements")
     invalid(write(replace=f32([math.inf] * HIDDEN)), f"{w}.replace.data", "NaN or infinity")

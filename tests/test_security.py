@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import ssl
 import struct
 import subprocess
@@ -25,10 +26,11 @@ import psutil
 import pytest
 import tracewire
 from certs import Pki, make_pki
-from conftest import ServerProcess, free_port, start_server
+from conftest import ROOT, ServerProcess, free_port, start_server
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from snippets import blocks, claim_holds, print_claims, run_python
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 SERVICE = "tracewire.v1.TraceService"
@@ -172,6 +174,21 @@ def test_tls_serves_both_ports_to_the_sdk_and_httpx(tls_server, pki):
                       headers={"authorization": f"Bearer {TOKENS['alice']}"})
         assert r.status_code == 200, r.text
         assert r.json()["tokenIds"] == [806]
+
+
+def test_the_readme_security_snippet_runs_as_written(tls_server, pki, tmp_path):
+    """README: Security's Python block, with its token and CA files beside it, against a TLS
+    server with tokens: the call it makes is answered, and prints what the README says."""
+    (block,) = [b for b in blocks(ROOT / "README.md", "python") if "tracewire.Tls" in b.code]
+    shutil.copy(pki.ca, tmp_path / "ca.pem")
+    (tmp_path / "my.token").write_text(TOKENS["alice"] + "\n")
+    run = run_python([block], tmp_path, {"host:50051": tls_server.target})
+    assert run.returncode == 0, run.stderr
+    claims = print_claims(block)
+    assert claims, "the snippet prints nothing to check"
+    for line, claim in claims:
+        (printed,) = run.prints[(block.name, line)]
+        assert claim_holds(claim, printed), (claim, printed)
 
 
 def test_a_plaintext_client_gets_nothing_from_a_tls_server(tls_server):

@@ -60,6 +60,29 @@ def test_port_in_use_is_one_line(taken_port: int, flag: str, what: str) -> None:
     assert "Event loop is closed" not in result.stderr
 
 
+@pytest.mark.parametrize(("flag", "what"), [("--port", "gRPC"), ("--http-port", "HTTP"),
+                                            ("--metrics-port", "metrics")])
+def test_port_in_use_is_one_line_with_several_frontends(taken_port: int, flag: str, what: str) -> None:
+    """With --frontends N each frontend binds in a process of its own, once the engine core
+    is up: the ports are checked first, so a taken one is the same line, at once. The second
+    frontend's metrics port is the flag's + 1."""
+    free = {flag: _free_port() for flag in ("--port", "--http-port", "--metrics-port")}
+    taken = taken_port - 1 if flag == "--metrics-port" else taken_port
+    result = start("--frontends", "2", *[word for f, port in {**free, flag: taken}.items() for word in (f, str(port))])
+    assert result.returncode == 1
+    assert last_line(result) == (
+        f"tracewire: cannot listen on 127.0.0.1:{taken_port} for {what}: address already in use "
+        f"(another server is listening there); stop what uses it or choose another {flag}"
+    )
+    assert "died" not in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @pytest.mark.parametrize("model", ["/no/such/model", "models/no-such-model", "./no-such-model"])
 def test_missing_model_path_is_named(model: str) -> None:
     result = start("--port", "0", "--model", model)

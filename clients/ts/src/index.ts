@@ -18,6 +18,7 @@ export {
   type PositionsInput,
   type PromptInput,
   type ReadAction,
+  type ReadRefInput,
   type Sampling,
   type Steps,
   type StopAt,

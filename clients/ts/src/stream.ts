@@ -176,7 +176,7 @@ export function toStep(result: StepResult, rows?: ReadonlySet<string>): Step {
   const values: Record<string, ReadResult> = {};
   for (const [name, value] of Object.entries(result.values)) {
     const read = toReadResult(value);
-    values[name] = rows?.has(name) ? asRows(read) : read;
+    values[name] = rows?.has(name) ? asRows(read, result.step) : read;
   }
   return {
     invokeIndex: result.invokeIndex,
@@ -201,9 +201,11 @@ function toReadResult(value: ReadValue): ReadResult {
   };
 }
 
-/** A module read over positions as [positions, hidden]: after step 0 a read of "all"
- * positions comes as the new token's [hidden] row alone. */
-function asRows(read: ReadResult): ReadResult {
-  const shape = read.values.shape;
-  return shape.length === 1 ? { ...read, values: { ...read.values, shape: [1, ...shape] } } : read;
+/** A module read over positions as [positions, ...]: after step 0 (the prompt's) a read
+ * of "all" positions comes as the new token's row alone ([hidden]; heads [heads, headDim];
+ * top-k neurons [k] with their ids); reads of prompt positions only end at step 0. */
+function asRows(read: ReadResult, step: number): ReadResult {
+  if (step === 0) return read;
+  const tokenIds = read.tokenIds ? { tokenIds: { ...read.tokenIds, shape: [1, ...read.tokenIds.shape] } } : {};
+  return { ...read, values: { ...read.values, shape: [1, ...read.values.shape] }, ...tokenIds };
 }

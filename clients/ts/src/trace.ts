@@ -23,6 +23,7 @@ import {
   InterventionSchema,
   LogitsStage,
   PositionsSchema,
+  ReadRefSchema,
   Reduction,
   StepSelectorSchema,
   type Intervention,
@@ -117,10 +118,27 @@ export const read = {
     return { case: "readLogprobs", value: { topK } };
   },
 
-  /** A module's output (decoder layers "layers.i": the residual stream). Needs --enforce-eager. */
-  module(path: string, options: { positions?: PositionsInput; mean?: boolean } = {}): ReadAction {
+  /**
+   * A module's output (decoder layers "layers.i": the residual stream). Needs --enforce-eager.
+   * `units` / `topK`: attention heads of "layers.i.self_attn.heads" ([heads, headDim] per
+   * position) or neurons of "layers.i.mlp.act" ([neurons]): these ids, in this order, or the
+   * topK largest neurons (values, their ids in tokenIds).
+   */
+  module(
+    path: string,
+    options: { positions?: PositionsInput; mean?: boolean; units?: readonly number[]; topK?: number } = {},
+  ): ReadAction {
     const reduction = options.mean ? Reduction.MEAN : Reduction.UNSPECIFIED;
-    return { case: "readModule", value: { module: path, positions: positions(options.positions), reduction } };
+    if (options.units !== undefined && options.topK !== undefined) {
+      throw new TracewireError("read.module: give units or topK, not both", Code.InvalidArgument);
+    }
+    const units =
+      options.units !== undefined
+        ? { kind: { case: "ids" as const, value: { ids: [...options.units] } } }
+        : options.topK !== undefined
+          ? { kind: { case: "topK" as const, value: { k: options.topK } } }
+          : undefined;
+    return { case: "readModule", value: { module: path, positions: positions(options.positions), reduction, units } };
   },
 
   /** Final norm + lm_head on these layers: [layers, positions, k] top-k logprobs (topK 0: full rows). */
@@ -186,27 +204,105 @@ export const write = {
     return { case: "writeLogits", value: { op: { case: "replace", value: float32Tensor(values) } } };
   },
 
-  /** Add scale * vector ([hidden]) to a module's output: a steering vector. Needs --enforce-eager. */
-  steer(path: string, vector: ArrayLike<number>, options: { scale?: number; positions?: PositionsInput } = {}): WriteAction {
+  /**
+   * Add scale * vector ([hidden]) to a module's output: a steering vector. Needs --enforce-eager.
+   * With `units` (heads / neurons, see unitWrite): a [headDim] or [units, headDim] vector
+   * (`shape`) for heads, a value per neuron.
+   */
+  steer(
+    path: string,
+    vector: ArrayLike<number>,
+    options: { scale?: number; positions?: PositionsInput } & UnitOptions = {},
+  ): WriteAction {
+    return unitWrite(path, { case: "add", value: float32Tensor(vector, options.shape) }, options, options.scale);
+  },
+
+  /** Zero a module's output at the positions (with `units`: those heads / neurons only). Needs --enforce-eager. */
+  zero(path: string, options: { positions?: PositionsInput } & UnitOptions = {}): WriteAction {
+    return unitWrite(path, { case: "zero", value: {} }, options);
+  },
+
+  /** Set each selected position to the mean over the selected positions (per head / neuron with `units`). */
+  meanAblate(path: string, options: { positions?: PositionsInput } & UnitOptions = {}): WriteAction {
+    return unitWrite(path, { case: "mean", value: {} }, options);
+  },
+
+  /**
+   * Replace a module's output at the positions: [hidden]; heads a [headDim] vector for every
+   * chosen head or [units, headDim] (`shape`); neurons a value per chosen neuron (their `set`).
+   */
+  replace(path: string, values: ArrayLike<number>, options: { positions?: PositionsInput } & UnitOptions = {}): WriteAction {
+    return unitWrite(path, { case: "replace", value: float32Tensor(values, options.shape) }, options);
+  },
+
+  /**
+   * Activation patching: replace a module's output at the positions with another invoke's
+   * module read of the same trace (`from`: its invoke index and read name), on the server,
+   * at the same step: prompt positions take the source's step-0 rows (`from.positions`:
+   * which of its prompt positions, in order; unset: all it read), the new token its row of
+   * the same step. The invoke starts once the source has that step. Needs --enforce-eager.
+   */
+  patch(path: string, from: ReadRefInput, options: { positions?: PositionsInput } = {}): WriteAction {
+    return {
+      case: "writeModule",
+      value: { module: path, positions: positions(options.positions), op: { case: "patch", value: readRef(from) } },
+    };
+  },
+
+  /** Add scale * another invoke's module read (taken as `patch` takes it). Needs --enforce-eager. */
+  addRead(path: string, from: ReadRefInput, options: { scale?: number; positions?: PositionsInput } = {}): WriteAction {
     return {
       case: "writeModule",
       value: {
         module: path,
         positions: positions(options.positions),
-        op: { case: "add", value: float32Tensor(vector) },
+        op: { case: "addRead", value: readRef(from) },
         scale: options.scale,
       },
     };
   },
-
-  /** Zero a module's output at the positions. Needs --enforce-eager. */
-  zero(path: string, options: { positions?: PositionsInput } = {}): WriteAction {
-    return {
-      case: "writeModule",
-      value: { module: path, positions: positions(options.positions), op: { case: "zero", value: {} } },
-    };
-  },
 } as const;
+
+/**
+ * Unit writes: `units` chooses attention heads of "layers.i.self_attn.heads" or neurons of
+ * "layers.i.mlp.act" (unset: every unit); `shape` is the operand's shape when it is not a
+ * vector (heads: [units, headDim]).
+ */
+export interface UnitOptions {
+  readonly units?: readonly number[];
+  readonly shape?: readonly number[];
+}
+
+type WriteModuleOp = Extract<WriteAction, { case: "writeModule" }>["value"]["op"];
+
+function unitWrite(
+  path: string,
+  op: WriteModuleOp,
+  options: { positions?: PositionsInput } & UnitOptions,
+  scale?: number,
+): WriteAction {
+  return {
+    case: "writeModule",
+    value: {
+      module: path,
+      positions: positions(options.positions),
+      op,
+      scale,
+      units: options.units !== undefined ? { ids: [...options.units] } : undefined,
+    },
+  };
+}
+
+/** Another invoke's module read, as a patch's operand: its invoke index, read name and (prompt reads) positions. */
+export interface ReadRefInput {
+  readonly invoke: number;
+  readonly name: string;
+  readonly positions?: readonly number[];
+}
+
+function readRef(from: ReadRefInput): MessageInitShape<typeof ReadRefSchema> {
+  return { invoke: from.invoke, name: from.name, positions: [...(from.positions ?? [])] };
+}
 
 /** When to end the sequence (the token drawn at that step is kept). */
 export type StopAt =

@@ -2,6 +2,7 @@
  * The clients against a server of its own with TLS and --auth-tokens (the shared test server
  * has neither): createNodeClient's `tls` and `token`, and createWebClient's token header.
  * The certificates come from tests/certs.py (Python's cryptography; Node cannot issue them).
+ * The README's Security snippet runs here too, against this server.
  */
 
 import assert from "node:assert/strict";
@@ -12,6 +13,7 @@ import { join } from "node:path";
 import { after, before, test } from "node:test";
 import { Code, TracewireError, createNodeClient, createWebClient, invoke } from "../src/node.js";
 import { PYTHON, REPO, startServer, type RunningServer } from "./server.js";
+import { runSnippet, snippets } from "./snippets.js";
 
 const TOKEN = "ts-tenant-0123456789abcdef";
 const dir = mkdtempSync(join(tmpdir(), "tracewire-ts-auth-"));
@@ -90,4 +92,12 @@ test("the web client sends the token as an authorization header", async () => {
   const client = createWebClient("https://tracewire.invalid", { protocol: "connect", useJson: true, token: TOKEN, fetch });
   assert.equal(await codeOf(client.modelInfo()), Code.Unauthenticated);
   assert.deepEqual(seen, [`Bearer ${TOKEN}`]);
+});
+
+test("the README's Security snippet runs as written against a TLS server with tokens", () => {
+  const [snippet, ...more] = snippets(join(REPO, "README.md")).filter((s) => s.code.includes("tls:"));
+  assert.ok(snippet && more.length === 0);
+  writeFileSync(join(dir, "my.token"), `${TOKEN}\n`); // beside ca.pem: the snippet reads both
+  const lines = runSnippet(snippet, { "https://host:50051": server.url, "https://host:8080": server.httpUrl }, dir);
+  assert.deepEqual(lines, ["2048"]);
 });

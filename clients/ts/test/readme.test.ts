@@ -1,73 +1,39 @@
 /**
- * The README's TypeScript snippets run as written against the real server, from Node: each
- * block that imports the client is written out as an ES module inside this package (so
- * `@tracewire/client` resolves to this build, as it would once installed), its documented
- * addresses pointed at the test server's ports, and run with node. Blocks without an
- * import are fragments (option shapes) and are not run. The stop example must stop: its
- * stop at step 3 fires (greedy decoding would run on) and no warning comes back.
+ * The README's TypeScript snippets run as written against the real server, from Node
+ * (test/snippets.ts says how). The stop example must stop: its stop at step 3 fires (greedy
+ * decoding would run on) and no warning comes back. The Security section's snippet needs a
+ * TLS server with tokens: auth.standalone.test.ts runs it.
  */
 
 import assert from "node:assert/strict";
-import { spawnSync } from "node:child_process";
-import { mkdirSync, readFileSync, writeFileSync } from "node:fs";
-import { dirname, join } from "node:path";
+import { join } from "node:path";
 import { test } from "node:test";
-import { fileURLToPath } from "node:url";
 import { REPO } from "./server.js";
+import { runSnippet, snippets, type Snippet } from "./snippets.js";
 
 const GRPC_URL = process.env.TRACEWIRE_TEST_URL;
 const HTTP_URL = process.env.TRACEWIRE_TEST_HTTP_URL;
-const HERE = dirname(fileURLToPath(import.meta.url));
 
-interface Snippet {
-  readonly line: number;
-  readonly code: string;
-}
-
-/** The ```ts blocks of a Markdown file that import the client. */
-function snippets(path: string): Snippet[] {
-  const found: Snippet[] = [];
-  let current: string[] | undefined;
-  let start = 0;
-  readFileSync(path, "utf8").split("\n").forEach((line, i) => {
-    if (current === undefined && line.trim() === "```ts") {
-      current = [];
-      start = i + 2;
-    } else if (current !== undefined && line.trim() === "```") {
-      const code = current.join("\n") + "\n";
-      if (/from "@tracewire\/client(\/node)?"/.test(code)) found.push({ line: start, code });
-      current = undefined;
-    } else if (current !== undefined) {
-      current.push(line);
-    }
-  });
-  return found;
-}
-
-/** Runs a snippet as a module of this package; its stdout lines. */
+/** Runs a snippet against the shared test server; its stdout lines. */
 function run(snippet: Snippet): string[] {
   assert.ok(GRPC_URL && HTTP_URL, "run the tests with `node dist/test/run.js` (make test-ts)");
-  const code = snippet.code
-    .replaceAll("http://127.0.0.1:50051", GRPC_URL)
-    .replaceAll("http://127.0.0.1:8080", HTTP_URL);
-  const dir = join(HERE, "readme-snippets");
-  mkdirSync(dir, { recursive: true });
-  const file = join(dir, `README-${snippet.line}.mjs`);
-  writeFileSync(file, code);
-  const result = spawnSync(process.execPath, [file], { encoding: "utf8", timeout: 300_000 });
-  assert.equal(result.status, 0, `README.md:${snippet.line}\n${code}\n${result.stderr}`);
-  assert.doesNotMatch(result.stderr, /warn/i, result.stderr);
-  return result.stdout.trimEnd().split("\n");
+  return runSnippet(snippet, { "http://127.0.0.1:50051": GRPC_URL, "http://127.0.0.1:8080": HTTP_URL });
 }
 
 const README = join(REPO, "README.md");
 
+/** The snippets against a plaintext server (the Security one needs TLS). */
+function plaintext(): Snippet[] {
+  return snippets(README).filter((s) => !s.code.includes("tls:"));
+}
+
 test("the README has its runnable TypeScript snippets", () => {
-  assert.equal(snippets(README).length, 2, JSON.stringify(snippets(README).map((s) => s.line)));
+  assert.equal(snippets(README).length, 3, JSON.stringify(snippets(README).map((s) => s.line)));
+  assert.equal(plaintext().length, 2);
 });
 
 test("the browser snippet streams the top-3 logits over the Connect protocol", () => {
-  const [snippet] = snippets(README).filter((s) => s.code.includes("createWebClient"));
+  const [snippet] = plaintext().filter((s) => s.code.includes("createWebClient"));
   assert.ok(snippet);
   const out = run(snippet).join("\n");
   // " Paris", ".", EOS: each step's number, text and a Float32Array of 3 (printed over lines)
@@ -76,7 +42,7 @@ test("the browser snippet streams the top-3 logits over the Connect protocol", (
 });
 
 test("the Node snippet's stop at step 3 fires, with no warning", () => {
-  const [snippet] = snippets(README).filter((s) => s.code.includes("createNodeClient"));
+  const [snippet] = plaintext().filter((s) => s.code.includes("createNodeClient"));
   assert.ok(snippet);
   const lines = run(snippet);
   assert.equal(lines[0], " Paris.");
@@ -89,4 +55,19 @@ test("the Node snippet's stop at step 3 fires, with no warning", () => {
     lines.join("\n"),
   );
   assert.equal(lines.at(-1), '" a ball named Max" 0'); // the text cut at the stop; no warnings
+});
+
+const TS_README = join(REPO, "clients/ts/README.md");
+
+test("clients/ts/README.md's snippets run: the Node one forces ' Berlin' and stops at the period", () => {
+  const found = snippets(TS_README);
+  assert.equal(found.length, 3, JSON.stringify(found.map((s) => s.line)));
+  const [node, ...others] = found;
+  assert.ok(node && node.code.includes("write.force(berlin)"), node?.code);
+  const lines = run(node);
+  assert.equal(lines[0], " Paris.");
+  // each step: its number, text, top-3 values and ids; the force at 0, the stop at "."
+  assert.match(lines[1] ?? "", /^0 " Berlin" Float32Array\(3\)/, lines.join("\n"));
+  assert.ok(lines.some((l) => l.startsWith(" Berlin. [] {")), lines.join("\n"));
+  for (const snippet of others) run(snippet); // the browser clients' forms, the packed project's program
 });

@@ -1,9 +1,19 @@
 """A connection to the server, opened the same way by both clients: a grpc or grpc.aio
 channel (the two modules have the same factory functions), TLS when asked for, the
-TraceService stub on it and the metadata every call carries."""
+TraceService stub on it and the metadata every call carries.
+
+One target may name several replicas: `ipv4:10.0.0.1:50051,10.0.0.2:50051` (gRPC's
+address list), or a DNS name with several addresses (`dns:///tracewire.ns.svc:50051`, as
+a Kubernetes headless Service gives). The channel then spreads calls over them
+round-robin, and a call refused with UNAVAILABLE before any response (a replica that is
+draining after SIGTERM, or still starting) is retried on the next one: gRPC's own
+retries, which end once a response has begun, so a trace is never replayed after it
+started streaming. With one address this changes nothing.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -14,6 +24,22 @@ from .v1 import service_pb2_grpc
 
 # Full-vocabulary reads make large messages.
 _MAX_RECEIVE_BYTES = 256 * 1024 * 1024
+
+# Round-robin over a target's addresses; UNAVAILABLE before a response: retried up to 4
+# times, 50 ms to 1 s apart (with jitter: gRPC's), each attempt on the next address.
+SERVICE_CONFIG = {
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [{
+        "name": [{"service": "tracewire.v1.TraceService"}],
+        "retryPolicy": {
+            "maxAttempts": 5,
+            "initialBackoff": "0.05s",
+            "maxBackoff": "1s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }],
+}
 
 
 class Connection(NamedTuple):
@@ -34,7 +60,12 @@ def connect(
     """A channel from `api` (grpc or grpc.aio) to `target`, TLS when `tls` / `credentials`
     select it, and `token` as bearer metadata."""
     metadata = bearer_metadata(token)
-    opts = [("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES), *options]
+    opts = [
+        ("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES),
+        ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
+        ("grpc.enable_retries", 1),
+        *options,
+    ]
     chosen = channel_credentials(tls, credentials)
     if chosen is None:
         channel = api.insecure_channel(target, options=opts)

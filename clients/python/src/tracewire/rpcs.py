@@ -47,6 +47,9 @@ class ModuleInfo:
     path: str
     kind: str
     output_size: int
+    # Output shape per token position: (hidden,), (heads, head_dim) for
+    # "attention_heads", (intermediate,) for "mlp_activation".
+    shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,12 @@ class ModelInfo:
     # decoder layers in `steerable_layers` only ("unspecified": an older server).
     engine_mode: EngineMode = "unspecified"
     steerable_layers: list[int] = field(default_factory=list)
+    # The units of layers.L.self_attn.heads (query heads of head_dim) and
+    # layers.L.mlp.act (neurons); 0 from an older server.
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,11 +163,15 @@ def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
         num_layers=r.num_layers,
         hidden_size=r.hidden_size,
         tensor_parallel_size=r.tensor_parallel_size,
-        modules=[ModuleInfo(m.path, m.kind, m.output_size) for m in r.modules],
+        modules=[ModuleInfo(m.path, m.kind, m.output_size, tuple(m.shape)) for m in r.modules],
         vllm_version=r.vllm_version,
         server_version=r.server_version,
         engine_mode=_ENGINE_MODES.get(r.engine_mode, "unspecified"),
         steerable_layers=list(r.steerable_layers),
+        num_attention_heads=r.num_attention_heads,
+        num_key_value_heads=r.num_key_value_heads,
+        head_dim=r.head_dim,
+        intermediate_size=r.intermediate_size,
     )
 
 

@@ -95,6 +95,9 @@ class Saved(list[Any]):
         super().__init__()
         self.name = name
         self.steps: list[int] = []
+        # Activation patching: the invoke a saved module read belongs to (what `.patch()`
+        # on another invoke's module references); None for other reads.
+        self.invoke: int | None = None
 
     @property
     def value(self) -> Any:
@@ -199,6 +202,24 @@ class _Decode:
         else:
             keys = np.broadcast_to(np.arange(weights.shape[-1], dtype=np.int32), weights.shape)
         return AttentionPattern(weights, keys, to_numpy(value.positions))
+
+    @staticmethod
+    def unit_rows(value: trace_pb2.ReadValue) -> Any:
+        """A heads / neurons read over positions: always [positions, ...]. (The server
+        sends a read of "all" positions after step 0 as the new token's row alone,
+        without positions.)"""
+        values = to_numpy(value.values)
+        return values if value.HasField("positions") else values[None]
+
+    @staticmethod
+    def unit_top_k(value: trace_pb2.ReadValue) -> Any:
+        """Top-k neurons: a TopK of [k] (new token, mean) or [positions, k]."""
+        return TopK(to_numpy(value.values), to_numpy(value.token_ids))
+
+    @staticmethod
+    def unit_top_k_rows(value: trace_pb2.ReadValue) -> Any:
+        top = TopK(to_numpy(value.values), to_numpy(value.token_ids))
+        return top if value.HasField("positions") else TopK(top.values[None], top.ids[None])
 
     @staticmethod
     def sample(value: trace_pb2.ReadValue) -> Any:
@@ -425,20 +446,66 @@ class StepView:
 
 
 class ModuleRef(_Read):
-    """`view.module(path)`: read it (`.save()`) or change it for the selected steps."""
+    """`view.module(path)`: read it (`.save()`) or change it for the selected steps.
 
-    def __init__(self, view: StepView, path: str, positions: ipb.Positions, mean: bool) -> None:
-        self._path, self._selected = path, positions
+    Indexing chooses prompt positions (`ref[4]`, `ref[2:5]`, `ref[[1, 3]]`: acted on at
+    step 0, negative counts from the prompt's end). Attention heads
+    (`layers.L.self_attn.heads`) and MLP neurons (`layers.L.mlp.act`) are units:
+    `.select([0, 2])` chooses some (as `logits.select` chooses token ids), `.top_k(k)`
+    the largest neurons. Saved shapes per step: heads [heads, head_dim], neurons [ids]
+    at "new" positions (and with mean=True); [positions, heads, head_dim] /
+    [positions, ids] at any other positions; `top_k`: a TopK of [k] or [positions, k]."""
+
+    def __init__(self, view: StepView, path: str, positions: ipb.Positions, mean: bool,
+                 units: Sequence[int] | None = None) -> None:
+        self._path, self._selected, self._mean = path, positions, mean
+        self._units = list(units) if units is not None else None
 
         def build(iv: ipb.Intervention) -> None:
             reduction = ipb.REDUCTION_MEAN if mean else ipb.REDUCTION_UNSPECIFIED
             iv.read_module.CopyFrom(ipb.ReadModule(module=path, positions=positions, reduction=reduction))
+            if self._units is not None:
+                iv.read_module.units.ids.ids.extend(self._units)
 
         one_row = mean or positions.WhichOneof("kind") == "new_token"
-        super().__init__(view, build, _Decode.logits if one_row else _Decode.rows)
+        unit_module = path.endswith((".self_attn.heads", ".mlp.act"))
+        rows = _Decode.unit_rows if unit_module else _Decode.rows
+        super().__init__(view, build, _Decode.logits if one_row else rows)
 
     def _edit(self, **op: Any) -> None:
-        self._view._write(write_module=ipb.WriteModule(module=self._path, positions=self._selected, **op))
+        write = ipb.WriteModule(module=self._path, positions=self._selected, **op)
+        if self._units is not None:
+            write.units.ids.extend(self._units)
+        self._view._write(write_module=write)
+
+    def select(self, units: int | Sequence[int]) -> ModuleRef:
+        """These heads (of `layers.L.self_attn.heads`) or neurons (of `layers.L.mlp.act`),
+        in this order, to `.save()` or to write: `.zero()`, `.mean_ablate()`,
+        `.replace(t)` / `.add(t, scale)` (heads: t of [head_dim], or [heads, head_dim];
+        neurons: a value per id), `.set(values)` (neurons)."""
+        ids = [int(units)] if isinstance(units, (int, np.integer)) else [int(u) for u in units]
+        return ModuleRef(self._view, self._path, self._selected, self._mean, ids)
+
+    def top_k(self, k: int) -> _Read:
+        """The k largest neurons of `layers.L.mlp.act` per position (after the mean with
+        mean=True), largest first: a TopK (values, neuron ids)."""
+        path, positions, mean = self._path, self._selected, self._mean
+
+        def build(iv: ipb.Intervention) -> None:
+            reduction = ipb.REDUCTION_MEAN if mean else ipb.REDUCTION_UNSPECIFIED
+            iv.read_module.CopyFrom(ipb.ReadModule(module=path, positions=positions, reduction=reduction,
+                                                   units=ipb.UnitSelection(top_k=ipb.TopK(k=k))))
+
+        one_row = mean or positions.WhichOneof("kind") == "new_token"
+        return _Read(self._view, build, _Decode.unit_top_k if one_row else _Decode.unit_top_k_rows)
+
+    def set(self, values: Any) -> None:
+        """Set the chosen neurons to these values (one per id, or one for all)."""
+        count = len(self._units) if self._units is not None else None
+        array = np.asarray(values, dtype=np.float32)
+        if array.ndim == 0 and count is not None:
+            array = np.full(count, array, np.float32)
+        self.replace(array)
 
     def add(self, vector: Any, scale: float = 1.0) -> None:
         """Add scale * vector ([hidden]) at the positions: a steering vector."""
@@ -453,6 +520,37 @@ class ModuleRef(_Read):
     def mean_ablate(self) -> None:
         """Set each selected position to the mean over the selected positions."""
         self._edit(mean=ipb.MeanAblation())
+
+    # -- activation patching across invokes --------------------------------------
+
+    def __getitem__(self, positions: int | slice | Sequence[int]) -> ModuleRef:
+        """The same module at these prompt positions (acted on at step 0; negative counts
+        from the prompt's end): `inv.iter[0].model.layers[3].output[4]`."""
+        selected = [positions] if isinstance(positions, int) else positions
+        return ModuleRef(self._view, self._path, _positions(selected), False, self._units)
+
+    def save(self, name: str | None = None) -> Saved:
+        saved = super().save(name)
+        saved.invoke = self._view._invoke.index
+        return saved
+
+    def patch(self, source: Saved, positions: Sequence[int] | None = None) -> None:
+        """Activation patching: replace the selected positions with another invoke's saved
+        module read of this trace (`source`), on the server, at the same step: for prompt
+        positions its rows of step 0 (`positions`: which of the source's prompt positions,
+        in order; None: all it read), for the new token its row of the same step. The
+        invoke then starts once the source has that step (README: Activation patching)."""
+        self._edit(patch=_read_ref(source, positions))
+
+    def add_read(self, source: Saved, scale: float = 1.0, positions: Sequence[int] | None = None) -> None:
+        """Add scale * another invoke's saved module read (as `.patch()` takes it)."""
+        self._edit(add_read=_read_ref(source, positions), scale=float(scale))
+
+
+def _read_ref(source: Saved, positions: Sequence[int] | None) -> ipb.ReadRef:
+    if not isinstance(source, Saved) or source.invoke is None:
+        raise InvalidArgument("patch from the value a module read's .save() returned (another invoke's)")
+    return ipb.ReadRef(invoke=source.invoke, name=source.name, positions=[int(p) for p in positions or ()])
 
 
 class _ModuleProxy:

@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from tracewire.v1 import sampling_pb2, service_pb2
 
 from ..shared import plan as P
 from ..shared.limits import ModelLimits
 from .errors import InvalidArgument, ResourceExhausted
 from .interventions import InterventionCompiler
+from .patching import InvokeDraft, PatchWait, resolve_patches
 from .prompts import Encoder, EnginePrompt, to_engine_prompt
 from .sampling import DEFAULT_MAX_TOKENS, fit_max_tokens, to_vllm_kwargs
 
@@ -48,6 +50,14 @@ class CompiledTrace:
     read_bytes_bound: int
     stream_every_step: bool
     stream_interval_s: float = 0.0
+    key: str = ""  # the trace's key (the worker keeps patch sources' values under it)
+    # Activation patching: invokes whose engine requests wait for another's step.
+    waits: tuple[PatchWait, ...] = ()
+
+    @property
+    def keeps_values(self) -> bool:
+        """Whether workers keep values for this trace (released when it ends)."""
+        return bool(self.waits)
 
 
 MAX_STREAM_INTERVAL_MS = 1000
@@ -114,7 +124,7 @@ class _Compiler:
         self.check_sequences(request)
         # The trace's own values first, so an error names the message that holds it.
         to_vllm_kwargs(request.sampling_params, self.limits, "sampling_params")
-        invokes, all_ops, bound = [], [], 0
+        drafts, bound = [], 0
         for i, invoke in enumerate(request.invokes):
             field = f"invokes[{i}]"
             prompt = to_engine_prompt(invoke.prompt, self.encoder, self.limits, f"{field}.prompt")
@@ -132,8 +142,19 @@ class _Compiler:
                 # Prompt positions served from the prefix cache never run through the
                 # model: compute them again for this request.
                 kwargs["skip_reading_prefix_cache"] = True
-            all_ops.append(ops)
             bound += n * sum(self.read_bytes(op, max_tokens) for op in ops)
+            drafts.append((prompt, kwargs, InvokeDraft(self.prompt_len, n, max_tokens, ops)))
+        # Writes taking another invoke's read: resolved with every invoke at hand.
+        patches = resolve_patches([d for _, _, d in drafts], self.limits, trace_key)
+        invokes, all_ops = [], []
+        for i, ((prompt, kwargs, draft), ops, exports) in enumerate(
+                zip(drafts, patches.ops, patches.exports, strict=True)):
+            n, max_tokens = draft.n, draft.max_tokens
+            self.prompt_len = draft.prompt_len
+            # The reads kept on the server for other invokes' writes cost their bytes again
+            # (whole rows: a head / neuron read keeps every unit, whichever it returns).
+            bound += sum(self.read_bytes(_whole_rows(op), max_tokens) for op in ops if op.name in exports)
+            all_ops.append(ops)
             key = f"{trace_key}/{i}"
             skip_special = bool(kwargs.get("skip_special_tokens", True))
             sequences = []
@@ -144,10 +165,12 @@ class _Compiler:
                 # Without ops the worker has nothing to do: no plan, no records; the
                 # step results come from vLLM's token stream alone.
                 plan = P.SequencePlan(key=f"{key}/{s}", ops=ops, route=self.route,
-                                      skip_special_tokens=skip_special) if ops else None
+                                      skip_special_tokens=skip_special, exports=exports,
+                                      trace=trace_key if exports else "", invoke=i if exports else 0) if ops else None
                 if plan is not None:
                     seq_kwargs["extra_args"] = {P.EXTRA_ARGS_KEY: P.encode_plan(plan)}
                 sequences.append(EngineSequence(i, s, seq_kwargs, plan))
+            # (a patched write's reference carries the trace key: no other trace shares its blocks)
             salt = P.kv_cache_salt(ops, len(prompt.token_ids), skip_special)
             invokes.append(CompiledInvoke(i, key, prompt, tuple(sequences), max_tokens, skip_special, salt))
 
@@ -170,7 +193,8 @@ class _Compiler:
             raise InvalidArgument(
                 "options.stream_interval_ms", f"must be <= {MAX_STREAM_INTERVAL_MS}, got {interval_ms}"
             )
-        return CompiledTrace(tuple(invokes), tuple(all_ops), bound, every, interval_ms / 1000)
+        return CompiledTrace(tuple(invokes), tuple(all_ops), bound, every, interval_ms / 1000,
+                             key=trace_key, waits=patches.waits)
 
     def check_sequences(self, request: service_pb2.TraceRequest) -> None:
         """Every invoke's n, summed, within the cap: before any per-sequence work."""
@@ -220,3 +244,10 @@ def compile_trace(
     return _Compiler(limits, encoder, server_max_read_bytes, fault_injection, route, max_sequences).trace(
         request, trace_key
     )
+
+
+def _whole_rows(op: P.Op) -> P.Op:
+    """A module read as the patch store keeps it: every unit of each row."""
+    if isinstance(op.action, P.ReadModule) and op.action.units is not None:
+        return msgspec.structs.replace(op, action=msgspec.structs.replace(op.action, units=None))
+    return op

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..shared import detokenize, steering
+from ..shared import plan as P
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
 from ..shared.limits import ModelLimits
-from . import vllm_compat
+from . import metrics, vllm_compat
 from .compiler import CompiledTrace
 from .errors import InvalidArgument, Unavailable
 from .prompts import EnginePrompt
@@ -39,6 +40,7 @@ class ModuleSpec:
     path: str
     kind: str
     output_size: int
+    shape: tuple[int, ...] = ()  # per token position; () means (output_size,)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,11 @@ class ModelDescription:
     hidden_size: int
     tensor_parallel_size: int
     modules: tuple[ModuleSpec, ...]
+    # The units of layers.L.self_attn.heads and layers.L.mlp.act.
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
 
 
 @dataclass
@@ -97,6 +104,7 @@ class Engine:
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    _releases: set[asyncio.Future[None]] = field(default_factory=set)  # (held: running tasks)
 
     @classmethod
     async def start(
@@ -133,6 +141,7 @@ class Engine:
             raise
         tokenizer = await vllm_compat.get_tokenizer(llm)
         description = _describe(llm, tokenizer, engine_args)
+        attention = attention_limits(llm.model_config.hf_config, description.tensor_parallel_size)
         limits = ModelLimits(
             vocab_size=description.vocab_size,
             max_model_len=description.max_model_len,
@@ -142,7 +151,12 @@ class Engine:
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
             steerable_layers=steerable_layers(engine_args, description.num_layers),
-            **attention_limits(llm.model_config.hf_config, description.tensor_parallel_size),
+            num_attention_heads=description.num_attention_heads,
+            head_dim=description.head_dim,
+            intermediate_size=description.intermediate_size,
+            tensor_parallel_size=description.tensor_parallel_size,
+            num_key_value_heads=attention["num_key_value_heads"],
+            attention_patterns_refused=attention["attention_patterns_refused"],
         )
         try:
             await _install_worker_hooks(llm, receiver.address, fault_injection, route)
@@ -209,6 +223,14 @@ class Engine:
         this frontend's side channel. `buffer_bytes`: step results it may hold for a
         slow client."""
         return TraceRun(self, self.receiver, compiled, buffer_bytes)
+
+    def release_trace(self, trace_key: str) -> None:
+        """Free a finished trace's patch sources' values on every worker (in the
+        background: the trace's end never waits for it; the worker's own bound covers a
+        release that is lost)."""
+        task = asyncio.ensure_future(_release_trace(self.llm, trace_key))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -299,12 +321,17 @@ def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:
     hidden = int(text_config.hidden_size)
     num_layers = int(text_config.num_hidden_layers)
     vocab = int(model_config.get_vocab_size())
+    heads = int(text_config.num_attention_heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or hidden // heads)
+    intermediate = int(text_config.intermediate_size)
     modules = [ModuleSpec("embed_tokens", "embedding", hidden)]
     for i in range(num_layers):
         modules += [
             ModuleSpec(f"layers.{i}", "decoder_layer", hidden),
             ModuleSpec(f"layers.{i}.self_attn", "attention", hidden),
+            ModuleSpec(f"layers.{i}{P.HEADS_SUFFIX}", "attention_heads", heads * head_dim, (heads, head_dim)),
             ModuleSpec(f"layers.{i}.mlp", "mlp", hidden),
+            ModuleSpec(f"layers.{i}{P.NEURONS_SUFFIX}", "mlp_activation", intermediate),
         ]
     modules += [ModuleSpec("norm", "norm", hidden), ModuleSpec("lm_head", "lm_head", vocab)]
     eos: list[int] = []
@@ -328,12 +355,32 @@ def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:
         hidden_size=hidden,
         tensor_parallel_size=int(llm.vllm_config.parallel_config.tensor_parallel_size),
         modules=tuple(modules),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(text_config, "num_key_value_heads", None) or heads),
+        head_dim=head_dim,
+        intermediate_size=intermediate,
     )
 
 
 def default_cpu_environment() -> None:
     """KV-cache size for the CPU build when the user set none (GiB)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+async def _release_trace(llm: Any, trace_key: str) -> None:
+    """collective_rpc("tracewire_release") on every worker; rank 0's answer updates the
+    patch-store metrics. Shielded for the reason _install_worker_hooks says."""
+    call = asyncio.ensure_future(llm.collective_rpc("tracewire_release", args=(trace_key,)))
+    try:
+        answers = await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - the worker's bound frees what a lost release keeps
+        log.warning("releasing trace %s's patch values failed: %s: %s", trace_key, type(e).__name__, e)
+        return
+    freed, traces, _entries, held = answers[0]
+    metrics.PATCH_RELEASED_BYTES.inc(freed)
+    metrics.PATCH_STORE_BYTES.set(held)
+    metrics.PATCH_STORE_TRACES.set(traces)
+    log.debug("released trace %s: %d bytes; the worker holds %d bytes of %d traces", trace_key, freed, held, traces)
 
 
 async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, route: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
 from tracewire.v1 import intervention_pb2 as ipb
 
 from ..shared import plan as P
@@ -16,6 +17,7 @@ from ..shared import textmatch
 from ..shared.limits import ModelLimits
 from .errors import FailedPrecondition, InvalidArgument
 from .tensors import float_vector
+from .units import read_units, require_units, unit_operand, write_units
 
 # With --enable-fault-injection (tests only), an intervention named
 # "__fault__:<message>" raises <message> inside the worker hook at its steps.
@@ -252,6 +254,8 @@ class InterventionCompiler:
     def write_module(self, w: ipb.WriteModule, field: str) -> P.Action:
         self.module_path(w.module, f"{field}.module")
         self.require_writable(w.module, w.WhichOneof("op"), field)
+        if P.unit_kind(w.module) or w.HasField("units"):
+            return self.write_units(w, field)
         positions = self.positions(w.positions, f"{field}.positions") if w.HasField("positions") else P.Positions()
         scale = w.scale if w.HasField("scale") else 1.0
         if not math.isfinite(scale):
@@ -262,7 +266,48 @@ class InterventionCompiler:
             return P.WriteModule(w.module, positions, op, vector.astype("<f4").tobytes(), scale)
         if op in ("zero", "mean"):
             return P.WriteModule(w.module, positions, op)
-        raise InvalidArgument(f"{field}.op", "set add, replace, zero or mean")
+        if op in ("patch", "add_read"):
+            return self.read_ref_write(w, op, positions, scale, field)
+        raise InvalidArgument(f"{field}.op", "set add, replace, zero, mean, patch or add_read")
+
+    def read_ref_write(
+        self, w: ipb.WriteModule, op: P.ModuleEdit, positions: P.Positions, scale: float, field: str
+    ) -> P.Action:
+        """A patch / add_read: what one write alone can check; the reference itself
+        (the source invoke, its read, counts, steps, cycles) is resolved across the
+        trace's invokes (patching.py)."""
+        ref = getattr(w, op)
+        f = f"{field}.{op}"
+        if positions.kind == "all":
+            raise InvalidArgument(f"{field}.positions", "a patch takes either prompt positions (at step 0) "
+                                  "or the new token (at each step), not both: use two writes")
+        if ref.invoke < 0:
+            raise InvalidArgument(f"{f}.invoke", f"must be >= 0, got {ref.invoke}")
+        if not ref.name:
+            raise InvalidArgument(f"{f}.name", "name the source invoke's read_module")
+        if positions.kind == "new_token" and ref.positions:
+            raise InvalidArgument(f"{f}.positions", "a write at the new token takes the source's new-token "
+                                  "row of the same step: leave positions unset")
+        ref_op = P.ReadRef("", ref.invoke, ref.name, tuple(ref.positions))
+        return P.WriteModule(w.module, positions, op, scale=scale if op == "add_read" else 1.0, ref=ref_op)
+
+    def write_units(self, w: ipb.WriteModule, field: str) -> P.Action:
+        """A write of attention heads / MLP neurons (units.py checks the units)."""
+        units = write_units(self.limits, w, field)
+        require_units(self.limits, w.module, f"{field}.module")
+        positions = self.positions(w.positions, f"{field}.positions") if w.HasField("positions") else P.Positions()
+        scale = w.scale if w.HasField("scale") else 1.0
+        if not math.isfinite(scale):
+            raise InvalidArgument(f"{field}.scale", "must be finite")
+        op = w.WhichOneof("op")
+        if op in ("add", "replace"):
+            operand = unit_operand(self.limits, w, units, op, field)
+            return P.WriteModule(w.module, positions, op, operand, scale, units=units)
+        if op in ("zero", "mean"):
+            return P.WriteModule(w.module, positions, op, units=units)
+        if op in ("patch", "add_read"):  # the chosen units, from the source's same units
+            return msgspec.structs.replace(self.read_ref_write(w, op, positions, scale, field), units=units)
+        raise InvalidArgument(f"{field}.op", "set add, replace, zero, mean, patch or add_read")
 
     def module_path(self, path: str, field: str) -> None:
         if path not in self.limits.modules:
@@ -273,7 +318,9 @@ class InterventionCompiler:
         self.require_eager(field)
         self.module_path(r.module, f"{field}.module")
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
-        return P.ReadModule(r.module, positions, mean=r.reduction == ipb.REDUCTION_MEAN)
+        units = read_units(self.limits, r, field)
+        require_units(self.limits, r.module, f"{field}.module")
+        return P.ReadModule(r.module, positions, mean=r.reduction == ipb.REDUCTION_MEAN, units=units)
 
     def positions(self, p: ipb.Positions, field: str) -> P.Positions:
         kind = p.WhichOneof("kind")

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from . import vllm_compat
+from . import listen_errors, vllm_compat
 from .engine import use_worker_hooks
 from .server import ServerConfig, serve
 
@@ -49,6 +49,7 @@ def run(config: ServerConfig) -> int:
 def _run_group(config: ServerConfig) -> int:
     if config.port == 0:
         raise SystemExit("tracewire: --frontends > 1 needs a fixed --port (every frontend binds it)")
+    _check_ports(config)
     use_worker_hooks(config.engine_args)
     stopping = False
 
@@ -76,6 +77,17 @@ def _run_group(config: ServerConfig) -> int:
         # The frontends get the grace period to drain, then are killed.
         group.shutdown(timeout=config.grace_seconds + 5)
     return 0
+
+
+def _check_ports(config: ServerConfig) -> None:
+    """Every port the group will listen on, before the engine core starts: a port in use
+    is one line now, not a frontend dying a minute later. (The frontends share the gRPC
+    and HTTP ports through SO_REUSEPORT; each has a metrics port of its own.)"""
+    listen_errors.check_free("gRPC", config.host, config.port, "--port")
+    listen_errors.check_free("HTTP", config.host, config.http_port, "--http-port")
+    if config.metrics_port:
+        for i in range(config.frontends):
+            listen_errors.check_free("metrics", config.host, config.metrics_port + i, "--metrics-port")
 
 
 class GroupReadiness:

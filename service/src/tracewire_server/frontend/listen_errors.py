@@ -14,6 +14,11 @@ import socket
 
 def bind_problem(host: str, port: int) -> str:
     """Why host:port cannot be bound right now, in words ('address already in use')."""
+    return _problem(host, port) or "the port could not be bound"
+
+
+def _problem(host: str, port: int) -> str | None:
+    """Why host:port cannot be bound right now; None when it can."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -28,7 +33,15 @@ def bind_problem(host: str, port: int) -> str:
         if e.errno == errno.EADDRINUSE:
             return "address already in use (another server is listening there)"
         return os.strerror(e.errno).lower() if e.errno else str(e)
-    return "the port could not be bound"
+    return None
+
+
+def check_free(what: str, host: str, port: int, flag: str) -> None:
+    """Exit now, in one line, when host:port cannot be bound (a fixed port only). For a
+    group of frontends: each binds in a process of its own, after the engine core has
+    started, where a failure could only say that a frontend died."""
+    if port and _problem(host, port) is not None:
+        raise cannot_listen(what, host, port, flag)
 
 
 def cannot_listen(what: str, host: str, port: int, flag: str) -> SystemExit:

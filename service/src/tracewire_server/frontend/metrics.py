@@ -74,6 +74,19 @@ HOOK_SECONDS = Histogram(
 _HOOK_ENGINE = HOOK_SECONDS.labels("engine")
 _HOOK_COLLECTOR = HOOK_SECONDS.labels("collector")
 
+# Activation patching: the worker keeps patch sources' values per trace until the trace
+# ends; each release answers with what the store still holds (rank 0's worker).
+PATCH_STORE_BYTES = Gauge(
+    "tracewire_patch_store_bytes",
+    "Bytes of patch sources' values the worker holds, as of the last trace released",
+)
+PATCH_STORE_TRACES = Gauge(
+    "tracewire_patch_store_traces", "Traces whose patch sources' values the worker holds, as of the last release",
+)
+PATCH_RELEASED_BYTES = Counter(
+    "tracewire_patch_released_bytes", "Bytes of patch sources' values freed when their traces ended",
+)
+
 # How often a running trace hands its counts to the counters.
 PUBLISH_EVERY_NS = 1_000_000_000
 

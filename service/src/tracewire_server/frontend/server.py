@@ -27,7 +27,7 @@ from .auth import ReflectionAuth, TokenTable
 from .connection_limits import ConnectionLimits
 from .engine import Engine
 from .grpc_calls import CallObserver
-from .servicer import TraceOptions, TraceServicer, add_to_server
+from .servicer import SERVICE_NAME, TraceOptions, TraceServicer, add_to_server
 from .tenants import TenantQuotas
 from .tls import ServerTls
 
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["TraceService"].full_name
 
 
 class Readiness(Protocol):
@@ -95,7 +94,8 @@ async def serve(
     that every frontend is."""
     servicer = TraceServicer(config.trace, config.tokens, config.tenant_quotas)
     access_log.configure(config.access_log)
-    interceptors: list[grpc.aio.ServerInterceptor] = [CallObserver()]  # request ids, metrics, the access log
+    # request ids, metrics, the access log; calls refused while not serving
+    interceptors: list[grpc.aio.ServerInterceptor] = [CallObserver(servicer.unavailable)]
     if config.tokens is not None and config.reflection:
         interceptors.append(ReflectionAuth(config.tokens, (reflection.SERVICE_NAME,)))
     server = grpc.aio.server(

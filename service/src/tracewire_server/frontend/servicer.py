@@ -179,6 +179,9 @@ class TraceOptions:
     fault_injection: bool = False
 
 
+SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["TraceService"].full_name
+
+
 class TraceServicer(service_pb2_grpc.TraceServiceServicer):
     """Serves one engine. `engine` is None until it has started."""
 
@@ -229,13 +232,27 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             return work(*args)
         return await asyncio.to_thread(work, *args)
 
-    def _ready(self) -> Engine:
+    def unavailable(self, method: str) -> Unavailable | None:
+        """Why a call of `method` ("package.Service/Method") is refused now; None when it
+        is served. TraceService's calls wait for the engine and stop when the server drains;
+        health and reflection stay open."""
+        if not method.startswith(f"{SERVICE_NAME}/"):
+            return None
         if self.draining:
-            raise Unavailable("the server is shutting down")
+            return Unavailable("the server is shutting down")
         if self.engine is None:
-            raise Unavailable("the engine is starting; retry when health reports SERVING")
+            return Unavailable("the engine is starting; retry when health reports SERVING")
         if self.engine.errored:
-            raise Unavailable("the engine has failed; the server must be restarted")
+            return Unavailable("the engine has failed; the server must be restarted")
+        return None
+
+    def _ready(self) -> Engine:
+        """The engine, for a call already under way (the call observer refused the calls
+        that came while the server was not serving: this catches a drain since)."""
+        refused = self.unavailable(f"{SERVICE_NAME}/")
+        if refused is not None:
+            raise refused
+        assert self.engine is not None
         return self.engine
 
     def _check_model(self, engine: Engine, model: str) -> None:
@@ -392,7 +409,8 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             hidden_size=d.hidden_size,
             architecture=d.architecture,
             modules=[
-                service_pb2.ModuleInfo(path=m.path, kind=m.kind, output_size=m.output_size)
+                service_pb2.ModuleInfo(path=m.path, kind=m.kind, output_size=m.output_size,
+                                       shape=list(m.shape or (m.output_size,)))
                 for m in d.modules
             ],
             vllm_version=vllm_compat.VLLM_VERSION,
@@ -400,6 +418,10 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             tensor_parallel_size=d.tensor_parallel_size,
             engine_mode=_ENGINE_MODES[engine.limits.engine_mode],
             steerable_layers=sorted(engine.limits.steerable_layers),
+            num_attention_heads=d.num_attention_heads,
+            num_key_value_heads=d.num_key_value_heads,
+            head_dim=d.head_dim,
+            intermediate_size=d.intermediate_size,
         )
         if d.bos_token_id is not None:
             info.bos_token_id = d.bos_token_id

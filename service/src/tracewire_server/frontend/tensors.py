@@ -59,6 +59,18 @@ def float_vector(tensor: tensor_pb2.Tensor, length: int, field: str) -> np.ndarr
     return array
 
 
+def float_tensor(tensor: tensor_pb2.Tensor, shapes: list[tuple[int, ...]], field: str) -> np.ndarray:
+    """A finite float32 tensor of one of `shapes` from a request tensor, flattened."""
+    if tuple(tensor.shape) not in shapes:  # before any work sized by the request's shape
+        shape = list(tensor.shape[:MAX_DIMS]) + (["..."] if len(tensor.shape) > MAX_DIMS else [])
+        expected = " or ".join(str(list(s)) for s in shapes)
+        raise InvalidArgument(f"{field}.shape", f"expected shape {expected}, got {shape}")
+    array = to_numpy(tensor, field).astype(np.float32).reshape(-1)
+    if not np.isfinite(array).all():
+        raise InvalidArgument(f"{field}.data", "must not contain NaN or infinity")
+    return array
+
+
 def to_numpy(tensor: tensor_pb2.Tensor, field: str) -> np.ndarray:
     dtype = _NUMPY.get(tensor.dtype)
     if dtype is None:

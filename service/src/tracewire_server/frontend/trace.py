@@ -25,6 +25,7 @@ from . import outputs, tensors
 from .calls import current_tenant
 from .compiler import CompiledInvoke, CompiledTrace, EngineSequence
 from .errors import Internal, TracewireError
+from .invoke_gates import InvokeGates
 from .metrics import TraceMetrics
 from .outbox import Outbox, Write
 from .prompts import EnginePrompt
@@ -49,6 +50,8 @@ class TraceEngine(Protocol):
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
+    def release_trace(self, trace_key: str) -> None: ...
+
 
 @dataclass
 class _SequenceResult:
@@ -68,6 +71,7 @@ class TraceRun:
     _warnings: list[trace_pb2.TraceWarning] = field(default_factory=list)
     _generated: int = 0
     _read_bytes: int = 0
+    _gates: InvokeGates = field(init=False)
 
     async def send(self, write: Write) -> None:
         """Run the trace, handing each event to `write` (the call's context.write: one
@@ -81,6 +85,7 @@ class TraceRun:
     async def _run(self, write: Write) -> None:
         started = time.monotonic()
         self._outbox = Outbox(write, len(self.trace.invokes), self.buffer_cap_bytes, self.trace.stream_interval_s)
+        self._gates = InvokeGates(self.trace.waits)
         tasks = [asyncio.create_task(self._invoke(inv)) for inv in self.trace.invokes]
         try:
             await self._outbox.finished  # every invoke's result written, or the error that ended the trace
@@ -88,6 +93,8 @@ class TraceRun:
             self._outbox.close()
             for t in tasks:
                 t.cancel()
+            if self.trace.keeps_values:  # however the trace ended: free its patch sources' values
+                self.engine.release_trace(self.trace.key)
             await asyncio.gather(*tasks, return_exceptions=True)
         prompt_tokens = sum(len(inv.prompt.token_ids) for inv in self.trace.invokes)
         await write(service_pb2.TraceResponse(
@@ -104,6 +111,8 @@ class TraceRun:
 
     async def _invoke(self, inv: CompiledInvoke) -> None:
         try:
+            # Activation patching: not before the sources it patches from have the values.
+            await self._gates.wait(inv.index)
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._sequence(inv, s)) for s in inv.sequences]
             results = [t.result() for t in tasks]
@@ -140,6 +149,8 @@ class TraceRun:
                         # The worker records a step only when an op is selected at it.
                         record = (await self._record(records, seq, step, token)
                                   if records is not None and plan is not None and plan.active_at(step) else None)
+                        if record is not None:
+                            self._gates.reached(seq.invoke_index, step)  # (its worker kept the values first)
                         token_ids.append(token)
                         if c.logprobs is not None:
                             completion.logprobs.extend(outputs.positions([c.logprobs[k]]))
@@ -161,6 +172,7 @@ class TraceRun:
         finally:
             if plan is not None:
                 self.receiver.unregister(plan.key)
+            self._gates.ended(seq.invoke_index)
         completion.token_ids.extend(token_ids)
         if stopped_at is not None:
             completion.text = self.engine.decode(token_ids, skip_special_tokens=skip_special)

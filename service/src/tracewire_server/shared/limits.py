@@ -22,12 +22,17 @@ class ModelLimits:
     # A compiled engine started with --compiled-steering serves the writes its graph
     # tables can express: add / replace / zero on these decoder layers (steering.py).
     steerable_layers: frozenset[int] = frozenset()
-    # Attention geometry (GQA: query head h reads KV head h // (heads / kv_heads)), for
-    # attention-pattern reads; `attention_patterns_refused` says why this server cannot
-    # serve them ("": it can).
+    # Units of the unit-addressed modules (plan.unit_kind): attention query heads of
+    # head_dim each (o_proj's input), MLP neurons (down_proj's input).
     num_attention_heads: int = 0
-    num_key_value_heads: int = 0
     head_dim: int = 0
+    intermediate_size: int = 0
+    # Heads and neurons are split across tensor-parallel ranks: unit interventions
+    # need 1.
+    tensor_parallel_size: int = 1
+    # Attention patterns: query head h reads KV head h // (heads / kv_heads);
+    # `attention_patterns_refused` says why this server cannot serve them ("": it can).
+    num_key_value_heads: int = 0
     attention_patterns_refused: str = ""
 
     @property

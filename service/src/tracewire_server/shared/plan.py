@@ -187,10 +187,57 @@ class Positions(msgspec.Struct, frozen=True):
         return ReadBound(width if self.kind == "all" else 0, prompt)  # (after step 0: "all" reads the new token)
 
 
+# -- units: attention heads and MLP neurons ------------------------------------------
+
+# Unit-addressed modules: a module input viewed as units per token position.
+#   "heads"    layers.L.self_attn.heads: o_proj's input, [num_attention_heads, head_dim];
+#   "neurons"  layers.L.mlp.act: down_proj's input, [intermediate_size].
+UnitKind = Literal["heads", "neurons"]
+HEADS_SUFFIX = ".self_attn.heads"
+NEURONS_SUFFIX = ".mlp.act"
+
+
+def unit_kind(path: str) -> UnitKind | None:
+    """Which units a module path addresses; None for an ordinary module."""
+    if path.startswith("layers.") and path.count(".") == 3:
+        if path.endswith(HEADS_SUFFIX):
+            return "heads"
+        if path.endswith(NEURONS_SUFFIX):
+            return "neurons"
+    return None
+
+
+def module_shape(path: str, limits: ModelLimits) -> tuple[int, ...]:
+    """A module's output shape per token position (GetModelInfo's ModuleInfo.shape)."""
+    kind = unit_kind(path)
+    if kind == "heads":
+        return (limits.num_attention_heads, limits.head_dim)
+    if kind == "neurons":
+        return (limits.intermediate_size,)
+    return (limits.hidden_size,)
+
+
+class Units(msgspec.Struct, frozen=True):
+    """The units a read of a unit-addressed module returns per position: these ids in
+    this order (None: every unit), or the `top_k` largest (neurons), largest first."""
+
+    ids: tuple[int, ...] | None = None
+    top_k: int | None = None
+
+    def read_width(self, path: str, limits: ModelLimits) -> int:
+        """Bytes per position: float32 values (and int32 ids for top-k)."""
+        shape = module_shape(path, limits)
+        if self.top_k is not None:
+            return 8 * self.top_k
+        count = len(self.ids) if self.ids is not None else shape[0]
+        return 4 * count * (shape[1] if len(shape) > 1 else 1)
+
+
 class ReadModule(msgspec.Struct, frozen=True, tag="read_module"):
     module: str
     positions: Positions
     mean: bool = False
+    units: Units | None = None  # unit-addressed modules only (unit_kind)
 
     source: ClassVar[ReadSource] = "modules"
 
@@ -199,7 +246,8 @@ class ReadModule(msgspec.Struct, frozen=True, tag="read_module"):
         return [(name, self.module)]
 
     def read_bound(self, limits: ModelLimits, prompt_len: int) -> ReadBound:
-        width = 4 * limits.hidden_size
+        units = self.units or Units()
+        width = units.read_width(self.module, limits) if unit_kind(self.module) else 4 * limits.hidden_size
         if self.mean:
             return ReadBound(width)  # one row, whatever the positions
         return self.positions.read_bound(width, prompt_len)
@@ -277,7 +325,7 @@ class MaskLogits(msgspec.Struct, frozen=True, tag="mask_logits"):
     token_ids: tuple[int, ...]
 
 
-ModuleEdit = Literal["add", "replace", "zero", "mean"]
+ModuleEdit = Literal["add", "replace", "zero", "mean", "patch", "add_read"]
 # What a compiled engine's steering tables express (stream' = a * stream + b, steering.py);
 # a mean depends on the rows it averages: eager engines only.
 COMPILED_EDITS: tuple[ModuleEdit, ...] = ("add", "replace", "zero")
@@ -292,14 +340,34 @@ def layer_number(path: str) -> int:
     return int(path.split(".")[1])
 
 
+class ReadRef(msgspec.Struct, frozen=True):
+    """Activation patching: another invoke's module read in the same trace as a write's
+    operand ("patch" / "add_read"). The source's worker keeps the read's rows (device
+    tensors) in its PatchStore under (trace, invoke, name, step) before it sends that
+    step's record; the target's write takes `rows` of them at the same step. Nothing
+    here says what the rows are rows of: a patch is "these stored rows replace the
+    target's selected rows of its address", whatever the address."""
+
+    trace: str  # the trace's key ("" until the trace compiler resolves the reference)
+    invoke: int  # the source invoke
+    name: str  # the source's read
+    positions: tuple[int, ...] = ()  # as asked: the source's prompt positions (empty: all)
+    rows: tuple[int, ...] = ()  # resolved: indices into the source read's rows (empty: all, in order)
+
+
 class WriteModule(msgspec.Struct, frozen=True, tag="write_module"):
     """Change a module's output at positions (for decoder layers: the residual stream)."""
 
     module: str
     positions: Positions
     edit: ModuleEdit
-    vector: bytes = b""  # float32 [hidden] for add / replace
+    vector: bytes = b""  # float32 [hidden] for add / replace (unit writes: see `units`)
     scale: float = 1.0
+    # Unit-addressed modules only (unit_kind): the heads / neurons written, None: every
+    # unit. `vector` is then float32 [units, head_dim] or [head_dim] (heads; the latter
+    # for every chosen head alike), [units] (neurons).
+    units: tuple[int, ...] | None = None
+    ref: ReadRef | None = None  # the operand of "patch" / "add_read"
 
 
 class Stop(msgspec.Struct, frozen=True, tag="stop"):
@@ -368,6 +436,11 @@ class SequencePlan(msgspec.Struct, frozen=True):
     route: int = 0
     # How text conditions decode the text so far: as the client's text deltas are.
     skip_special_tokens: bool = True
+    # Activation patching: the reads of this request other invokes' writes take as operands
+    # (the worker keeps their rows under (trace, invoke, name, step) until the trace ends).
+    exports: frozenset[str] = frozenset()
+    trace: str = ""  # the trace's key, with exports
+    invoke: int = 0  # this request's invoke, with exports
 
     def active_at(self, step: int) -> tuple[Op, ...]:
         """The ops selected at `step`. The worker sends a record for a step exactly

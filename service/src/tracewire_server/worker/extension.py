@@ -39,6 +39,19 @@ class TracewireWorkerExtension:
             log.info("tracewire hooks installed; records of frontend %d go to %s", route, address)
         return int(rank)
 
+    def tracewire_release(self, trace: str) -> tuple[int, int, int, int]:
+        """Forget trace `trace`'s patch sources' values (the frontend calls this when the
+        trace ends, however it ends): (bytes freed, then what the store still holds:
+        traces, entries, bytes)."""
+        hooks: PlanHooks | None = getattr(self, "tracewire_hooks", None)
+        if hooks is None:
+            return 0, 0, 0, 0
+        freed = hooks.patches.release(trace)
+        held = hooks.patches.size()
+        log.debug("patch store: released %s (%d bytes); holds %d traces, %d bytes", trace, freed,
+                  held.traces, held.bytes)
+        return freed, held.traces, held.entries, held.bytes
+
 
 def install(runner: Any, fault_injection: bool) -> PlanHooks:
     """Wrap vLLM model runner `runner`'s sampler (and, eager, its modules; compiled with

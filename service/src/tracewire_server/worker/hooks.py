@@ -70,6 +70,7 @@ from .module_hooks import ModuleHooks
 from .module_reads import launch_module_reads
 from .ops import ERROR_OPS, NO_OPS, StepOps
 from .outgoing import Outgoing
+from .patch_store import PatchStore
 from .runner import RunnerView
 from .sender import Sender
 from .sequences import Sequences
@@ -95,6 +96,8 @@ class PlanHooks:
         self._step: Step | None = None
         self.modules: ModuleHooks | None = None  # eager engines
         self.steering: SteeringSlots | None = None  # compiled engines with --compiled-steering
+        # Activation patching: patch sources' values, per trace, until the trace ends.
+        self.patches = PatchStore()
         # Off the engine's thread only where the device runs ahead of the host.
         self.collector: StepCollector[StepWork] = StepCollector(self._finish, threaded=runner.device_runs_ahead)
         period = float(os.environ.get(HOOK_TIMES_ENV) or 0)
@@ -163,7 +166,7 @@ class PlanHooks:
 
     def install_module_hooks(self) -> None:
         """Forward hooks on every addressable module (eager engines)."""
-        self.modules = ModuleHooks(self.runner, self.sequences, self.collector.drain)
+        self.modules = ModuleHooks(self.runner, self.sequences, self.collector.drain, self.patches)
         self.modules.install()
 
     def install_compiled_steering(self, tables: steering.SteeringTables) -> None:
@@ -245,7 +248,7 @@ class PlanHooks:
             if row.selected.module_reads:
                 fired.append(row)
         try:
-            launch_module_reads(fired, self.modules.lens if self.modules is not None else None)
+            launch_module_reads(fired, self.modules.lens if self.modules is not None else None, self.patches)
         except Exception as e:  # noqa: BLE001 - a batch failure fails the traces in it
             for row in fired:
                 row.error = f"{type(e).__name__}: {e}"

@@ -22,8 +22,10 @@ from .attention_patterns import AttentionPatterns
 from .conditions import holds_before_forward
 from .host import on_device
 from .module_reads import Lens
+from .patch_store import PatchStore
 from .runner import RunnerView
 from .sequences import Sequence, Sequences
+from .unit_hooks import edit_units, take_rows
 
 # Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
 # worker processes; a logger of our own would have none there.
@@ -93,10 +95,14 @@ def _edit_module_output(path: str, output: Any, edits: list[Edit]) -> None:
         vectors = torch.cat([module_vector(e.seq, e.write, target).expand(len(e.rows), -1) for e in edits])
         target.index_add_(0, on_device(rows, target.device, torch.long), vectors)
         return
-    for rows, edit, seq in edits:
+    for e in edits:
+        rows, edit, seq = e.rows, e.write, e.seq
         index = on_device(rows, target.device, torch.long)
         stream = target[index] + (residual[index] if residual is not None else 0)
-        if edit.edit == "add":
+        if e.operand is not None:  # patch / add_read: another invoke's rows, row for row
+            operand = e.operand.to(device=target.device, dtype=stream.dtype)
+            new_stream = operand if edit.edit == "patch" else stream + edit.scale * operand
+        elif edit.edit == "add":
             new_stream = stream + module_vector(seq, edit, target)
         elif edit.edit == "replace":
             new_stream = module_vector(seq, edit, target).expand_as(stream)
@@ -127,6 +133,8 @@ class Edit(NamedTuple):
     rows: list[int]
     write: P.WriteModule
     seq: Sequence
+    # patch / add_read: the stored source rows for `rows`, in order ([len(rows), width])
+    operand: torch.Tensor | None = None
 
 
 class ModuleHooks:
@@ -135,8 +143,10 @@ class ModuleHooks:
     module's hook then makes its writes and copies out its reads' rows. Idle unless the
     pass has module reads or writes."""
 
-    def __init__(self, runner: RunnerView, sequences: Sequences, drain: Callable[[], None]) -> None:
+    def __init__(self, runner: RunnerView, sequences: Sequences, drain: Callable[[], None],
+                 store: PatchStore | None = None) -> None:
         self.runner = runner
+        self.store = store if store is not None else PatchStore()  # patch sources' values
         self.sequences = sequences
         self.drain = drain  # (module_writes' text conditions: every finished step first)
         self.lens = Lens(*runner.lens_parts(), runner.vocab_size)
@@ -150,6 +160,11 @@ class ModuleHooks:
         for path, module in self.runner.modules().items():
             module.register_forward_hook(
                 lambda module, args, output, path=path: self._hook(path, output)
+            )
+        # Heads and neurons are module inputs (o_proj's, down_proj's): pre-hooks.
+        for path, (module, width) in self.runner.unit_modules().items():
+            module.register_forward_pre_hook(
+                lambda module, args, path=path, width=width: self._unit_hook(path, args[0], width)
             )
 
     def _plan_safely(self) -> None:
@@ -189,10 +204,28 @@ class ModuleHooks:
                     continue
                 if isinstance(action, P.WriteModule):
                     if holds_before_forward(op.condition, seq, self.drain):
-                        self._edits.setdefault(action.module, []).append(Edit(rows, action, seq))
+                        operand = None
+                        if action.ref is not None:
+                            try:
+                                operand = self._operand(action, action.ref, seq, wanted)
+                            except RuntimeError as e:  # fails this request's trace only
+                                seq.error = seq.error or f"{action.edit} of {action.module}: {e}"
+                                continue
+                        self._edits.setdefault(action.module, []).append(Edit(rows, action, seq, operand))
                     continue
                 for key, path in action.module_reads(op.name):
                     self._wants.setdefault(path, []).append(Want(seq, key, rows, wanted))
+
+    def _operand(self, write: P.WriteModule, ref: P.ReadRef, seq: Sequence, wanted: list[int]) -> torch.Tensor:
+        """The source's stored rows for the target positions `wanted` of this pass (a
+        chunked prefill's pass holds some of the write's positions: row i of the
+        reference goes to the write's i-th selected position)."""
+        stored = self.store.get(ref.trace, ref.invoke, ref.name, seq.step)
+        if write.positions.kind == "new_token":
+            return stored
+        selected = write.positions.prompt_positions(len(seq.prompt_ids))
+        rows = ref.rows or tuple(range(stored.shape[0]))
+        return stored[[rows[selected.index(p)] for p in wanted]]
 
     def _hook(self, path: str, output: Any) -> None:
         """Never raises into vLLM's forward pass: a failure fails the traces involved."""
@@ -207,12 +240,36 @@ class ModuleHooks:
                 value = _module_output(path, output).detach()
                 index = [r for want in wants for r in want.rows]
                 taken = value.index_select(0, on_device(index, value.device, torch.long)).to(torch.float32)
-                offset = 0
-                for want in wants:
-                    n = len(want.rows)
-                    want.seq.pending.setdefault(want.name, []).append((want.positions, taken[offset:offset + n]))
-                    offset += n
+                _keep(wants, taken)
         except Exception as e:  # noqa: BLE001
-            log.exception("module hook on %s failed", path)
-            for seq in [w.seq for w in wants or ()] + [edit.seq for edit in edits or ()]:
-                seq.error = seq.error or f"{type(e).__name__} in {path}: {e}"
+            _fail(path, e, wants, edits)
+
+    def _unit_hook(self, path: str, value: torch.Tensor, unit_width: int) -> None:
+        """A pre-hook on o_proj / down_proj: unit writes and reads on their input
+        (unit_hooks.py). Never raises into vLLM's forward pass."""
+        edits = self._edits.get(path)
+        wants = self._wants.get(path)
+        try:
+            if edits:
+                edit_units(value, unit_width, edits)  # in place: o_proj / down_proj see it
+            if wants:
+                index = on_device([r for want in wants for r in want.rows], value.device, torch.long)
+                _keep(wants, take_rows(value, unit_width, index))
+        except Exception as e:  # noqa: BLE001
+            _fail(path, e, wants, edits)
+
+
+def _keep(wants: list[Want], taken: torch.Tensor) -> None:
+    """Each read keeps its slice of the rows taken for every read of the module."""
+    offset = 0
+    for want in wants:
+        n = len(want.rows)
+        want.seq.pending.setdefault(want.name, []).append((want.positions, taken[offset:offset + n]))
+        offset += n
+
+
+def _fail(path: str, e: Exception, wants: list[Want] | None, edits: list[Edit] | None) -> None:
+    """A hook that failed fails the traces it served, and only those."""
+    log.exception("module hook on %s failed", path)
+    for seq in [w.seq for w in wants or ()] + [edit.seq for edit in edits or ()]:
+        seq.error = seq.error or f"{type(e).__name__} in {path}: {e}"

@@ -17,6 +17,8 @@ from ..shared import plan as P
 from .batch import Row
 from .host import ColumnRow, HostBatch, HostRead, to_host
 from .pattern_state import joined
+from .patch_store import PatchStore
+from .unit_hooks import select_units
 
 
 class Lens:
@@ -68,10 +70,25 @@ def _logit_lens_value(row: Row, name: str, read: P.ReadLogitLens, lens: Lens) ->
     return HostRead(HostBatch(to_host(logprobs), None), positions)
 
 
-def _module_value(row: Row, name: str, read: P.ReadModule) -> HostRead:
+def _export(store: PatchStore, row: Row, name: str, values: torch.Tensor) -> None:
+    """Keep a patch source's rows of this step for the writes that take them (a copy of
+    its own: `values` may be a slice of every request's rows of the module)."""
+    plan = row.seq.plan
+    store.put(plan.trace, plan.invoke, name, row.seq.step, values.clone())
+
+
+def _module_value(row: Row, name: str, read: P.ReadModule, store: PatchStore | None = None) -> HostRead:
     """A module read of the prompt's positions, or their mean (new-token reads travel as
     one column per module: launch_module_reads)."""
     values, positions = _gathered(row, name, read.module, read.positions)
+    if store is not None and name in row.seq.plan.exports and not read.mean:
+        _export(store, row, name, values)
+    if P.unit_kind(read.module):
+        # heads / neurons: the chosen units (top-k: with their ids), of the mean
+        # when reduced ([positions, units(, head_dim)] or [units(, head_dim)])
+        chosen, ids = select_units(values.mean(0) if read.mean else values, read.module, read.units)
+        return HostRead(HostBatch(to_host(chosen), to_host(ids) if ids is not None else None),
+                        positions=None if read.mean else positions)
     if read.mean:
         return HostRead(HostBatch(to_host(values.mean(0)), None))
     # [positions, hidden], with the prompt positions
@@ -100,11 +117,12 @@ def _pattern_value(row: Row, name: str, read: P.ReadAttentionPattern) -> HostRea
     return HostRead(HostBatch(to_host(torch.stack(values)), to_host(torch.stack(ids)) if ids else None), positions)
 
 
-def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
+def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | None = None) -> None:
     """Launch the rows' module and logit-lens reads, each on its way to the host. A
     module's new-token reads for every row are one [rows, hidden] column with one copy
-    to the host, not a copy per row. A read that fails fails its own row's trace."""
-    new_token: dict[str, list[_NewToken]] = {}
+    to the host, not a copy per row. A read that fails fails its own row's trace.
+    Reads other invokes patch from (the plan's exports) also go into `store`."""
+    new_token: dict[str | tuple[str, P.Units | None], list[_NewToken]] = {}
     for row in rows:
         try:
             for op in row.selected.module_reads:
@@ -112,9 +130,13 @@ def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
                 if isinstance(a, P.ReadModule):
                     if not a.mean and a.positions.new_token_only(row.seq.step):
                         values, _ = _gathered(row, op.name, a.module, a.positions)
-                        new_token.setdefault(a.module, []).append(_NewToken(row, op.name, values[0]))
+                        # (unit reads: a column per module and selection, cut once for all rows)
+                        column = (a.module, a.units) if P.unit_kind(a.module) else a.module
+                        new_token.setdefault(column, []).append(_NewToken(row, op.name, values[0]))
+                        if store is not None and op.name in row.seq.plan.exports:
+                            _export(store, row, op.name, values)
                     else:
-                        row.reads[op.name] = _module_value(row, op.name, a)
+                        row.reads[op.name] = _module_value(row, op.name, a, store)
                 elif isinstance(a, P.ReadAttentionPattern):
                     row.reads[op.name] = _pattern_value(row, op.name, a)
                 else:
@@ -122,10 +144,16 @@ def launch_module_reads(rows: list[Row], lens: Lens | None) -> None:
                     row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
         except Exception as e:  # noqa: BLE001 - fails this request's trace only
             row.error = f"{type(e).__name__}: {e}"
-    for members in new_token.values():
+    for column, members in new_token.items():
         members = [m for m in members if m.row.error is None]
         if members:
-            batch = HostBatch(to_host(torch.stack([m.value for m in members])), None)
+            stacked = torch.stack([m.value for m in members])
+            if isinstance(column, tuple):  # a unit read's column: [rows, units(, head_dim)]
+                module, units = column
+                chosen, ids = select_units(stacked, module, units)
+                batch = HostBatch(to_host(chosen), to_host(ids) if ids is not None else None)
+            else:
+                batch = HostBatch(to_host(stacked), None)
             for j, m in enumerate(members):
                 m.row.reads[m.name] = ColumnRow(batch, j)
 

@@ -211,6 +211,21 @@ class RunnerView:
             )
         return found
 
+    def unit_modules(self) -> dict[str, tuple[torch.nn.Module, int]]:
+        """The unit-addressed paths (plan.unit_kind) -> the module whose input they are,
+        and the width of one unit: layers.L.self_attn.heads is o_proj's input
+        ([tokens, heads * head_dim], vLLM's attention output), layers.L.mlp.act is
+        down_proj's ([tokens, intermediate], the activated gate * up). Layers without
+        them (other architectures) have no such paths."""
+        found: dict[str, tuple[torch.nn.Module, int]] = {}
+        for i, layer in enumerate(self._runner.model.model.layers):
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if hasattr(attn, "o_proj") and hasattr(attn, "head_dim"):
+                found[f"layers.{i}{P.HEADS_SUFFIX}"] = (attn.o_proj, int(attn.head_dim))
+            if hasattr(mlp, "down_proj"):
+                found[f"layers.{i}{P.NEURONS_SUFFIX}"] = (mlp.down_proj, 1)
+        return found
+
     def lens_parts(self) -> tuple[torch.nn.Module, torch.Tensor]:
         """The model's final norm and lm_head weight (the logit lens applies them)."""
         model = self._runner.model

@@ -176,14 +176,30 @@ class PositionList(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReadModule(_message.Message):
-    __slots__ = ("module", "positions", "reduction")
+    __slots__ = ("module", "positions", "reduction", "units")
     MODULE_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     REDUCTION_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
     module: str
     positions: Positions
     reduction: Reduction
-    def __init__(self, module: _Optional[str] = ..., positions: _Optional[_Union[Positions, _Mapping]] = ..., reduction: _Optional[_Union[Reduction, str]] = ...) -> None: ...
+    units: UnitSelection
+    def __init__(self, module: _Optional[str] = ..., positions: _Optional[_Union[Positions, _Mapping]] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., units: _Optional[_Union[UnitSelection, _Mapping]] = ...) -> None: ...
+
+class UnitSelection(_message.Message):
+    __slots__ = ("ids", "top_k")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    ids: UnitIds
+    top_k: TopK
+    def __init__(self, ids: _Optional[_Union[UnitIds, _Mapping]] = ..., top_k: _Optional[_Union[TopK, _Mapping]] = ...) -> None: ...
+
+class UnitIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReadLogitLens(_message.Message):
     __slots__ = ("layers", "positions", "top_k")
@@ -239,22 +255,38 @@ class TokenBias(_message.Message):
     def __init__(self, bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class WriteModule(_message.Message):
-    __slots__ = ("module", "positions", "add", "replace", "zero", "mean", "scale")
+    __slots__ = ("module", "positions", "add", "replace", "zero", "mean", "patch", "add_read", "scale", "units")
     MODULE_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
     ZERO_FIELD_NUMBER: _ClassVar[int]
     MEAN_FIELD_NUMBER: _ClassVar[int]
+    PATCH_FIELD_NUMBER: _ClassVar[int]
+    ADD_READ_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
     module: str
     positions: Positions
     add: _tensor_pb2.Tensor
     replace: _tensor_pb2.Tensor
     zero: ZeroAblation
     mean: MeanAblation
+    patch: ReadRef
+    add_read: ReadRef
     scale: float
-    def __init__(self, module: _Optional[str] = ..., positions: _Optional[_Union[Positions, _Mapping]] = ..., add: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., replace: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., zero: _Optional[_Union[ZeroAblation, _Mapping]] = ..., mean: _Optional[_Union[MeanAblation, _Mapping]] = ..., scale: _Optional[float] = ...) -> None: ...
+    units: UnitIds
+    def __init__(self, module: _Optional[str] = ..., positions: _Optional[_Union[Positions, _Mapping]] = ..., add: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., replace: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., zero: _Optional[_Union[ZeroAblation, _Mapping]] = ..., mean: _Optional[_Union[MeanAblation, _Mapping]] = ..., patch: _Optional[_Union[ReadRef, _Mapping]] = ..., add_read: _Optional[_Union[ReadRef, _Mapping]] = ..., scale: _Optional[float] = ..., units: _Optional[_Union[UnitIds, _Mapping]] = ...) -> None: ...
+
+class ReadRef(_message.Message):
+    __slots__ = ("invoke", "name", "positions")
+    INVOKE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    invoke: int
+    name: str
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, invoke: _Optional[int] = ..., name: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ZeroAblation(_message.Message):
     __slots__ = ()

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tracewire/v1/intervention.proto.
  */
 export const file_tracewire_v1_intervention: GenFile = /*@__PURE__*/
-  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEigAUKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABJEChZyZWFkX2F0dGVudGlvbl9wYXR0ZXJuGA8gASgLMiIudHJhY2V3aXJlLnYxLlJlYWRBdHRlbnRpb25QYXR0ZXJuSAASMQoMZm9yY2Vfc2FtcGxlGBQgASgLMhkudHJhY2V3aXJlLnYxLkZvcmNlU2FtcGxlSAASMQoMd3JpdGVfbG9naXRzGBUgASgLMhkudHJhY2V3aXJlLnYxLldyaXRlTG9naXRzSAASMQoMd3JpdGVfbW9kdWxlGBYgASgLMhkudHJhY2V3aXJlLnYxLldyaXRlTW9kdWxlSAASIgoEc3RvcBgeIAEoCzISLnRyYWNld2lyZS52MS5TdG9wSABCCAoGYWN0aW9uIo8BCgxTdGVwU2VsZWN0b3ISJQoDYWxsGAEgASgLMhYudHJhY2V3aXJlLnYxLkFsbFN0ZXBzSAASKAoFcmFuZ2UYAiABKAsyFy50cmFjZXdpcmUudjEuU3RlcFJhbmdlSAASJgoEbGlzdBgDIAEoCzIWLnRyYWNld2lyZS52MS5TdGVwTGlzdEgAQgYKBGtpbmQiCgoIQWxsU3RlcHMiNgoJU3RlcFJhbmdlEg0KBXN0YXJ0GAEgASgFEhEKBHN0b3AYAiABKAVIAIgBAUIHCgVfc3RvcCIZCghTdGVwTGlzdBINCgVzdGVwcxgBIAMoBSIdCghUb2tlblNldBIRCgl0b2tlbl9pZHMYASADKAUivAEKClJlYWRMb2dpdHMSKAoFc3RhZ2UYASABKA4yGS50cmFjZXdpcmUudjEuTG9naXRzU3RhZ2USJQoEZnVsbBgCIAEoCzIVLnRyYWNld2lyZS52MS5GdWxsUm93SAASIwoFdG9wX2sYAyABKAsyEi50cmFjZXdpcmUudjEuVG9wS0gAEisKCXRva2VuX2lkcxgEIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAQgsKCXNlbGVjdGlvbiIJCgdGdWxsUm93IhEKBFRvcEsSCQoBaxgBIAEoBSIMCgpSZWFkU2FtcGxlIh0KDFJlYWRMb2dwcm9icxINCgV0b3BfaxgBIAEoBSKCAgoJUG9zaXRpb25zEisKCW5ld190b2tlbhgBIAEoCzIWLnRyYWNld2lyZS52MS5OZXdUb2tlbkgAEi0KCmFsbF9wcm9tcHQYAiABKAsyFy50cmFjZXdpcmUudjEuQWxsUHJvbXB0SAASMwoMcHJvbXB0X3JhbmdlGAMgASgLMhsudHJhY2V3aXJlLnYxLlBvc2l0aW9uUmFuZ2VIABIxCgtwcm9tcHRfbGlzdBgEIAEoCzIaLnRyYWNld2lyZS52MS5Qb3NpdGlvbkxpc3RIABIpCgNhbGwYBSABKAsyGi50cmFjZXdpcmUudjEuQWxsUG9zaXRpb25zSABCBgoEa2luZCIKCghOZXdUb2tlbiILCglBbGxQcm9tcHQiDgoMQWxsUG9zaXRpb25zIjoKDVBvc2l0aW9uUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIiEKDFBvc2l0aW9uTGlzdBIRCglwb3NpdGlvbnMYASADKAUidAoKUmVhZE1vZHVsZRIOCgZtb2R1bGUYASABKAkSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxIqCglyZWR1Y3Rpb24YAyABKA4yFy50cmFjZXdpcmUudjEuUmVkdWN0aW9uIloKDVJlYWRMb2dpdExlbnMSDgoGbGF5ZXJzGAEgAygFEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSDQoFdG9wX2sYAyABKAUicAoUUmVhZEF0dGVudGlvblBhdHRlcm4SDgoGbGF5ZXJzGAEgAygFEg0KBWhlYWRzGAIgAygFEioKCXBvc2l0aW9ucxgDIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSDQoFdG9wX2sYBCABKAUiHwoLRm9yY2VTYW1wbGUSEAoIdG9rZW5faWQYASABKAUisgEKC1dyaXRlTG9naXRzEicKB3JlcGxhY2UYASABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASIwoDYWRkGAIgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEicKBGJpYXMYAyABKAsyFy50cmFjZXdpcmUudjEuVG9rZW5CaWFzSAASJgoEbWFzaxgEIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAQgQKAm9wImkKCVRva2VuQmlhcxIvCgRiaWFzGAEgAygLMiEudHJhY2V3aXJlLnYxLlRva2VuQmlhcy5CaWFzRW50cnkaKwoJQmlhc0VudHJ5EgsKA2tleRgBIAEoBRINCgV2YWx1ZRgCIAEoAjoCOAEikwIKC1dyaXRlTW9kdWxlEg4KBm1vZHVsZRgBIAEoCRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEiMKA2FkZBgDIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABInCgdyZXBsYWNlGAQgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEioKBHplcm8YBSABKAsyGi50cmFjZXdpcmUudjEuWmVyb0FibGF0aW9uSAASKgoEbWVhbhgGIAEoCzIaLnRyYWNld2lyZS52MS5NZWFuQWJsYXRpb25IABISCgVzY2FsZRgHIAEoAkgBiAEBQgQKAm9wQggKBl9zY2FsZSIOCgxaZXJvQWJsYXRpb24iDgoMTWVhbkFibGF0aW9uIgYKBFN0b3AiiAMKCUNvbmRpdGlvbhIsCgpzYW1wbGVkX2luGAEgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SAASKwoJYXJnbWF4X2luGAIgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SAASFwoNdGV4dF9jb250YWlucxgDIAEoCUgAEhYKDHRleHRfbWF0Y2hlcxgEIAEoCUgAEjsKEXRva2VuX3Byb2JhYmlsaXR5GAUgASgLMh4udHJhY2V3aXJlLnYxLlRva2VuUHJvYmFiaWxpdHlIABIqCgdlbnRyb3B5GAYgASgLMhcudHJhY2V3aXJlLnYxLlRocmVzaG9sZEgAEioKBmFsbF9vZhgHIAEoCzIYLnRyYWNld2lyZS52MS5Db25kaXRpb25zSAASKgoGYW55X29mGAggASgLMhgudHJhY2V3aXJlLnYxLkNvbmRpdGlvbnNIABImCgNub3QYCSABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uSABCBgoEa2luZCI5CgpDb25kaXRpb25zEisKCmNvbmRpdGlvbnMYASADKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uImIKEFRva2VuUHJvYmFiaWxpdHkSFQoIdG9rZW5faWQYASABKAVIAIgBARIqCgl0aHJlc2hvbGQYAiABKAsyFy50cmFjZXdpcmUudjEuVGhyZXNob2xkQgsKCV90b2tlbl9pZCJICglUaHJlc2hvbGQSLAoKY29tcGFyaXNvbhgBIAEoDjIYLnRyYWNld2lyZS52MS5Db21wYXJpc29uEg0KBXZhbHVlGAIgASgBKn0KC0xvZ2l0c1N0YWdlEhwKGExPR0lUU19TVEFHRV9VTlNQRUNJRklFRBAAEhQKEExPR0lUU19TVEFHRV9SQVcQARIaChZMT0dJVFNfU1RBR0VfUFJPQ0VTU0VEEAISHgoaTE9HSVRTX1NUQUdFX0JFRk9SRV9XUklURVMQAyo6CglSZWR1Y3Rpb24SGQoVUkVEVUNUSU9OX1VOU1BFQ0lGSUVEEAASEgoOUkVEVUNUSU9OX01FQU4QASqOAQoKQ29tcGFyaXNvbhIaChZDT01QQVJJU09OX1VOU1BFQ0lGSUVEEAASFgoSQ09NUEFSSVNPTl9HUkVBVEVSEAESHAoYQ09NUEFSSVNPTl9HUkVBVEVSX0VRVUFMEAISEwoPQ09NUEFSSVNPTl9MRVNTEAMSGQoVQ09NUEFSSVNPTl9MRVNTX0VRVUFMEARiBnByb3RvMw", [file_tracewire_v1_tensor]);
+  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEigAUKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABJEChZyZWFkX2F0dGVudGlvbl9wYXR0ZXJuGA8gASgLMiIudHJhY2V3aXJlLnYxLlJlYWRBdHRlbnRpb25QYXR0ZXJuSAASMQoMZm9yY2Vfc2FtcGxlGBQgASgLMhkudHJhY2V3aXJlLnYxLkZvcmNlU2FtcGxlSAASMQoMd3JpdGVfbG9naXRzGBUgASgLMhkudHJhY2V3aXJlLnYxLldyaXRlTG9naXRzSAASMQoMd3JpdGVfbW9kdWxlGBYgASgLMhkudHJhY2V3aXJlLnYxLldyaXRlTW9kdWxlSAASIgoEc3RvcBgeIAEoCzISLnRyYWNld2lyZS52MS5TdG9wSABCCAoGYWN0aW9uIo8BCgxTdGVwU2VsZWN0b3ISJQoDYWxsGAEgASgLMhYudHJhY2V3aXJlLnYxLkFsbFN0ZXBzSAASKAoFcmFuZ2UYAiABKAsyFy50cmFjZXdpcmUudjEuU3RlcFJhbmdlSAASJgoEbGlzdBgDIAEoCzIWLnRyYWNld2lyZS52MS5TdGVwTGlzdEgAQgYKBGtpbmQiCgoIQWxsU3RlcHMiNgoJU3RlcFJhbmdlEg0KBXN0YXJ0GAEgASgFEhEKBHN0b3AYAiABKAVIAIgBAUIHCgVfc3RvcCIZCghTdGVwTGlzdBINCgVzdGVwcxgBIAMoBSIdCghUb2tlblNldBIRCgl0b2tlbl9pZHMYASADKAUivAEKClJlYWRMb2dpdHMSKAoFc3RhZ2UYASABKA4yGS50cmFjZXdpcmUudjEuTG9naXRzU3RhZ2USJQoEZnVsbBgCIAEoCzIVLnRyYWNld2lyZS52MS5GdWxsUm93SAASIwoFdG9wX2sYAyABKAsyEi50cmFjZXdpcmUudjEuVG9wS0gAEisKCXRva2VuX2lkcxgEIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAQgsKCXNlbGVjdGlvbiIJCgdGdWxsUm93IhEKBFRvcEsSCQoBaxgBIAEoBSIMCgpSZWFkU2FtcGxlIh0KDFJlYWRMb2dwcm9icxINCgV0b3BfaxgBIAEoBSKCAgoJUG9zaXRpb25zEisKCW5ld190b2tlbhgBIAEoCzIWLnRyYWNld2lyZS52MS5OZXdUb2tlbkgAEi0KCmFsbF9wcm9tcHQYAiABKAsyFy50cmFjZXdpcmUudjEuQWxsUHJvbXB0SAASMwoMcHJvbXB0X3JhbmdlGAMgASgLMhsudHJhY2V3aXJlLnYxLlBvc2l0aW9uUmFuZ2VIABIxCgtwcm9tcHRfbGlzdBgEIAEoCzIaLnRyYWNld2lyZS52MS5Qb3NpdGlvbkxpc3RIABIpCgNhbGwYBSABKAsyGi50cmFjZXdpcmUudjEuQWxsUG9zaXRpb25zSABCBgoEa2luZCIKCghOZXdUb2tlbiILCglBbGxQcm9tcHQiDgoMQWxsUG9zaXRpb25zIjoKDVBvc2l0aW9uUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIiEKDFBvc2l0aW9uTGlzdBIRCglwb3NpdGlvbnMYASADKAUioAEKClJlYWRNb2R1bGUSDgoGbW9kdWxlGAEgASgJEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSKgoJcmVkdWN0aW9uGAMgASgOMhcudHJhY2V3aXJlLnYxLlJlZHVjdGlvbhIqCgV1bml0cxgEIAEoCzIbLnRyYWNld2lyZS52MS5Vbml0U2VsZWN0aW9uImIKDVVuaXRTZWxlY3Rpb24SJAoDaWRzGAEgASgLMhUudHJhY2V3aXJlLnYxLlVuaXRJZHNIABIjCgV0b3BfaxgCIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSABCBgoEa2luZCIWCgdVbml0SWRzEgsKA2lkcxgBIAMoBSJaCg1SZWFkTG9naXRMZW5zEg4KBmxheWVycxgBIAMoBRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEg0KBXRvcF9rGAMgASgFInAKFFJlYWRBdHRlbnRpb25QYXR0ZXJuEg4KBmxheWVycxgBIAMoBRINCgVoZWFkcxgCIAMoBRIqCglwb3NpdGlvbnMYAyABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEg0KBXRvcF9rGAQgASgFIh8KC0ZvcmNlU2FtcGxlEhAKCHRva2VuX2lkGAEgASgFIrIBCgtXcml0ZUxvZ2l0cxInCgdyZXBsYWNlGAEgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEiMKA2FkZBgCIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABInCgRiaWFzGAMgASgLMhcudHJhY2V3aXJlLnYxLlRva2VuQmlhc0gAEiYKBG1hc2sYBCABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIAEIECgJvcCJpCglUb2tlbkJpYXMSLwoEYmlhcxgBIAMoCzIhLnRyYWNld2lyZS52MS5Ub2tlbkJpYXMuQmlhc0VudHJ5GisKCUJpYXNFbnRyeRILCgNrZXkYASABKAUSDQoFdmFsdWUYAiABKAI6AjgBIowDCgtXcml0ZU1vZHVsZRIOCgZtb2R1bGUYASABKAkSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxIjCgNhZGQYAyABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASJwoHcmVwbGFjZRgEIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABIqCgR6ZXJvGAUgASgLMhoudHJhY2V3aXJlLnYxLlplcm9BYmxhdGlvbkgAEioKBG1lYW4YBiABKAsyGi50cmFjZXdpcmUudjEuTWVhbkFibGF0aW9uSAASJgoFcGF0Y2gYCyABKAsyFS50cmFjZXdpcmUudjEuUmVhZFJlZkgAEikKCGFkZF9yZWFkGAwgASgLMhUudHJhY2V3aXJlLnYxLlJlYWRSZWZIABISCgVzY2FsZRgHIAEoAkgBiAEBEiQKBXVuaXRzGAggASgLMhUudHJhY2V3aXJlLnYxLlVuaXRJZHNCBAoCb3BCCAoGX3NjYWxlIjoKB1JlYWRSZWYSDgoGaW52b2tlGAEgASgFEgwKBG5hbWUYAiABKAkSEQoJcG9zaXRpb25zGAMgAygFIg4KDFplcm9BYmxhdGlvbiIOCgxNZWFuQWJsYXRpb24iBgoEU3RvcCKIAwoJQ29uZGl0aW9uEiwKCnNhbXBsZWRfaW4YASABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIrCglhcmdtYXhfaW4YAiABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIXCg10ZXh0X2NvbnRhaW5zGAMgASgJSAASFgoMdGV4dF9tYXRjaGVzGAQgASgJSAASOwoRdG9rZW5fcHJvYmFiaWxpdHkYBSABKAsyHi50cmFjZXdpcmUudjEuVG9rZW5Qcm9iYWJpbGl0eUgAEioKB2VudHJvcHkYBiABKAsyFy50cmFjZXdpcmUudjEuVGhyZXNob2xkSAASKgoGYWxsX29mGAcgASgLMhgudHJhY2V3aXJlLnYxLkNvbmRpdGlvbnNIABIqCgZhbnlfb2YYCCABKAsyGC50cmFjZXdpcmUudjEuQ29uZGl0aW9uc0gAEiYKA25vdBgJIAEoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb25IAEIGCgRraW5kIjkKCkNvbmRpdGlvbnMSKwoKY29uZGl0aW9ucxgBIAMoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb24iYgoQVG9rZW5Qcm9iYWJpbGl0eRIVCgh0b2tlbl9pZBgBIAEoBUgAiAEBEioKCXRocmVzaG9sZBgCIAEoCzIXLnRyYWNld2lyZS52MS5UaHJlc2hvbGRCCwoJX3Rva2VuX2lkIkgKCVRocmVzaG9sZBIsCgpjb21wYXJpc29uGAEgASgOMhgudHJhY2V3aXJlLnYxLkNvbXBhcmlzb24SDQoFdmFsdWUYAiABKAEqfQoLTG9naXRzU3RhZ2USHAoYTE9HSVRTX1NUQUdFX1VOU1BFQ0lGSUVEEAASFAoQTE9HSVRTX1NUQUdFX1JBVxABEhoKFkxPR0lUU19TVEFHRV9QUk9DRVNTRUQQAhIeChpMT0dJVFNfU1RBR0VfQkVGT1JFX1dSSVRFUxADKjoKCVJlZHVjdGlvbhIZChVSRURVQ1RJT05fVU5TUEVDSUZJRUQQABISCg5SRURVQ1RJT05fTUVBThABKo4BCgpDb21wYXJpc29uEhoKFkNPTVBBUklTT05fVU5TUEVDSUZJRUQQABIWChJDT01QQVJJU09OX0dSRUFURVIQARIcChhDT01QQVJJU09OX0dSRUFURVJfRVFVQUwQAhITCg9DT01QQVJJU09OX0xFU1MQAxIZChVDT01QQVJJU09OX0xFU1NfRVFVQUwQBGIGcHJvdG8z", [file_tracewire_v1_tensor]);
 
 /**
  * One declarative intervention on a traced generation: at the selected steps,
@@ -573,6 +573,18 @@ export type ReadModule = Message<"tracewire.v1.ReadModule"> & {
    * @generated from field: tracewire.v1.Reduction reduction = 3;
    */
   reduction: Reduction;
+
+  /**
+   * Which units of a unit-addressed module to read (GetModelInfo lists them
+   * with kind "attention_heads" or "mlp_activation"): heads of
+   * layers.L.self_attn.heads, neurons of layers.L.mlp.act. Unset reads every
+   * unit. Values per position: [units, head_dim] for heads, [units] for
+   * neurons; with top_k the k largest neurons' values, their neuron ids in
+   * ReadValue.token_ids. Setting it on any other module is INVALID_ARGUMENT.
+   *
+   * @generated from field: tracewire.v1.UnitSelection units = 4;
+   */
+  units?: UnitSelection | undefined;
 };
 
 /**
@@ -581,6 +593,62 @@ export type ReadModule = Message<"tracewire.v1.ReadModule"> & {
  */
 export const ReadModuleSchema: GenMessage<ReadModule> = /*@__PURE__*/
   messageDesc(file_tracewire_v1_intervention, 17);
+
+/**
+ * Units of a unit-addressed module's output at each token position.
+ *
+ * @generated from message tracewire.v1.UnitSelection
+ */
+export type UnitSelection = Message<"tracewire.v1.UnitSelection"> & {
+  /**
+   * @generated from oneof tracewire.v1.UnitSelection.kind
+   */
+  kind: {
+    /**
+     * These units, in this order.
+     *
+     * @generated from field: tracewire.v1.UnitIds ids = 1;
+     */
+    value: UnitIds;
+    case: "ids";
+  } | {
+    /**
+     * The k largest units per position, largest first (neurons only; after
+     * the mean when reduction is REDUCTION_MEAN). 1 <= k <= the units.
+     *
+     * @generated from field: tracewire.v1.TopK top_k = 2;
+     */
+    value: TopK;
+    case: "topK";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message tracewire.v1.UnitSelection.
+ * Use `create(UnitSelectionSchema)` to create a new message.
+ */
+export const UnitSelectionSchema: GenMessage<UnitSelection> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 18);
+
+/**
+ * Unit ids: attention heads (0 <= id < num_attention_heads) or MLP neurons
+ * (0 <= id < intermediate_size); not empty, no duplicates.
+ *
+ * @generated from message tracewire.v1.UnitIds
+ */
+export type UnitIds = Message<"tracewire.v1.UnitIds"> & {
+  /**
+   * @generated from field: repeated int32 ids = 1;
+   */
+  ids: number[];
+};
+
+/**
+ * Describes the message tracewire.v1.UnitIds.
+ * Use `create(UnitIdsSchema)` to create a new message.
+ */
+export const UnitIdsSchema: GenMessage<UnitIds> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 19);
 
 /**
  * The logit lens: final norm + lm_head on layers' residual streams.
@@ -615,7 +683,7 @@ export type ReadLogitLens = Message<"tracewire.v1.ReadLogitLens"> & {
  * Use `create(ReadLogitLensSchema)` to create a new message.
  */
 export const ReadLogitLensSchema: GenMessage<ReadLogitLens> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 18);
+  messageDesc(file_tracewire_v1_intervention, 20);
 
 /**
  * Attention patterns: for chosen decoder layers and query heads, the
@@ -688,7 +756,7 @@ export type ReadAttentionPattern = Message<"tracewire.v1.ReadAttentionPattern"> 
  * Use `create(ReadAttentionPatternSchema)` to create a new message.
  */
 export const ReadAttentionPatternSchema: GenMessage<ReadAttentionPattern> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 19);
+  messageDesc(file_tracewire_v1_intervention, 21);
 
 /**
  * Make the sampler's draw this token; the engine continues from it exactly
@@ -708,7 +776,7 @@ export type ForceSample = Message<"tracewire.v1.ForceSample"> & {
  * Use `create(ForceSampleSchema)` to create a new message.
  */
 export const ForceSampleSchema: GenMessage<ForceSample> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 20);
+  messageDesc(file_tracewire_v1_intervention, 22);
 
 /**
  * Change the logits row before sampling.
@@ -759,7 +827,7 @@ export type WriteLogits = Message<"tracewire.v1.WriteLogits"> & {
  * Use `create(WriteLogitsSchema)` to create a new message.
  */
 export const WriteLogitsSchema: GenMessage<WriteLogits> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 21);
+  messageDesc(file_tracewire_v1_intervention, 23);
 
 /**
  * Per-token additive biases.
@@ -778,7 +846,7 @@ export type TokenBias = Message<"tracewire.v1.TokenBias"> & {
  * Use `create(TokenBiasSchema)` to create a new message.
  */
 export const TokenBiasSchema: GenMessage<TokenBias> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 22);
+  messageDesc(file_tracewire_v1_intervention, 24);
 
 /**
  * Change a module's output at chosen positions (for decoder layers: the
@@ -839,14 +907,47 @@ export type WriteModule = Message<"tracewire.v1.WriteModule"> & {
      */
     value: MeanAblation;
     case: "mean";
+  } | {
+    /**
+     * Activation patching: replace the selected positions with rows of
+     * another invoke's module read in the same trace (see ReadRef); row i of
+     * the reference's selection goes to the i-th selected position. The
+     * values stay on the server.
+     *
+     * @generated from field: tracewire.v1.ReadRef patch = 11;
+     */
+    value: ReadRef;
+    case: "patch";
+  } | {
+    /**
+     * Add scale * the referenced read's rows (see ReadRef) to the selected
+     * positions, row i to the i-th selected position.
+     *
+     * @generated from field: tracewire.v1.ReadRef add_read = 12;
+     */
+    value: ReadRef;
+    case: "addRead";
   } | { case: undefined; value?: undefined };
 
   /**
-   * Multiplier for `add`; unset means 1.
+   * Multiplier for `add` and `add_read`; unset means 1.
    *
    * @generated from field: optional float scale = 7;
    */
   scale?: number | undefined;
+
+  /**
+   * The units of a unit-addressed module to write (layers.L.self_attn.heads,
+   * layers.L.mlp.act); the others keep their values. Unset writes every unit.
+   * Operands per position: for heads, add / replace take [head_dim] (the
+   * same for every chosen head) or [units, head_dim]; for neurons, [units]
+   * (a value per chosen neuron: replace sets it). zero and mean act on the
+   * chosen units only (mean: each unit's mean over the selected positions).
+   * Setting it on any other module is INVALID_ARGUMENT.
+   *
+   * @generated from field: tracewire.v1.UnitIds units = 8;
+   */
+  units?: UnitIds | undefined;
 };
 
 /**
@@ -854,7 +955,65 @@ export type WriteModule = Message<"tracewire.v1.WriteModule"> & {
  * Use `create(WriteModuleSchema)` to create a new message.
  */
 export const WriteModuleSchema: GenMessage<WriteModule> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 23);
+  messageDesc(file_tracewire_v1_intervention, 25);
+
+/**
+ * Another invoke's module read in the same trace, as a write's operand
+ * (activation patching). The values never leave the server: the source's
+ * rows are kept on the worker when computed and taken by the target's write.
+ *
+ * Rules (each broken one is INVALID_ARGUMENT naming the field): the source is
+ * a read_module (not mean-reduced) of invoke `invoke`, an invoke other than
+ * the writing one and not one that patches from it (no cycles), with n = 1,
+ * whose module has the target module's width; it is selected at every step
+ * the write is: a write at prompt positions (acted on at step 0) takes the
+ * source's prompt-position rows of step 0, `positions` choosing among them
+ * (their count must equal the write's selected positions); a write at the
+ * new token takes, at step s, the source's new-token row of step s
+ * (`positions` unset). Writes at AllPositions are refused.
+ *
+ * Cost: the writing invoke's requests enter the engine only once the source
+ * has produced the step they need (step 0 for prompt positions, else the last
+ * step the write selects, or the source's end when open-ended), so they start
+ * about one source step (or a whole source generation) later. If the source
+ * fails, the trace fails; if it ends before that step, the trace fails naming
+ * the write. The kept rows count against the trace's read-bytes budget (a
+ * second time: they are also streamed to the client) and are freed when the
+ * trace ends.
+ *
+ * @generated from message tracewire.v1.ReadRef
+ */
+export type ReadRef = Message<"tracewire.v1.ReadRef"> & {
+  /**
+   * Index of the source invoke in the trace's invokes.
+   *
+   * @generated from field: int32 invoke = 1;
+   */
+  invoke: number;
+
+  /**
+   * Name of the source invoke's read_module intervention.
+   *
+   * @generated from field: string name = 2;
+   */
+  name: string;
+
+  /**
+   * Prompt positions of the source's prompt to take, in this order
+   * (negative values count from its end); each must be one the source read
+   * selects. Empty: every row of the read, in position order.
+   *
+   * @generated from field: repeated int32 positions = 3;
+   */
+  positions: number[];
+};
+
+/**
+ * Describes the message tracewire.v1.ReadRef.
+ * Use `create(ReadRefSchema)` to create a new message.
+ */
+export const ReadRefSchema: GenMessage<ReadRef> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 26);
 
 /**
  * Zero ablation.
@@ -869,7 +1028,7 @@ export type ZeroAblation = Message<"tracewire.v1.ZeroAblation"> & {
  * Use `create(ZeroAblationSchema)` to create a new message.
  */
 export const ZeroAblationSchema: GenMessage<ZeroAblation> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 24);
+  messageDesc(file_tracewire_v1_intervention, 27);
 
 /**
  * Mean ablation.
@@ -884,7 +1043,7 @@ export type MeanAblation = Message<"tracewire.v1.MeanAblation"> & {
  * Use `create(MeanAblationSchema)` to create a new message.
  */
 export const MeanAblationSchema: GenMessage<MeanAblation> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 25);
+  messageDesc(file_tracewire_v1_intervention, 28);
 
 /**
  * End the sequence at the step where it fires. The token drawn at that step is
@@ -900,7 +1059,7 @@ export type Stop = Message<"tracewire.v1.Stop"> & {
  * Use `create(StopSchema)` to create a new message.
  */
 export const StopSchema: GenMessage<Stop> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 26);
+  messageDesc(file_tracewire_v1_intervention, 29);
 
 /**
  * A declarative predicate over the state of one sequence at one step.
@@ -1005,7 +1164,7 @@ export type Condition = Message<"tracewire.v1.Condition"> & {
  * Use `create(ConditionSchema)` to create a new message.
  */
 export const ConditionSchema: GenMessage<Condition> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 27);
+  messageDesc(file_tracewire_v1_intervention, 30);
 
 /**
  * A list of conditions.
@@ -1024,7 +1183,7 @@ export type Conditions = Message<"tracewire.v1.Conditions"> & {
  * Use `create(ConditionsSchema)` to create a new message.
  */
 export const ConditionsSchema: GenMessage<Conditions> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 28);
+  messageDesc(file_tracewire_v1_intervention, 31);
 
 /**
  * Comparison of a token's probability (softmax of the logits at the stage the
@@ -1053,7 +1212,7 @@ export type TokenProbability = Message<"tracewire.v1.TokenProbability"> & {
  * Use `create(TokenProbabilitySchema)` to create a new message.
  */
 export const TokenProbabilitySchema: GenMessage<TokenProbability> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 29);
+  messageDesc(file_tracewire_v1_intervention, 32);
 
 /**
  * value <op> threshold.
@@ -1077,7 +1236,7 @@ export type Threshold = Message<"tracewire.v1.Threshold"> & {
  * Use `create(ThresholdSchema)` to create a new message.
  */
 export const ThresholdSchema: GenMessage<Threshold> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 30);
+  messageDesc(file_tracewire_v1_intervention, 33);
 
 /**
  * Which logits a read sees. At each step the row passes three stages, in

@@ -111,8 +111,11 @@ export type ReadValue = Message<"tracewire.v1.ReadValue"> & {
   /**
    * The values: logits, logprobs, hidden states. Shape depends on the read:
    * [vocab] or [k] for logits, [positions, hidden] or [hidden] for modules,
-   * [layers, positions, k] for the logit lens, [layers, positions, heads, k]
-   * for attention patterns (ReadAttentionPattern), [] for a sample.
+   * [positions, heads, head_dim] or [heads, head_dim] for attention heads,
+   * [positions, neurons] or [neurons] for MLP neurons (or [positions, k] /
+   * [k] for their top_k), [layers, positions, k] for the logit lens,
+   * [layers, positions, heads, k] for attention patterns
+   * (ReadAttentionPattern), [] for a sample.
    *
    * @generated from field: tracewire.v1.Tensor values = 1;
    */
@@ -120,8 +123,9 @@ export type ReadValue = Message<"tracewire.v1.ReadValue"> & {
 
   /**
    * Token ids the values belong to, same shape as values, when they are not a
-   * full vocabulary row (top-k, chosen ids, logit lens top-k); for attention
-   * patterns' top-k, the key positions.
+   * full vocabulary row (top-k, chosen ids, logit lens top-k); for a top_k
+   * read of MLP neurons, the neuron ids; for attention patterns' top-k, the
+   * key positions.
    *
    * @generated from field: tracewire.v1.Tensor token_ids = 2;
    */

@@ -1,0 +1,162 @@
+"""The 4x4 (layer, position) activation-patching sweep: one trace vs 16 traces (`make bench`).
+
+One tracewire server (eager: module hooks) in a subprocess; the same 16 patched runs
+measured three ways, interleaved, each the median of the repeats:
+
+  one trace        a clean invoke + 16 corrupted invokes, each patched at one (layer,
+                   position) from the clean one (tracewire.patching.sweep): the 16 wait
+                   for the clean invoke's step 0, then run batched;
+  16 traces, one after another   clean + one patched invoke per trace;
+  16 traces at once              the same 16 traces concurrently (16 client threads).
+
+Each patched run draws max_tokens new tokens (default 1: the heatmap's metric is step 0's
+logits; --new-tokens for longer runs). Reports wall time, patched runs/s and generated
+tokens/s (every invoke's, the clean ones included), and checks the three give the same
+heatmap. Results: bench/results/patching-sweep-<date>-<host>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CLEAN, CORRUPTED = "The capital of France is", "The capital of Italy is"
+PARIS, ROME = 806, 834  # " Paris", " Rome" in the default model's tokenizer
+LAYERS, POSITIONS = [0, 1, 2, 3], [0, 1, 3, 4]
+SERVER_FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "64"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(model: str, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tracewire_server", "--model", model, "--port", str(port),
+                                 *SERVER_FLAGS], stdout=out, stderr=subprocess.STDOUT)
+    return proc, f"127.0.0.1:{port}"
+
+
+def wait_ready(client: Any, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            client.model_info()
+            return
+        except Exception:  # noqa: BLE001 - still starting
+            time.sleep(1)
+    raise SystemExit("the server did not start in 600 s")
+
+
+def one_trace(client: Any, new_tokens: int) -> np.ndarray:
+    import tracewire.patching
+
+    tracer, cells = tracewire.patching.sweep_trace(client, CLEAN, CORRUPTED, LAYERS, POSITIONS, (PARIS, ROME),
+                                                   max_tokens=new_tokens, ignore_eos=True)
+    tracer.run()
+    return tracewire.patching.heatmap(cells)
+
+
+def single(client: Any, layer: int, position: int, new_tokens: int) -> float:
+    """One patched run as a trace of its own: clean + one corrupted invoke."""
+    with client.trace(temperature=0.0, max_tokens=new_tokens, ignore_eos=True) as tracer:
+        with tracer.invoke(CLEAN) as clean:
+            saved = clean.iter[0].module(f"layers.{layer}", positions=[position]).save("clean")
+        with tracer.invoke(CORRUPTED) as corrupted:
+            corrupted.iter[0].module(f"layers.{layer}", positions=[position]).patch(saved)
+            metric = corrupted.iter[0].logits.raw.select([PARIS, ROME]).save("metric")
+    return float(metric[0][0] - metric[0][1])
+
+
+def separate(client: Any, new_tokens: int, threads: int) -> np.ndarray:
+    cells = [(layer, p) for layer in LAYERS for p in POSITIONS]
+    with ThreadPoolExecutor(threads) as pool:
+        values = list(pool.map(lambda c: single(client, c[0], c[1], new_tokens), cells))
+    return np.array(values, dtype=np.float32).reshape(len(LAYERS), len(POSITIONS))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(ROOT / "models" / "tracewire-tiny"))
+    parser.add_argument("--target", default=None, help="a running eager server instead of starting one")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=1)
+    parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+
+    import tracewire
+
+    proc, log_path = None, Path(tempfile.mkdtemp()) / "server.log"
+    target = args.target
+    if target is None:
+        proc, target = start_server(args.model, log_path)
+    client = tracewire.Client(target, timeout=300)
+    try:
+        wait_ready(client, proc, log_path) if proc is not None else client.model_info()
+        cells = len(LAYERS) * len(POSITIONS)
+        rows: dict[str, tuple[Any, int]] = {
+            "one trace (clean + 16 patched invokes)": (lambda: one_trace(client, args.new_tokens), cells + 1),
+            "16 traces, one after another": (lambda: separate(client, args.new_tokens, 1), 2 * cells),
+            "16 traces at once": (lambda: separate(client, args.new_tokens, cells), 2 * cells),
+        }
+        for run, _ in rows.values():  # warm-up, and the three must agree
+            run()
+        reference = one_trace(client, args.new_tokens)
+        times: dict[str, list[float]] = {name: [] for name in rows}
+        for _ in range(args.repeats):
+            for name, (run, _) in rows.items():
+                started = time.perf_counter()
+                heatmap = run()
+                times[name].append(time.perf_counter() - started)
+                np.testing.assert_allclose(heatmap, reference, atol=1e-3, err_msg=name)
+    finally:
+        client.close()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(120)
+    results = []
+    for name, (_, invokes) in rows.items():
+        wall = statistics.median(times[name])
+        results.append({"row": name, "wall_s": wall, "patched_runs_per_s": cells / wall,
+                        "generated_tokens_per_s": invokes * args.new_tokens / wall, "walls_s": times[name]})
+    base = results[0]["wall_s"]
+    print(f"4x4 patching sweep, {args.new_tokens} new token(s) per run, median of {args.repeats}:")
+    print("| | wall | patched runs/s | generated tok/s | vs one trace |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['row']} | {r['wall_s'] * 1000:.0f} ms | {r['patched_runs_per_s']:.1f} | "
+              f"{r['generated_tokens_per_s']:.1f} | {r['wall_s'] / base:.2f}x |")
+    now = dt.datetime.now(dt.UTC)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"patching-sweep-{now:%Y%m%d-%H%M}-{platform.node()}.json"
+    path.write_text(json.dumps({
+        "date": now.isoformat(), "host": platform.node(), "machine": platform.machine(), "model": args.model,
+        "server_flags": SERVER_FLAGS, "layers": LAYERS, "positions": POSITIONS, "new_tokens": args.new_tokens,
+        "repeats": args.repeats, "method": "rows interleaved, median of repeats", "rows": results,
+        "heatmap": reference.tolist(),
+    }, indent=2))
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
