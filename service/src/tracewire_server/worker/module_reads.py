@@ -16,8 +16,8 @@ import torch
 from ..shared import plan as P
 from .batch import Row
 from .host import ColumnRow, HostBatch, HostRead, to_host
-from .pattern_state import joined
 from .patch_store import PatchStore
+from .pattern_state import joined
 from .unit_hooks import select_units
 
 
