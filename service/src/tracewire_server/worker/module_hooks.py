@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..shared import plan as P
+from . import recompute
 from .attention_patterns import AttentionPatterns
 from .conditions import holds_before_forward
 from .host import on_device
@@ -41,12 +42,21 @@ class Span:
     pos0: int  # the token position of its first row
     prompt_len: int
     samples: bool  # this pass computes its next token (not a chunk of its prompt)
+    # Positions an earlier step computed: vLLM preempted the request and recomputes it
+    # (recompute.py makes its module writes again there).
+    recomputed: range = range(0)
 
     @classmethod
     def of(cls, prompt_len: int, drawn: int, first: int, last: int, pos0: int) -> Span:
         """`drawn`: the tokens the request has drawn before this pass."""
         samples = pos0 + (last - first) >= prompt_len + drawn
-        return cls(first, last, pos0, prompt_len, samples)
+        return cls(first, last, pos0, prompt_len, samples, recompute.recomputed(pos0, last - first, prompt_len, drawn))
+
+    def replays(self, seq: Sequence) -> list[recompute.Replay]:
+        """The writes `seq` made before at positions this pass recomputes."""
+        if not self.recomputed or not seq.applied:
+            return []
+        return recompute.replays(seq.plan, seq.applied, self.first, self.pos0, self.recomputed, self.prompt_len)
 
     def rows(self, positions: P.Positions, step: int) -> tuple[list[int], list[int]]:
         """The rows, and their token positions, that `positions` selects at `step`."""
@@ -187,14 +197,18 @@ class ModuleHooks:
             seq = self.sequences.get(req_id)
             if seq is None or seq.error is not None:
                 continue
-            ops = [op for op in seq.plan.active_at(seq.step) if isinstance(op.action, P.HIDDEN_OPS)]
-            if not ops and not seq.reads_patterns:
+            ops = [(k, op) for k, op in enumerate(seq.plan.ops)
+                   if isinstance(op.action, P.HIDDEN_OPS) and op.selects(seq.step)]
+            if not ops and not seq.reads_patterns and not seq.applied:
                 continue
             span = Span.of(len(seq.prompt_ids), self.runner.output_count(req_id),
                            int(starts[i]), int(starts[i + 1]), int(computed[i]))
             if seq.reads_patterns:  # (their keys at every pass, selected or not)
                 self.patterns.plan(req_id, seq, span)
-            for op in ops:
+            for replay in span.replays(seq):  # a recomputed request: its writes there again
+                assert isinstance(replay.op.action, P.WriteModule)
+                self._edit(seq, replay.op.action, replay.step, replay.rows, replay.positions)
+            for k, op in ops:
                 action = op.action
                 assert isinstance(action, P.HIDDEN_OPS)
                 if isinstance(action, P.ReadAttentionPattern):
@@ -204,23 +218,29 @@ class ModuleHooks:
                     continue
                 if isinstance(action, P.WriteModule):
                     if holds_before_forward(op.condition, seq, self.drain):
-                        operand = None
-                        if action.ref is not None:
-                            try:
-                                operand = self._operand(action, action.ref, seq, wanted)
-                            except RuntimeError as e:  # fails this request's trace only
-                                seq.error = seq.error or f"{action.edit} of {action.module}: {e}"
-                                continue
-                        self._edits.setdefault(action.module, []).append(Edit(rows, action, seq, operand))
+                        self._edit(seq, action, seq.step, rows, wanted)
+                        seq.applied.add((seq.step, k))
                     continue
                 for key, path in action.module_reads(op.name):
                     self._wants.setdefault(path, []).append(Want(seq, key, rows, wanted))
 
-    def _operand(self, write: P.WriteModule, ref: P.ReadRef, seq: Sequence, wanted: list[int]) -> torch.Tensor:
-        """The source's stored rows for the target positions `wanted` of this pass (a
-        chunked prefill's pass holds some of the write's positions: row i of the
-        reference goes to the write's i-th selected position)."""
-        stored = self.store.get(ref.trace, ref.invoke, ref.name, seq.step)
+    def _edit(self, seq: Sequence, write: P.WriteModule, step: int, rows: list[int], wanted: list[int]) -> None:
+        """Plan `write` at these rows of the pass (positions `wanted`), as step `step` makes it."""
+        operand = None
+        if write.ref is not None:
+            try:
+                operand = self._operand(write, write.ref, seq, step, wanted)
+            except RuntimeError as e:  # fails this request's trace only
+                seq.error = seq.error or f"{write.edit} of {write.module}: {e}"
+                return
+        self._edits.setdefault(write.module, []).append(Edit(rows, write, seq, operand))
+
+    def _operand(self, write: P.WriteModule, ref: P.ReadRef, seq: Sequence, step: int,
+                 wanted: list[int]) -> torch.Tensor:
+        """The source's stored rows of step `step` for the target positions `wanted` of
+        this pass (a chunked prefill's pass holds some of the write's positions: row i of
+        the reference goes to the write's i-th selected position)."""
+        stored = self.store.get(ref.trace, ref.invoke, ref.name, step)
         if write.positions.kind == "new_token":
             return stored
         selected = write.positions.prompt_positions(len(seq.prompt_ids))

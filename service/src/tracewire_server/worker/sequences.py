@@ -60,6 +60,9 @@ class Sequence:
     # Attention-pattern reads (attention_patterns.py): whether the plan has any; the
     # keys they need, by read name @ layer; this step's computed chunks, likewise.
     reads_patterns: bool = False
+    # The module writes made so far, as (step, index in plan.ops): made again where vLLM
+    # recomputes a preempted request (recompute.py).
+    applied: set[tuple[int, int]] = field(default_factory=set)
     key_caches: dict[str, KeyCache] = field(default_factory=dict)
     patterns: dict[str, list[PatternChunk]] = field(default_factory=dict)
 

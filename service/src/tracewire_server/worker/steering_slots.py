@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from ..shared import plan as P
 from ..shared import steering
+from . import recompute
 from .conditions import holds_before_forward
 from .module_hooks import Span, module_vector
 from .runner import RunnerView
@@ -96,10 +97,13 @@ class SteeringSlots:
                 seq.steady = self._steady_slots(req_id, seq)
             if seq.steady is not None:  # the same writes at every new token (inlined: per row)
                 if pos0 + last - first >= len(seq.prompt_ids) + drawn:
+                    # (and, recomputing a preempted request, at each new token it had processed)
+                    redo = recompute.recomputed(pos0, last - first, len(seq.prompt_ids), drawn)
+                    steered = [first + p - pos0 for p in redo if p >= len(seq.prompt_ids) - 1] + [last - 1]
                     for table, slot in seq.steady:
-                        rows.append(last - 1)
-                        tables.append(table)
-                        slots.append(slot)
+                        rows.extend(steered)
+                        tables.extend([table] * len(steered))
+                        slots.extend([slot] * len(steered))
                     repeatable = repeatable and last - first == 1
                 else:
                     repeatable = False  # a prompt chunk: its next pass may reach the new token
@@ -107,12 +111,18 @@ class SteeringSlots:
             repeatable = False
             span = Span.of(len(seq.prompt_ids), drawn, first, last, pos0)
             by_row: dict[tuple[int, int], list[P.WriteModule]] = {}  # (table, row) -> its writes, in plan order
-            for op in seq.plan.ops:
+            for replay in span.replays(seq):  # a recomputed request: its writes there again
+                assert isinstance(replay.op.action, P.WriteModule)
+                table = planner.table_of.get(P.layer_number(replay.op.action.module))
+                for row in replay.rows if table is not None else ():
+                    by_row.setdefault((table, row), []).append(replay.op.action)
+            for k, op in enumerate(seq.plan.ops):
                 if not isinstance(op.action, P.WriteModule) or not op.selects(seq.step):
                     continue
                 op_rows = span.rows(op.action.positions, seq.step)[0]
                 table = planner.table_of.get(P.layer_number(op.action.module))
                 if table is not None and op_rows and holds_before_forward(op.condition, seq, self.drain):
+                    seq.applied.add((seq.step, k))
                     for row in op_rows:
                         by_row.setdefault((table, row), []).append(op.action)
             for (table, row), edits in by_row.items():
