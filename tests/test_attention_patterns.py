@@ -203,6 +203,19 @@ def test_bad_pattern_reads_name_the_field(eager):
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_model_info_says_where_patterns_are_served(eager, server):
+    """GetModelInfo's attention_patterns_refusal: empty on the eager server; on a compiled
+    one (the session's shared server) the reason its pattern reads are refused with."""
+    assert tw.Client(eager.target, timeout=60).model_info().attention_patterns_refusal == ""
+    refusal = tw.Client(server.target, timeout=60).model_info().attention_patterns_refusal
+    assert "--enforce-eager" in refusal
+    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as info:
+        run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(PROMPT, iv("p", read_attention_pattern=(
+            I.ReadAttentionPattern(layers=[0]))))))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.details().startswith("invokes[0].interventions[0].read_attention_pattern: ")
+
+
 # -- what the tiny model lacks: sliding windows and soft-capping (no engine) ------------
 
 

@@ -78,6 +78,8 @@ class ModelInfo:
     num_key_value_heads: int = 0
     head_dim: int = 0
     intermediate_size: int = 0
+    # Why attention-pattern reads are refused here ("": they are served).
+    attention_patterns_refusal: str = ""
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,7 @@ def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
         num_key_value_heads=r.num_key_value_heads,
         head_dim=r.head_dim,
         intermediate_size=r.intermediate_size,
+        attention_patterns_refusal=r.attention_patterns_refusal,
     )
 
 

@@ -211,8 +211,7 @@ class InterventionCompiler:
     def read_attention_pattern(self, r: ipb.ReadAttentionPattern, field: str) -> P.Action:
         self.require_eager(field)
         limits = self.limits
-        if limits.attention_patterns_refused or not limits.num_attention_heads or not limits.num_key_value_heads:
-            why = limits.attention_patterns_refused or "this server does not know its model's attention heads"
+        if why := limits.attention_patterns_refusal():
             raise FailedPrecondition(f"{field}: {why}")
         layers = self.distinct_layers(r.layers, f"{field}.layers")
         heads_count, kv_count = limits.num_attention_heads, limits.num_key_value_heads

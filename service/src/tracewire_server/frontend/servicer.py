@@ -422,6 +422,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             num_key_value_heads=d.num_key_value_heads,
             head_dim=d.head_dim,
             intermediate_size=d.intermediate_size,
+            attention_patterns_refusal=engine.limits.attention_patterns_refusal(),
         )
         if d.bos_token_id is not None:
             info.bos_token_id = d.bos_token_id

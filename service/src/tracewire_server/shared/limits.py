@@ -35,6 +35,16 @@ class ModelLimits:
     num_key_value_heads: int = 0
     attention_patterns_refused: str = ""
 
+    def attention_patterns_refusal(self) -> str:
+        """Why read_attention_pattern is refused on this server; "" when it is served."""
+        if not self.module_interventions:
+            return "attention patterns are computed in module hooks: they need an eager engine (--enforce-eager)"
+        if self.attention_patterns_refused:
+            return self.attention_patterns_refused
+        if not self.num_attention_heads or not self.num_key_value_heads:
+            return "this server does not know its model's attention heads"
+        return ""
+
     @property
     def engine_mode(self) -> EngineMode:
         if self.module_interventions:
