@@ -46,8 +46,8 @@ test("model info describes the served model", async () => {
   assert.equal(info.numLayers, 4);
   assert.equal(info.hiddenSize, 256);
   assert.ok(info.modules.some((m) => m.path === "layers.3" && m.kind === "decoder_layer"));
-  // a compiled engine without steering tables: no module interventions
-  assert.equal(info.engineMode, v1.EngineMode.COMPILED);
+  // run.ts starts it eager: every module intervention
+  assert.equal(info.engineMode, v1.EngineMode.EAGER);
   assert.deepEqual(info.steerableLayers, []);
 });
 

@@ -23,7 +23,8 @@ const files = readdirSync(here)
 
 const started = Date.now();
 const shared = files.some((f) => !f.endsWith(".standalone.test.js"));
-const server = shared ? await startServer() : undefined;
+// Eager: the module hooks (reads, writes, heads, patterns, patching) need it.
+const server = shared ? await startServer({ extraArgs: ["--enforce-eager"] }) : undefined;
 if (server) {
   console.log(`tracewire server at ${server.url}, HTTP port ${server.httpUrl} (up in ${((Date.now() - started) / 1000).toFixed(1)} s, log ${server.logPath})`);
 }

@@ -1,6 +1,6 @@
 /**
- * Attention heads and MLP neurons through the TS builder, against a server of its own with
- * --enforce-eager (the shared test server is compiled: no module hooks), checked against
+ * Attention heads and MLP neurons through the TS builder, against the shared test server (run.ts
+ * starts it with --enforce-eager: module hooks need it), checked against
  * HF transformers' o_proj / down_proj inputs on the same weights (fixtures/hf_units.py).
  * Tolerances: reads 1e-4, logits under a write 2e-3 (as tests/test_heads_neurons.py).
  */
@@ -11,23 +11,20 @@ import { join } from "node:path";
 import { after, before, test } from "node:test";
 import { promisify } from "node:util";
 import { Code, TracewireError, createNodeClient, invoke, read, write, type TracewireClient } from "../src/node.js";
-import { PYTHON, REPO, startServer, type RunningServer } from "./server.js";
+import { PYTHON, REPO } from "./server.js";
 
 const FRANCE = "The capital of France is";
 const STEPS = 3;
 const HEAD_DIM = 64;
-let server: RunningServer;
 let client: TracewireClient;
 
-before(async () => {
-  server = await startServer({ extraArgs: ["--enforce-eager"] });
-  client = createNodeClient(server.url, { timeoutMs: 300_000 });
+before(() => {
+  const url = process.env.TRACEWIRE_TEST_URL;
+  assert.ok(url, "run the tests with `node dist/test/run.js` (make test-ts)");
+  client = createNodeClient(url, { timeoutMs: 300_000 });
 });
 
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+after(() => client?.close());
 
 interface HFUnits {
   heads1: number[][][]; // [positions][heads][headDim]

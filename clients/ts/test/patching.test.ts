@@ -1,6 +1,6 @@
 /**
- * Activation patching from the TS builder (write.patch / write.addRead), against a server of
- * its own with --enforce-eager (the shared test server runs compiled: no module hooks).
+ * Activation patching from the TS builder (write.patch / write.addRead), against the shared test
+ * server (run.ts starts it with --enforce-eager: module hooks need it).
  *
  * The check needs no reference model: patching every prompt position of layer 0's output
  * (the residual stream after it) of a same-length corrupted prompt with the clean prompt's
@@ -11,22 +11,18 @@
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 import { Code, TracewireError, createNodeClient, invoke, read, write, type TracewireClient } from "../src/node.js";
-import { startServer, type RunningServer } from "./server.js";
 
 const CLEAN = "The capital of France is";
 const CORRUPTED = "The capital of Italy is"; // 5 tokens each, differing at position 3
-let server: RunningServer;
 let client: TracewireClient;
 
-before(async () => {
-  server = await startServer({ extraArgs: ["--enforce-eager"] });
-  client = createNodeClient(server.target, { timeoutMs: 120_000 });
+before(() => {
+  const url = process.env.TRACEWIRE_TEST_URL;
+  assert.ok(url, "run the tests with `node dist/test/run.js` (make test-ts)");
+  client = createNodeClient(url, { timeoutMs: 120_000 });
 });
 
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+after(() => client?.close());
 
 function floats(values: unknown): number[] {
   return [...(values as Float32Array)];

@@ -1,6 +1,6 @@
 /**
- * read.attention against a server of its own with --enforce-eager (the shared test server
- * runs compiled, which refuses module hooks), checked against transformers'
+ * read.attention against the shared test server (run.ts starts it with --enforce-eager:
+ * module hooks need it), checked against transformers'
  * output_attentions=True with eager attention on the same weights (a Python subprocess):
  * top-k at the new token every step and full rows at the prompt, GQA heads included.
  */
@@ -10,7 +10,7 @@ import { execFile } from "node:child_process";
 import { after, before, test } from "node:test";
 import { promisify } from "node:util";
 import { Code, TracewireError, createNodeClient, invoke, read, type TracewireClient } from "../src/node.js";
-import { PYTHON, REPO, startServer, type RunningServer } from "./server.js";
+import { PYTHON, REPO } from "./server.js";
 
 const FRANCE = "The capital of France is";
 const ATOL = 1e-5;
@@ -24,18 +24,15 @@ with torch.no_grad():
 print(json.dumps(out.attentions[int(sys.argv[1])][0].tolist()))
 `;
 
-let server: RunningServer;
 let client: TracewireClient;
 
-before(async () => {
-  server = await startServer({ extraArgs: ["--enforce-eager"] });
-  client = createNodeClient(server.url, { timeoutMs: 300_000 });
+before(() => {
+  const url = process.env.TRACEWIRE_TEST_URL;
+  assert.ok(url, "run the tests with `node dist/test/run.js` (make test-ts)");
+  client = createNodeClient(url, { timeoutMs: 300_000 });
 });
 
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+after(() => client?.close());
 
 async function hfAttentions(layer: number, ids: readonly number[]): Promise<number[][][]> {
   const { stdout } = await promisify(execFile)(PYTHON, ["-c", HF_ATTENTIONS, String(layer), JSON.stringify(ids)], {
