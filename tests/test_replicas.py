@@ -101,3 +101,15 @@ def test_a_draining_replica_sheds_its_traffic_without_failing_a_call(replicas: l
     assert on_b.get("UNAVAILABLE", 0) >= 1, on_b
     assert b.process.returncode == 0
     assert traces_by_code(a).get("OK", 0) + on_b.get("OK", 0) == len(outcomes) + 1
+
+
+def test_which_targets_name_replicas() -> None:
+    """Address lists and dns: names get the round-robin / retry policy; a plain host:port
+    (one server) does not, so its own UNAVAILABLE comes back at once."""
+    from tracewire.channel import names_replicas
+
+    assert names_replicas("ipv4:10.0.0.1:50051,10.0.0.2:50051")
+    assert names_replicas("ipv6:[::1]:50051,[::1]:50052")
+    assert names_replicas("dns:///tracewire.default.svc:50051")
+    for one in ("127.0.0.1:50051", "localhost:50051", "ipv4:10.0.0.1:50051", "unix:/tmp/tw.sock"):
+        assert not names_replicas(one), one

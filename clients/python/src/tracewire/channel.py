@@ -8,7 +8,8 @@ a Kubernetes headless Service gives). The channel then spreads calls over them
 round-robin, and a call refused with UNAVAILABLE before any response (a replica that is
 draining after SIGTERM, or still starting) is retried on the next one: gRPC's own
 retries, which end once a response has begun, so a trace is never replayed after it
-started streaming. With one address this changes nothing.
+started streaming. A plain `host:port` names one server: no policy, and its own error
+(e.g. "the server is shutting down") comes back at once.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ def connect(
     """A channel from `api` (grpc or grpc.aio) to `target`, TLS when `tls` / `credentials`
     select it, and `token` as bearer metadata."""
     metadata = bearer_metadata(token)
+    replicas = [("grpc.service_config", json.dumps(SERVICE_CONFIG)), ("grpc.enable_retries", 1)]
     opts = [
         ("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES),
-        ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
-        ("grpc.enable_retries", 1),
+        *(replicas if names_replicas(target) else []),
         *options,
     ]
     chosen = channel_credentials(tls, credentials)
@@ -73,3 +74,10 @@ def connect(
         channel = api.secure_channel(target, chosen, options=opts)
     stub = service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
     return Connection(channel, stub, metadata)
+
+
+def names_replicas(target: str) -> bool:
+    """Whether `target` may name several servers: an address list (`ipv4:a,b`, `ipv6:...`)
+    or a DNS name resolved by gRPC (`dns:///name:port`, as a headless Service gives)."""
+    scheme, _, rest = target.partition(":")
+    return scheme == "dns" or (scheme in ("ipv4", "ipv6") and "," in rest)
