@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from ..shared import plan as P
@@ -102,7 +101,7 @@ def _edit_module_output(path: str, output: Any, edits: list[Edit]) -> None:
         # Steering, the common case: stream + s*v is hidden + s*v, for every row of every
         # request at once (one index_add_, not a few kernels per request).
         rows = [row for e in edits for row in e.rows]
-        vectors = torch.cat([module_vector(e.seq, e.write, target).expand(len(e.rows), -1) for e in edits])
+        vectors = torch.cat([e.seq.write_vector(e.write, target).expand(len(e.rows), -1) for e in edits])
         target.index_add_(0, on_device(rows, target.device, torch.long), vectors)
         return
     for e in edits:
@@ -113,28 +112,15 @@ def _edit_module_output(path: str, output: Any, edits: list[Edit]) -> None:
             operand = e.operand.to(device=target.device, dtype=stream.dtype)
             new_stream = operand if edit.edit == "patch" else stream + edit.scale * operand
         elif edit.edit == "add":
-            new_stream = stream + module_vector(seq, edit, target)
+            new_stream = stream + seq.write_vector(edit, target)
         elif edit.edit == "replace":
-            new_stream = module_vector(seq, edit, target).expand_as(stream)
+            new_stream = seq.write_vector(edit, target).expand_as(stream)
         elif edit.edit == "zero":
             new_stream = torch.zeros_like(stream)
         else:  # mean over the selected positions
             new_stream = stream.mean(0, keepdim=True).expand_as(stream)
         new_target = new_stream - (residual[index] if residual is not None else 0)
         target.index_copy_(0, index, new_target.to(target.dtype))
-
-
-def module_vector(seq: Sequence, edit: P.WriteModule, like: torch.Tensor) -> torch.Tensor:
-    """The write's vector on `like`'s device, in its dtype (times its scale for adds),
-    built once per request."""
-    key = id(edit)
-    found = seq.operands.get(key)
-    if found is None:
-        vector = np.frombuffer(edit.vector, "<f4")
-        if edit.edit == "add":
-            vector = vector * np.float32(edit.scale)
-        found = seq.operands[key] = (on_device(vector, like.device, torch.float32).to(like.dtype),)
-    return found[0]
 
 
 class Edit(NamedTuple):

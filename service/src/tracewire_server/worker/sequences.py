@@ -11,10 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..shared import detokenize, textmatch
 from ..shared import plan as P
+from .host import on_device
 from .ops import NO_OPS, StepOps
 from .pattern_state import KeyCache, PatternChunk
 from .runner import RunnerView
@@ -65,6 +67,18 @@ class Sequence:
     applied: set[tuple[int, int]] = field(default_factory=set)
     key_caches: dict[str, KeyCache] = field(default_factory=dict)
     patterns: dict[str, list[PatternChunk]] = field(default_factory=dict)
+
+    def write_vector(self, write: P.WriteModule, like: torch.Tensor) -> torch.Tensor:
+        """A module write's operand (its float32 `vector`, times its scale for adds) on
+        `like`'s device in its dtype: built the first time, then kept in `operands`."""
+        key = id(write)
+        found = self.operands.get(key)
+        if found is None:
+            vector = np.frombuffer(write.vector, "<f4")
+            if write.edit == "add":
+                vector = vector * np.float32(write.scale)
+            found = self.operands[key] = (on_device(vector, like.device, torch.float32).to(like.dtype),)
+        return found[0]
 
     def __post_init__(self) -> None:
         self.reads_patterns = any(isinstance(op.action, P.ReadAttentionPattern) for op in self.plan.ops)

@@ -16,7 +16,7 @@ from ..shared import plan as P
 from ..shared import steering
 from . import recompute
 from .conditions import holds_before_forward
-from .module_hooks import Span, module_vector
+from .module_hooks import Span
 from .runner import RunnerView
 from .sequences import UNPLANNED, Sequence, Sequences
 
@@ -159,7 +159,7 @@ class SteeringSlots:
 
     def _slot(self, req_id: str, seq: Sequence, table: int, edits: list[P.WriteModule]) -> int | None:
         planner = self.planner
-        slot = planner.slot(table, req_id, edits, lambda edit: module_vector(seq, edit, planner.tables.vectors))
+        slot = planner.slot(table, req_id, edits, lambda edit: seq.write_vector(edit, planner.tables.vectors))
         if slot is None:
             seq.error = seq.error or (
                 f"more than {planner.tables.vectors.shape[1] - 1} different writes at layer "

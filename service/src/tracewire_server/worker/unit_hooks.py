@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from ..shared import plan as P
@@ -68,19 +67,10 @@ def edit_units(value: torch.Tensor, unit_width: int, edits: Iterable[UnitEdit]) 
 
 
 def _operand(seq: Sequence, write: P.WriteModule, unit_width: int, like: torch.Tensor) -> torch.Tensor:
-    """The write's operand on `like`'s device and dtype, shaped to broadcast over
-    [rows, units(, unit_width)] (times its scale for adds), built once per request:
-    heads [units or 1, head_dim], neurons [units]."""
-    key = id(write)
-    found = seq.operands.get(key)
-    if found is None:
-        values = np.frombuffer(write.vector, "<f4")
-        if write.edit == "add":
-            values = values * np.float32(write.scale)
-        if unit_width > 1:
-            values = values.reshape(-1, unit_width)
-        found = seq.operands[key] = (on_device(values, like.device, torch.float32).to(like.dtype),)
-    return found[0]
+    """The write's operand (Sequence.write_vector), shaped to broadcast over
+    [rows, units(, unit_width)]: heads [units or 1, head_dim], neurons [units]."""
+    vector = seq.write_vector(write, like)
+    return vector.view(-1, unit_width) if unit_width > 1 else vector
 
 
 def take_rows(value: torch.Tensor, unit_width: int, index: torch.Tensor) -> torch.Tensor:
