@@ -40,7 +40,7 @@ COMPARISON_LESS: Comparison
 COMPARISON_LESS_EQUAL: Comparison
 
 class Intervention(_message.Message):
-    __slots__ = ("name", "steps", "condition", "read_logits", "read_sample", "read_logprobs", "read_module", "read_logit_lens", "read_attention_pattern", "force_sample", "write_logits", "write_module", "stop")
+    __slots__ = ("name", "steps", "condition", "read_logits", "read_sample", "read_logprobs", "read_module", "read_logit_lens", "read_attention_pattern", "read_dictionary", "force_sample", "write_logits", "write_module", "write_dictionary", "stop")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     CONDITION_FIELD_NUMBER: _ClassVar[int]
@@ -50,9 +50,11 @@ class Intervention(_message.Message):
     READ_MODULE_FIELD_NUMBER: _ClassVar[int]
     READ_LOGIT_LENS_FIELD_NUMBER: _ClassVar[int]
     READ_ATTENTION_PATTERN_FIELD_NUMBER: _ClassVar[int]
+    READ_DICTIONARY_FIELD_NUMBER: _ClassVar[int]
     FORCE_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     WRITE_LOGITS_FIELD_NUMBER: _ClassVar[int]
     WRITE_MODULE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_DICTIONARY_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     name: str
     steps: StepSelector
@@ -63,11 +65,13 @@ class Intervention(_message.Message):
     read_module: ReadModule
     read_logit_lens: ReadLogitLens
     read_attention_pattern: ReadAttentionPattern
+    read_dictionary: ReadDictionary
     force_sample: ForceSample
     write_logits: WriteLogits
     write_module: WriteModule
+    write_dictionary: WriteDictionary
     stop: Stop
-    def __init__(self, name: _Optional[str] = ..., steps: _Optional[_Union[StepSelector, _Mapping]] = ..., condition: _Optional[_Union[Condition, _Mapping]] = ..., read_logits: _Optional[_Union[ReadLogits, _Mapping]] = ..., read_sample: _Optional[_Union[ReadSample, _Mapping]] = ..., read_logprobs: _Optional[_Union[ReadLogprobs, _Mapping]] = ..., read_module: _Optional[_Union[ReadModule, _Mapping]] = ..., read_logit_lens: _Optional[_Union[ReadLogitLens, _Mapping]] = ..., read_attention_pattern: _Optional[_Union[ReadAttentionPattern, _Mapping]] = ..., force_sample: _Optional[_Union[ForceSample, _Mapping]] = ..., write_logits: _Optional[_Union[WriteLogits, _Mapping]] = ..., write_module: _Optional[_Union[WriteModule, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., steps: _Optional[_Union[StepSelector, _Mapping]] = ..., condition: _Optional[_Union[Condition, _Mapping]] = ..., read_logits: _Optional[_Union[ReadLogits, _Mapping]] = ..., read_sample: _Optional[_Union[ReadSample, _Mapping]] = ..., read_logprobs: _Optional[_Union[ReadLogprobs, _Mapping]] = ..., read_module: _Optional[_Union[ReadModule, _Mapping]] = ..., read_logit_lens: _Optional[_Union[ReadLogitLens, _Mapping]] = ..., read_attention_pattern: _Optional[_Union[ReadAttentionPattern, _Mapping]] = ..., read_dictionary: _Optional[_Union[ReadDictionary, _Mapping]] = ..., force_sample: _Optional[_Union[ForceSample, _Mapping]] = ..., write_logits: _Optional[_Union[WriteLogits, _Mapping]] = ..., write_module: _Optional[_Union[WriteModule, _Mapping]] = ..., write_dictionary: _Optional[_Union[WriteDictionary, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
 
 class StepSelector(_message.Message):
     __slots__ = ("all", "range", "list")
@@ -301,7 +305,7 @@ class Stop(_message.Message):
     def __init__(self) -> None: ...
 
 class Condition(_message.Message):
-    __slots__ = ("sampled_in", "argmax_in", "text_contains", "text_matches", "token_probability", "entropy", "all_of", "any_of")
+    __slots__ = ("sampled_in", "argmax_in", "text_contains", "text_matches", "token_probability", "entropy", "all_of", "any_of", "dictionary_value")
     SAMPLED_IN_FIELD_NUMBER: _ClassVar[int]
     ARGMAX_IN_FIELD_NUMBER: _ClassVar[int]
     TEXT_CONTAINS_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +315,7 @@ class Condition(_message.Message):
     ALL_OF_FIELD_NUMBER: _ClassVar[int]
     ANY_OF_FIELD_NUMBER: _ClassVar[int]
     NOT_FIELD_NUMBER: _ClassVar[int]
+    DICTIONARY_VALUE_FIELD_NUMBER: _ClassVar[int]
     sampled_in: TokenSet
     argmax_in: TokenSet
     text_contains: str
@@ -319,7 +324,60 @@ class Condition(_message.Message):
     entropy: Threshold
     all_of: Conditions
     any_of: Conditions
-    def __init__(self, sampled_in: _Optional[_Union[TokenSet, _Mapping]] = ..., argmax_in: _Optional[_Union[TokenSet, _Mapping]] = ..., text_contains: _Optional[str] = ..., text_matches: _Optional[str] = ..., token_probability: _Optional[_Union[TokenProbability, _Mapping]] = ..., entropy: _Optional[_Union[Threshold, _Mapping]] = ..., all_of: _Optional[_Union[Conditions, _Mapping]] = ..., any_of: _Optional[_Union[Conditions, _Mapping]] = ..., **kwargs) -> None: ...
+    dictionary_value: DictionaryThreshold
+    def __init__(self, sampled_in: _Optional[_Union[TokenSet, _Mapping]] = ..., argmax_in: _Optional[_Union[TokenSet, _Mapping]] = ..., text_contains: _Optional[str] = ..., text_matches: _Optional[str] = ..., token_probability: _Optional[_Union[TokenProbability, _Mapping]] = ..., entropy: _Optional[_Union[Threshold, _Mapping]] = ..., all_of: _Optional[_Union[Conditions, _Mapping]] = ..., any_of: _Optional[_Union[Conditions, _Mapping]] = ..., dictionary_value: _Optional[_Union[DictionaryThreshold, _Mapping]] = ..., **kwargs) -> None: ...
+
+class DictionaryThreshold(_message.Message):
+    __slots__ = ("dictionary", "feature", "threshold")
+    DICTIONARY_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    dictionary: str
+    feature: int
+    threshold: Threshold
+    def __init__(self, dictionary: _Optional[str] = ..., feature: _Optional[int] = ..., threshold: _Optional[_Union[Threshold, _Mapping]] = ...) -> None: ...
+
+class ReadDictionary(_message.Message):
+    __slots__ = ("dictionary", "module", "positions", "top_k", "features", "reconstruction_error")
+    DICTIONARY_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    RECONSTRUCTION_ERROR_FIELD_NUMBER: _ClassVar[int]
+    dictionary: str
+    module: str
+    positions: Positions
+    top_k: TopK
+    features: UnitIds
+    reconstruction_error: ReconstructionError
+    def __init__(self, dictionary: _Optional[str] = ..., module: _Optional[str] = ..., positions: _Optional[_Union[Positions, _Mapping]] = ..., top_k: _Optional[_Union[TopK, _Mapping]] = ..., features: _Optional[_Union[UnitIds, _Mapping]] = ..., reconstruction_error: _Optional[_Union[ReconstructionError, _Mapping]] = ...) -> None: ...
+
+class ReconstructionError(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WriteDictionary(_message.Message):
+    __slots__ = ("dictionary", "module", "positions", "features", "steer", "clamp", "ablate")
+    DICTIONARY_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    STEER_FIELD_NUMBER: _ClassVar[int]
+    CLAMP_FIELD_NUMBER: _ClassVar[int]
+    ABLATE_FIELD_NUMBER: _ClassVar[int]
+    dictionary: str
+    module: str
+    positions: Positions
+    features: _containers.RepeatedScalarFieldContainer[int]
+    steer: float
+    clamp: float
+    ablate: FeatureAblation
+    def __init__(self, dictionary: _Optional[str] = ..., module: _Optional[str] = ..., positions: _Optional[_Union[Positions, _Mapping]] = ..., features: _Optional[_Iterable[int]] = ..., steer: _Optional[float] = ..., clamp: _Optional[float] = ..., ablate: _Optional[_Union[FeatureAblation, _Mapping]] = ...) -> None: ...
+
+class FeatureAblation(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Conditions(_message.Message):
     __slots__ = ("conditions",)

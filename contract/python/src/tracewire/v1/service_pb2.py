@@ -22,51 +22,52 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from tracewire.v1 import dictionary_pb2 as tracewire_dot_v1_dot_dictionary__pb2
 from tracewire.v1 import output_pb2 as tracewire_dot_v1_dot_output__pb2
 from tracewire.v1 import prompt_pb2 as tracewire_dot_v1_dot_prompt__pb2
 from tracewire.v1 import sampling_pb2 as tracewire_dot_v1_dot_sampling__pb2
 from tracewire.v1 import trace_pb2 as tracewire_dot_v1_dot_trace__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atracewire/v1/service.proto\x12\x0ctracewire.v1\x1a\x19tracewire/v1/output.proto\x1a\x19tracewire/v1/prompt.proto\x1a\x1btracewire/v1/sampling.proto\x1a\x18tracewire/v1/trace.proto\"~\n\x0fGenerateRequest\x12%\n\x07prompts\x18\x01 \x03(\x0b\x32\x14.tracewire.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\"@\n\x10GenerateResponse\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.tracewire.v1.RequestOutput\"\x84\x01\n\x15GenerateStreamRequest\x12%\n\x07prompts\x18\x01 \x03(\x0b\x32\x14.tracewire.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\"[\n\x16GenerateStreamResponse\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12+\n\x06output\x18\x02 \x01(\x0b\x32\x1b.tracewire.v1.RequestOutput\"\xa8\x01\n\x0cTraceRequest\x12\x35\n\x0fsampling_params\x18\x01 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12%\n\x07invokes\x18\x02 \x03(\x0b\x32\x14.tracewire.v1.Invoke\x12+\n\x07options\x18\x03 \x01(\x0b\x32\x1a.tracewire.v1.TraceOptions\x12\r\n\x05model\x18\x04 \x01(\t\"\xa0\x01\n\rTraceResponse\x12*\n\x05steps\x18\x01 \x01(\x0b\x32\x19.tracewire.v1.StepResultsH\x00\x12\x33\n\rinvoke_result\x18\x02 \x01(\x0b\x32\x1a.tracewire.v1.InvokeResultH\x00\x12%\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x16.tracewire.v1.TraceEndH\x00\x42\x07\n\x05\x65vent\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xac\x04\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x05\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12)\n\x07modules\x18\n \x03(\x0b\x32\x18.tracewire.v1.ModuleInfo\x12\x14\n\x0cvllm_version\x18\x0b \x01(\t\x12\x16\n\x0eserver_version\x18\x0c \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\x05\x12-\n\x0b\x65ngine_mode\x18\x0e \x01(\x0e\x32\x18.tracewire.v1.EngineMode\x12\x18\n\x10steerable_layers\x18\x0f \x03(\x05\x12\x1b\n\x13num_attention_heads\x18\x10 \x01(\x05\x12\x1b\n\x13num_key_value_heads\x18\x11 \x01(\x05\x12\x10\n\x08head_dim\x18\x12 \x01(\x05\x12\x19\n\x11intermediate_size\x18\x13 \x01(\x05\x12\"\n\x1a\x61ttention_patterns_refusal\x18\x14 \x01(\tB\x0f\n\r_bos_token_id\"L\n\nModuleInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0boutput_size\x18\x03 \x01(\x05\x12\r\n\x05shape\x18\x04 \x03(\x05\"\x17\n\x15GetEngineStatsRequest\"u\n\x16GetEngineStatsResponse\x12\x1f\n\x17num_unfinished_requests\x18\x01 \x01(\x05\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\x05\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\x05*}\n\nEngineMode\x12\x1b\n\x17\x45NGINE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45NGINE_MODE_EAGER\x10\x01\x12\x18\n\x14\x45NGINE_MODE_COMPILED\x10\x02\x12!\n\x1d\x45NGINE_MODE_COMPILED_STEERING\x10\x03\x32\xcc\x04\n\x0cTraceService\x12I\n\x08Generate\x12\x1d.tracewire.v1.GenerateRequest\x1a\x1e.tracewire.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.tracewire.v1.GenerateStreamRequest\x1a$.tracewire.v1.GenerateStreamResponse0\x01\x12\x42\n\x05Trace\x12\x1a.tracewire.v1.TraceRequest\x1a\x1b.tracewire.v1.TraceResponse0\x01\x12I\n\x08Tokenize\x12\x1d.tracewire.v1.TokenizeRequest\x1a\x1e.tracewire.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.tracewire.v1.DetokenizeRequest\x1a .tracewire.v1.DetokenizeResponse\x12U\n\x0cGetModelInfo\x12!.tracewire.v1.GetModelInfoRequest\x1a\".tracewire.v1.GetModelInfoResponse\x12[\n\x0eGetEngineStats\x12#.tracewire.v1.GetEngineStatsRequest\x1a$.tracewire.v1.GetEngineStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atracewire/v1/service.proto\x12\x0ctracewire.v1\x1a\x1dtracewire/v1/dictionary.proto\x1a\x19tracewire/v1/output.proto\x1a\x19tracewire/v1/prompt.proto\x1a\x1btracewire/v1/sampling.proto\x1a\x18tracewire/v1/trace.proto\"~\n\x0fGenerateRequest\x12%\n\x07prompts\x18\x01 \x03(\x0b\x32\x14.tracewire.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\"@\n\x10GenerateResponse\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.tracewire.v1.RequestOutput\"\x84\x01\n\x15GenerateStreamRequest\x12%\n\x07prompts\x18\x01 \x03(\x0b\x32\x14.tracewire.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\"[\n\x16GenerateStreamResponse\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12+\n\x06output\x18\x02 \x01(\x0b\x32\x1b.tracewire.v1.RequestOutput\"\xa8\x01\n\x0cTraceRequest\x12\x35\n\x0fsampling_params\x18\x01 \x01(\x0b\x32\x1c.tracewire.v1.SamplingParams\x12%\n\x07invokes\x18\x02 \x03(\x0b\x32\x14.tracewire.v1.Invoke\x12+\n\x07options\x18\x03 \x01(\x0b\x32\x1a.tracewire.v1.TraceOptions\x12\r\n\x05model\x18\x04 \x01(\t\"\xa0\x01\n\rTraceResponse\x12*\n\x05steps\x18\x01 \x01(\x0b\x32\x19.tracewire.v1.StepResultsH\x00\x12\x33\n\rinvoke_result\x18\x02 \x01(\x0b\x32\x1a.tracewire.v1.InvokeResultH\x00\x12%\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x16.tracewire.v1.TraceEndH\x00\x42\x07\n\x05\x65vent\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xac\x04\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x05\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12)\n\x07modules\x18\n \x03(\x0b\x32\x18.tracewire.v1.ModuleInfo\x12\x14\n\x0cvllm_version\x18\x0b \x01(\t\x12\x16\n\x0eserver_version\x18\x0c \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\x05\x12-\n\x0b\x65ngine_mode\x18\x0e \x01(\x0e\x32\x18.tracewire.v1.EngineMode\x12\x18\n\x10steerable_layers\x18\x0f \x03(\x05\x12\x1b\n\x13num_attention_heads\x18\x10 \x01(\x05\x12\x1b\n\x13num_key_value_heads\x18\x11 \x01(\x05\x12\x10\n\x08head_dim\x18\x12 \x01(\x05\x12\x19\n\x11intermediate_size\x18\x13 \x01(\x05\x12\"\n\x1a\x61ttention_patterns_refusal\x18\x14 \x01(\tB\x0f\n\r_bos_token_id\"L\n\nModuleInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0boutput_size\x18\x03 \x01(\x05\x12\r\n\x05shape\x18\x04 \x03(\x05\"\x17\n\x15GetEngineStatsRequest\"u\n\x16GetEngineStatsResponse\x12\x1f\n\x17num_unfinished_requests\x18\x01 \x01(\x05\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\x05\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\x05*}\n\nEngineMode\x12\x1b\n\x17\x45NGINE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45NGINE_MODE_EAGER\x10\x01\x12\x18\n\x14\x45NGINE_MODE_COMPILED\x10\x02\x12!\n\x1d\x45NGINE_MODE_COMPILED_STEERING\x10\x03\x32\xfd\x06\n\x0cTraceService\x12I\n\x08Generate\x12\x1d.tracewire.v1.GenerateRequest\x1a\x1e.tracewire.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.tracewire.v1.GenerateStreamRequest\x1a$.tracewire.v1.GenerateStreamResponse0\x01\x12\x42\n\x05Trace\x12\x1a.tracewire.v1.TraceRequest\x1a\x1b.tracewire.v1.TraceResponse0\x01\x12I\n\x08Tokenize\x12\x1d.tracewire.v1.TokenizeRequest\x1a\x1e.tracewire.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.tracewire.v1.DetokenizeRequest\x1a .tracewire.v1.DetokenizeResponse\x12U\n\x0cGetModelInfo\x12!.tracewire.v1.GetModelInfoRequest\x1a\".tracewire.v1.GetModelInfoResponse\x12[\n\x0eGetEngineStats\x12#.tracewire.v1.GetEngineStatsRequest\x1a$.tracewire.v1.GetEngineStatsResponse\x12i\n\x12RegisterDictionary\x12\'.tracewire.v1.RegisterDictionaryRequest\x1a(.tracewire.v1.RegisterDictionaryResponse(\x01\x12\x61\n\x10ListDictionaries\x12%.tracewire.v1.ListDictionariesRequest\x1a&.tracewire.v1.ListDictionariesResponse\x12\x61\n\x10\x44\x65leteDictionary\x12%.tracewire.v1.DeleteDictionaryRequest\x1a&.tracewire.v1.DeleteDictionaryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tracewire.v1.service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINEMODE']._serialized_start=1991
-  _globals['_ENGINEMODE']._serialized_end=2116
-  _globals['_GENERATEREQUEST']._serialized_start=153
-  _globals['_GENERATEREQUEST']._serialized_end=279
-  _globals['_GENERATERESPONSE']._serialized_start=281
-  _globals['_GENERATERESPONSE']._serialized_end=345
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=348
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=480
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=482
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=573
-  _globals['_TRACEREQUEST']._serialized_start=576
-  _globals['_TRACEREQUEST']._serialized_end=744
-  _globals['_TRACERESPONSE']._serialized_start=747
-  _globals['_TRACERESPONSE']._serialized_end=907
-  _globals['_TOKENIZEREQUEST']._serialized_start=909
-  _globals['_TOKENIZEREQUEST']._serialized_end=996
-  _globals['_TOKENIZERESPONSE']._serialized_start=998
-  _globals['_TOKENIZERESPONSE']._serialized_end=1051
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1053
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1149
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1151
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1185
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1187
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1208
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1211
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1767
-  _globals['_MODULEINFO']._serialized_start=1769
-  _globals['_MODULEINFO']._serialized_end=1845
-  _globals['_GETENGINESTATSREQUEST']._serialized_start=1847
-  _globals['_GETENGINESTATSREQUEST']._serialized_end=1870
-  _globals['_GETENGINESTATSRESPONSE']._serialized_start=1872
-  _globals['_GETENGINESTATSRESPONSE']._serialized_end=1989
-  _globals['_TRACESERVICE']._serialized_start=2119
-  _globals['_TRACESERVICE']._serialized_end=2707
+  _globals['_ENGINEMODE']._serialized_start=2022
+  _globals['_ENGINEMODE']._serialized_end=2147
+  _globals['_GENERATEREQUEST']._serialized_start=184
+  _globals['_GENERATEREQUEST']._serialized_end=310
+  _globals['_GENERATERESPONSE']._serialized_start=312
+  _globals['_GENERATERESPONSE']._serialized_end=376
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=379
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=511
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=513
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=604
+  _globals['_TRACEREQUEST']._serialized_start=607
+  _globals['_TRACEREQUEST']._serialized_end=775
+  _globals['_TRACERESPONSE']._serialized_start=778
+  _globals['_TRACERESPONSE']._serialized_end=938
+  _globals['_TOKENIZEREQUEST']._serialized_start=940
+  _globals['_TOKENIZEREQUEST']._serialized_end=1027
+  _globals['_TOKENIZERESPONSE']._serialized_start=1029
+  _globals['_TOKENIZERESPONSE']._serialized_end=1082
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1084
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1180
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1182
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1216
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1218
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1239
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1242
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1798
+  _globals['_MODULEINFO']._serialized_start=1800
+  _globals['_MODULEINFO']._serialized_end=1876
+  _globals['_GETENGINESTATSREQUEST']._serialized_start=1878
+  _globals['_GETENGINESTATSREQUEST']._serialized_end=1901
+  _globals['_GETENGINESTATSRESPONSE']._serialized_start=1903
+  _globals['_GETENGINESTATSRESPONSE']._serialized_end=2020
+  _globals['_TRACESERVICE']._serialized_start=2150
+  _globals['_TRACESERVICE']._serialized_end=3043
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from tracewire.v1 import dictionary_pb2 as _dictionary_pb2
 from tracewire.v1 import output_pb2 as _output_pb2
 from tracewire.v1 import prompt_pb2 as _prompt_pb2
 from tracewire.v1 import sampling_pb2 as _sampling_pb2

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from tracewire.v1 import dictionary_pb2 as tracewire_dot_v1_dot_dictionary__pb2
 from tracewire.v1 import service_pb2 as tracewire_dot_v1_dot_service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -75,6 +76,21 @@ class TraceServiceStub:
                 request_serializer=tracewire_dot_v1_dot_service__pb2.GetEngineStatsRequest.SerializeToString,
                 response_deserializer=tracewire_dot_v1_dot_service__pb2.GetEngineStatsResponse.FromString,
                 _registered_method=True)
+        self.RegisterDictionary = channel.stream_unary(
+                '/tracewire.v1.TraceService/RegisterDictionary',
+                request_serializer=tracewire_dot_v1_dot_dictionary__pb2.RegisterDictionaryRequest.SerializeToString,
+                response_deserializer=tracewire_dot_v1_dot_dictionary__pb2.RegisterDictionaryResponse.FromString,
+                _registered_method=True)
+        self.ListDictionaries = channel.unary_unary(
+                '/tracewire.v1.TraceService/ListDictionaries',
+                request_serializer=tracewire_dot_v1_dot_dictionary__pb2.ListDictionariesRequest.SerializeToString,
+                response_deserializer=tracewire_dot_v1_dot_dictionary__pb2.ListDictionariesResponse.FromString,
+                _registered_method=True)
+        self.DeleteDictionary = channel.unary_unary(
+                '/tracewire.v1.TraceService/DeleteDictionary',
+                request_serializer=tracewire_dot_v1_dot_dictionary__pb2.DeleteDictionaryRequest.SerializeToString,
+                response_deserializer=tracewire_dot_v1_dot_dictionary__pb2.DeleteDictionaryResponse.FromString,
+                _registered_method=True)
 
 
 class TraceServiceServicer:
@@ -137,6 +153,28 @@ class TraceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterDictionary(self, request_iterator, context):
+        """Upload a dictionary (probe or SAE; see dictionary.proto): a header, then
+        the safetensors file in chunks. Returns it as held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDictionaries(self, request, context):
+        """Every dictionary the server holds: the operator's and uploaded ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteDictionary(self, request, context):
+        """Remove an uploaded dictionary (its owner only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TraceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +212,21 @@ def add_TraceServiceServicer_to_server(servicer, server):
                     servicer.GetEngineStats,
                     request_deserializer=tracewire_dot_v1_dot_service__pb2.GetEngineStatsRequest.FromString,
                     response_serializer=tracewire_dot_v1_dot_service__pb2.GetEngineStatsResponse.SerializeToString,
+            ),
+            'RegisterDictionary': grpc.stream_unary_rpc_method_handler(
+                    servicer.RegisterDictionary,
+                    request_deserializer=tracewire_dot_v1_dot_dictionary__pb2.RegisterDictionaryRequest.FromString,
+                    response_serializer=tracewire_dot_v1_dot_dictionary__pb2.RegisterDictionaryResponse.SerializeToString,
+            ),
+            'ListDictionaries': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDictionaries,
+                    request_deserializer=tracewire_dot_v1_dot_dictionary__pb2.ListDictionariesRequest.FromString,
+                    response_serializer=tracewire_dot_v1_dot_dictionary__pb2.ListDictionariesResponse.SerializeToString,
+            ),
+            'DeleteDictionary': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteDictionary,
+                    request_deserializer=tracewire_dot_v1_dot_dictionary__pb2.DeleteDictionaryRequest.FromString,
+                    response_serializer=tracewire_dot_v1_dot_dictionary__pb2.DeleteDictionaryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -371,6 +424,87 @@ class TraceService:
             '/tracewire.v1.TraceService/GetEngineStats',
             tracewire_dot_v1_dot_service__pb2.GetEngineStatsRequest.SerializeToString,
             tracewire_dot_v1_dot_service__pb2.GetEngineStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterDictionary(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tracewire.v1.TraceService/RegisterDictionary',
+            tracewire_dot_v1_dot_dictionary__pb2.RegisterDictionaryRequest.SerializeToString,
+            tracewire_dot_v1_dot_dictionary__pb2.RegisterDictionaryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDictionaries(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tracewire.v1.TraceService/ListDictionaries',
+            tracewire_dot_v1_dot_dictionary__pb2.ListDictionariesRequest.SerializeToString,
+            tracewire_dot_v1_dot_dictionary__pb2.ListDictionariesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteDictionary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tracewire.v1.TraceService/DeleteDictionary',
+            tracewire_dot_v1_dot_dictionary__pb2.DeleteDictionaryRequest.SerializeToString,
+            tracewire_dot_v1_dot_dictionary__pb2.DeleteDictionaryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tracewire/v1/intervention.proto.
  */
 export const file_tracewire_v1_intervention: GenFile = /*@__PURE__*/
-  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEigAUKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABJEChZyZWFkX2F0dGVudGlvbl9wYXR0ZXJuGA8gASgLMiIudHJhY2V3aXJlLnYxLlJlYWRBdHRlbnRpb25QYXR0ZXJuSAASMQoMZm9yY2Vfc2FtcGxlGBQgASgLMhkudHJhY2V3aXJlLnYxLkZvcmNlU2FtcGxlSAASMQoMd3JpdGVfbG9naXRzGBUgASgLMhkudHJhY2V3aXJlLnYxLldyaXRlTG9naXRzSAASMQoMd3JpdGVfbW9kdWxlGBYgASgLMhkudHJhY2V3aXJlLnYxLldyaXRlTW9kdWxlSAASIgoEc3RvcBgeIAEoCzISLnRyYWNld2lyZS52MS5TdG9wSABCCAoGYWN0aW9uIo8BCgxTdGVwU2VsZWN0b3ISJQoDYWxsGAEgASgLMhYudHJhY2V3aXJlLnYxLkFsbFN0ZXBzSAASKAoFcmFuZ2UYAiABKAsyFy50cmFjZXdpcmUudjEuU3RlcFJhbmdlSAASJgoEbGlzdBgDIAEoCzIWLnRyYWNld2lyZS52MS5TdGVwTGlzdEgAQgYKBGtpbmQiCgoIQWxsU3RlcHMiNgoJU3RlcFJhbmdlEg0KBXN0YXJ0GAEgASgFEhEKBHN0b3AYAiABKAVIAIgBAUIHCgVfc3RvcCIZCghTdGVwTGlzdBINCgVzdGVwcxgBIAMoBSIdCghUb2tlblNldBIRCgl0b2tlbl9pZHMYASADKAUivAEKClJlYWRMb2dpdHMSKAoFc3RhZ2UYASABKA4yGS50cmFjZXdpcmUudjEuTG9naXRzU3RhZ2USJQoEZnVsbBgCIAEoCzIVLnRyYWNld2lyZS52MS5GdWxsUm93SAASIwoFdG9wX2sYAyABKAsyEi50cmFjZXdpcmUudjEuVG9wS0gAEisKCXRva2VuX2lkcxgEIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAQgsKCXNlbGVjdGlvbiIJCgdGdWxsUm93IhEKBFRvcEsSCQoBaxgBIAEoBSIMCgpSZWFkU2FtcGxlIh0KDFJlYWRMb2dwcm9icxINCgV0b3BfaxgBIAEoBSKCAgoJUG9zaXRpb25zEisKCW5ld190b2tlbhgBIAEoCzIWLnRyYWNld2lyZS52MS5OZXdUb2tlbkgAEi0KCmFsbF9wcm9tcHQYAiABKAsyFy50cmFjZXdpcmUudjEuQWxsUHJvbXB0SAASMwoMcHJvbXB0X3JhbmdlGAMgASgLMhsudHJhY2V3aXJlLnYxLlBvc2l0aW9uUmFuZ2VIABIxCgtwcm9tcHRfbGlzdBgEIAEoCzIaLnRyYWNld2lyZS52MS5Qb3NpdGlvbkxpc3RIABIpCgNhbGwYBSABKAsyGi50cmFjZXdpcmUudjEuQWxsUG9zaXRpb25zSABCBgoEa2luZCIKCghOZXdUb2tlbiILCglBbGxQcm9tcHQiDgoMQWxsUG9zaXRpb25zIjoKDVBvc2l0aW9uUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIiEKDFBvc2l0aW9uTGlzdBIRCglwb3NpdGlvbnMYASADKAUioAEKClJlYWRNb2R1bGUSDgoGbW9kdWxlGAEgASgJEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSKgoJcmVkdWN0aW9uGAMgASgOMhcudHJhY2V3aXJlLnYxLlJlZHVjdGlvbhIqCgV1bml0cxgEIAEoCzIbLnRyYWNld2lyZS52MS5Vbml0U2VsZWN0aW9uImIKDVVuaXRTZWxlY3Rpb24SJAoDaWRzGAEgASgLMhUudHJhY2V3aXJlLnYxLlVuaXRJZHNIABIjCgV0b3BfaxgCIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSABCBgoEa2luZCIWCgdVbml0SWRzEgsKA2lkcxgBIAMoBSJaCg1SZWFkTG9naXRMZW5zEg4KBmxheWVycxgBIAMoBRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEg0KBXRvcF9rGAMgASgFInAKFFJlYWRBdHRlbnRpb25QYXR0ZXJuEg4KBmxheWVycxgBIAMoBRINCgVoZWFkcxgCIAMoBRIqCglwb3NpdGlvbnMYAyABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEg0KBXRvcF9rGAQgASgFIh8KC0ZvcmNlU2FtcGxlEhAKCHRva2VuX2lkGAEgASgFIrIBCgtXcml0ZUxvZ2l0cxInCgdyZXBsYWNlGAEgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEiMKA2FkZBgCIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABInCgRiaWFzGAMgASgLMhcudHJhY2V3aXJlLnYxLlRva2VuQmlhc0gAEiYKBG1hc2sYBCABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIAEIECgJvcCJpCglUb2tlbkJpYXMSLwoEYmlhcxgBIAMoCzIhLnRyYWNld2lyZS52MS5Ub2tlbkJpYXMuQmlhc0VudHJ5GisKCUJpYXNFbnRyeRILCgNrZXkYASABKAUSDQoFdmFsdWUYAiABKAI6AjgBIowDCgtXcml0ZU1vZHVsZRIOCgZtb2R1bGUYASABKAkSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxIjCgNhZGQYAyABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASJwoHcmVwbGFjZRgEIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABIqCgR6ZXJvGAUgASgLMhoudHJhY2V3aXJlLnYxLlplcm9BYmxhdGlvbkgAEioKBG1lYW4YBiABKAsyGi50cmFjZXdpcmUudjEuTWVhbkFibGF0aW9uSAASJgoFcGF0Y2gYCyABKAsyFS50cmFjZXdpcmUudjEuUmVhZFJlZkgAEikKCGFkZF9yZWFkGAwgASgLMhUudHJhY2V3aXJlLnYxLlJlYWRSZWZIABISCgVzY2FsZRgHIAEoAkgBiAEBEiQKBXVuaXRzGAggASgLMhUudHJhY2V3aXJlLnYxLlVuaXRJZHNCBAoCb3BCCAoGX3NjYWxlIjoKB1JlYWRSZWYSDgoGaW52b2tlGAEgASgFEgwKBG5hbWUYAiABKAkSEQoJcG9zaXRpb25zGAMgAygFIg4KDFplcm9BYmxhdGlvbiIOCgxNZWFuQWJsYXRpb24iBgoEU3RvcCKIAwoJQ29uZGl0aW9uEiwKCnNhbXBsZWRfaW4YASABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIrCglhcmdtYXhfaW4YAiABKAsyFi50cmFjZXdpcmUudjEuVG9rZW5TZXRIABIXCg10ZXh0X2NvbnRhaW5zGAMgASgJSAASFgoMdGV4dF9tYXRjaGVzGAQgASgJSAASOwoRdG9rZW5fcHJvYmFiaWxpdHkYBSABKAsyHi50cmFjZXdpcmUudjEuVG9rZW5Qcm9iYWJpbGl0eUgAEioKB2VudHJvcHkYBiABKAsyFy50cmFjZXdpcmUudjEuVGhyZXNob2xkSAASKgoGYWxsX29mGAcgASgLMhgudHJhY2V3aXJlLnYxLkNvbmRpdGlvbnNIABIqCgZhbnlfb2YYCCABKAsyGC50cmFjZXdpcmUudjEuQ29uZGl0aW9uc0gAEiYKA25vdBgJIAEoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb25IAEIGCgRraW5kIjkKCkNvbmRpdGlvbnMSKwoKY29uZGl0aW9ucxgBIAMoCzIXLnRyYWNld2lyZS52MS5Db25kaXRpb24iYgoQVG9rZW5Qcm9iYWJpbGl0eRIVCgh0b2tlbl9pZBgBIAEoBUgAiAEBEioKCXRocmVzaG9sZBgCIAEoCzIXLnRyYWNld2lyZS52MS5UaHJlc2hvbGRCCwoJX3Rva2VuX2lkIkgKCVRocmVzaG9sZBIsCgpjb21wYXJpc29uGAEgASgOMhgudHJhY2V3aXJlLnYxLkNvbXBhcmlzb24SDQoFdmFsdWUYAiABKAEqfQoLTG9naXRzU3RhZ2USHAoYTE9HSVRTX1NUQUdFX1VOU1BFQ0lGSUVEEAASFAoQTE9HSVRTX1NUQUdFX1JBVxABEhoKFkxPR0lUU19TVEFHRV9QUk9DRVNTRUQQAhIeChpMT0dJVFNfU1RBR0VfQkVGT1JFX1dSSVRFUxADKjoKCVJlZHVjdGlvbhIZChVSRURVQ1RJT05fVU5TUEVDSUZJRUQQABISCg5SRURVQ1RJT05fTUVBThABKo4BCgpDb21wYXJpc29uEhoKFkNPTVBBUklTT05fVU5TUEVDSUZJRUQQABIWChJDT01QQVJJU09OX0dSRUFURVIQARIcChhDT01QQVJJU09OX0dSRUFURVJfRVFVQUwQAhITCg9DT01QQVJJU09OX0xFU1MQAxIZChVDT01QQVJJU09OX0xFU1NfRVFVQUwQBGIGcHJvdG8z", [file_tracewire_v1_tensor]);
+  fileDesc("Ch90cmFjZXdpcmUvdjEvaW50ZXJ2ZW50aW9uLnByb3RvEgx0cmFjZXdpcmUudjEi9AUKDEludGVydmVudGlvbhIMCgRuYW1lGAEgASgJEikKBXN0ZXBzGAIgASgLMhoudHJhY2V3aXJlLnYxLlN0ZXBTZWxlY3RvchIqCgljb25kaXRpb24YAyABKAsyFy50cmFjZXdpcmUudjEuQ29uZGl0aW9uEi8KC3JlYWRfbG9naXRzGAogASgLMhgudHJhY2V3aXJlLnYxLlJlYWRMb2dpdHNIABIvCgtyZWFkX3NhbXBsZRgLIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkU2FtcGxlSAASMwoNcmVhZF9sb2dwcm9icxgMIAEoCzIaLnRyYWNld2lyZS52MS5SZWFkTG9ncHJvYnNIABIvCgtyZWFkX21vZHVsZRgNIAEoCzIYLnRyYWNld2lyZS52MS5SZWFkTW9kdWxlSAASNgoPcmVhZF9sb2dpdF9sZW5zGA4gASgLMhsudHJhY2V3aXJlLnYxLlJlYWRMb2dpdExlbnNIABJEChZyZWFkX2F0dGVudGlvbl9wYXR0ZXJuGA8gASgLMiIudHJhY2V3aXJlLnYxLlJlYWRBdHRlbnRpb25QYXR0ZXJuSAASNwoPcmVhZF9kaWN0aW9uYXJ5GBAgASgLMhwudHJhY2V3aXJlLnYxLlJlYWREaWN0aW9uYXJ5SAASMQoMZm9yY2Vfc2FtcGxlGBQgASgLMhkudHJhY2V3aXJlLnYxLkZvcmNlU2FtcGxlSAASMQoMd3JpdGVfbG9naXRzGBUgASgLMhkudHJhY2V3aXJlLnYxLldyaXRlTG9naXRzSAASMQoMd3JpdGVfbW9kdWxlGBYgASgLMhkudHJhY2V3aXJlLnYxLldyaXRlTW9kdWxlSAASOQoQd3JpdGVfZGljdGlvbmFyeRgXIAEoCzIdLnRyYWNld2lyZS52MS5Xcml0ZURpY3Rpb25hcnlIABIiCgRzdG9wGB4gASgLMhIudHJhY2V3aXJlLnYxLlN0b3BIAEIICgZhY3Rpb24ijwEKDFN0ZXBTZWxlY3RvchIlCgNhbGwYASABKAsyFi50cmFjZXdpcmUudjEuQWxsU3RlcHNIABIoCgVyYW5nZRgCIAEoCzIXLnRyYWNld2lyZS52MS5TdGVwUmFuZ2VIABImCgRsaXN0GAMgASgLMhYudHJhY2V3aXJlLnYxLlN0ZXBMaXN0SABCBgoEa2luZCIKCghBbGxTdGVwcyI2CglTdGVwUmFuZ2USDQoFc3RhcnQYASABKAUSEQoEc3RvcBgCIAEoBUgAiAEBQgcKBV9zdG9wIhkKCFN0ZXBMaXN0Eg0KBXN0ZXBzGAEgAygFIh0KCFRva2VuU2V0EhEKCXRva2VuX2lkcxgBIAMoBSK8AQoKUmVhZExvZ2l0cxIoCgVzdGFnZRgBIAEoDjIZLnRyYWNld2lyZS52MS5Mb2dpdHNTdGFnZRIlCgRmdWxsGAIgASgLMhUudHJhY2V3aXJlLnYxLkZ1bGxSb3dIABIjCgV0b3BfaxgDIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSAASKwoJdG9rZW5faWRzGAQgASgLMhYudHJhY2V3aXJlLnYxLlRva2VuU2V0SABCCwoJc2VsZWN0aW9uIgkKB0Z1bGxSb3ciEQoEVG9wSxIJCgFrGAEgASgFIgwKClJlYWRTYW1wbGUiHQoMUmVhZExvZ3Byb2JzEg0KBXRvcF9rGAEgASgFIoICCglQb3NpdGlvbnMSKwoJbmV3X3Rva2VuGAEgASgLMhYudHJhY2V3aXJlLnYxLk5ld1Rva2VuSAASLQoKYWxsX3Byb21wdBgCIAEoCzIXLnRyYWNld2lyZS52MS5BbGxQcm9tcHRIABIzCgxwcm9tcHRfcmFuZ2UYAyABKAsyGy50cmFjZXdpcmUudjEuUG9zaXRpb25SYW5nZUgAEjEKC3Byb21wdF9saXN0GAQgASgLMhoudHJhY2V3aXJlLnYxLlBvc2l0aW9uTGlzdEgAEikKA2FsbBgFIAEoCzIaLnRyYWNld2lyZS52MS5BbGxQb3NpdGlvbnNIAEIGCgRraW5kIgoKCE5ld1Rva2VuIgsKCUFsbFByb21wdCIOCgxBbGxQb3NpdGlvbnMiOgoNUG9zaXRpb25SYW5nZRINCgVzdGFydBgBIAEoBRIRCgRzdG9wGAIgASgFSACIAQFCBwoFX3N0b3AiIQoMUG9zaXRpb25MaXN0EhEKCXBvc2l0aW9ucxgBIAMoBSKgAQoKUmVhZE1vZHVsZRIOCgZtb2R1bGUYASABKAkSKgoJcG9zaXRpb25zGAIgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxIqCglyZWR1Y3Rpb24YAyABKA4yFy50cmFjZXdpcmUudjEuUmVkdWN0aW9uEioKBXVuaXRzGAQgASgLMhsudHJhY2V3aXJlLnYxLlVuaXRTZWxlY3Rpb24iYgoNVW5pdFNlbGVjdGlvbhIkCgNpZHMYASABKAsyFS50cmFjZXdpcmUudjEuVW5pdElkc0gAEiMKBXRvcF9rGAIgASgLMhIudHJhY2V3aXJlLnYxLlRvcEtIAEIGCgRraW5kIhYKB1VuaXRJZHMSCwoDaWRzGAEgAygFIloKDVJlYWRMb2dpdExlbnMSDgoGbGF5ZXJzGAEgAygFEioKCXBvc2l0aW9ucxgCIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSDQoFdG9wX2sYAyABKAUicAoUUmVhZEF0dGVudGlvblBhdHRlcm4SDgoGbGF5ZXJzGAEgAygFEg0KBWhlYWRzGAIgAygFEioKCXBvc2l0aW9ucxgDIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSDQoFdG9wX2sYBCABKAUiHwoLRm9yY2VTYW1wbGUSEAoIdG9rZW5faWQYASABKAUisgEKC1dyaXRlTG9naXRzEicKB3JlcGxhY2UYASABKAsyFC50cmFjZXdpcmUudjEuVGVuc29ySAASIwoDYWRkGAIgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEicKBGJpYXMYAyABKAsyFy50cmFjZXdpcmUudjEuVG9rZW5CaWFzSAASJgoEbWFzaxgEIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAQgQKAm9wImkKCVRva2VuQmlhcxIvCgRiaWFzGAEgAygLMiEudHJhY2V3aXJlLnYxLlRva2VuQmlhcy5CaWFzRW50cnkaKwoJQmlhc0VudHJ5EgsKA2tleRgBIAEoBRINCgV2YWx1ZRgCIAEoAjoCOAEijAMKC1dyaXRlTW9kdWxlEg4KBm1vZHVsZRgBIAEoCRIqCglwb3NpdGlvbnMYAiABKAsyFy50cmFjZXdpcmUudjEuUG9zaXRpb25zEiMKA2FkZBgDIAEoCzIULnRyYWNld2lyZS52MS5UZW5zb3JIABInCgdyZXBsYWNlGAQgASgLMhQudHJhY2V3aXJlLnYxLlRlbnNvckgAEioKBHplcm8YBSABKAsyGi50cmFjZXdpcmUudjEuWmVyb0FibGF0aW9uSAASKgoEbWVhbhgGIAEoCzIaLnRyYWNld2lyZS52MS5NZWFuQWJsYXRpb25IABImCgVwYXRjaBgLIAEoCzIVLnRyYWNld2lyZS52MS5SZWFkUmVmSAASKQoIYWRkX3JlYWQYDCABKAsyFS50cmFjZXdpcmUudjEuUmVhZFJlZkgAEhIKBXNjYWxlGAcgASgCSAGIAQESJAoFdW5pdHMYCCABKAsyFS50cmFjZXdpcmUudjEuVW5pdElkc0IECgJvcEIICgZfc2NhbGUiOgoHUmVhZFJlZhIOCgZpbnZva2UYASABKAUSDAoEbmFtZRgCIAEoCRIRCglwb3NpdGlvbnMYAyADKAUiDgoMWmVyb0FibGF0aW9uIg4KDE1lYW5BYmxhdGlvbiIGCgRTdG9wIscDCglDb25kaXRpb24SLAoKc2FtcGxlZF9pbhgBIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAEisKCWFyZ21heF9pbhgCIAEoCzIWLnRyYWNld2lyZS52MS5Ub2tlblNldEgAEhcKDXRleHRfY29udGFpbnMYAyABKAlIABIWCgx0ZXh0X21hdGNoZXMYBCABKAlIABI7ChF0b2tlbl9wcm9iYWJpbGl0eRgFIAEoCzIeLnRyYWNld2lyZS52MS5Ub2tlblByb2JhYmlsaXR5SAASKgoHZW50cm9weRgGIAEoCzIXLnRyYWNld2lyZS52MS5UaHJlc2hvbGRIABIqCgZhbGxfb2YYByABKAsyGC50cmFjZXdpcmUudjEuQ29uZGl0aW9uc0gAEioKBmFueV9vZhgIIAEoCzIYLnRyYWNld2lyZS52MS5Db25kaXRpb25zSAASJgoDbm90GAkgASgLMhcudHJhY2V3aXJlLnYxLkNvbmRpdGlvbkgAEj0KEGRpY3Rpb25hcnlfdmFsdWUYCiABKAsyIS50cmFjZXdpcmUudjEuRGljdGlvbmFyeVRocmVzaG9sZEgAQgYKBGtpbmQiZgoTRGljdGlvbmFyeVRocmVzaG9sZBISCgpkaWN0aW9uYXJ5GAEgASgJEg8KB2ZlYXR1cmUYAiABKAUSKgoJdGhyZXNob2xkGAMgASgLMhcudHJhY2V3aXJlLnYxLlRocmVzaG9sZCKAAgoOUmVhZERpY3Rpb25hcnkSEgoKZGljdGlvbmFyeRgBIAEoCRIOCgZtb2R1bGUYAiABKAkSKgoJcG9zaXRpb25zGAMgASgLMhcudHJhY2V3aXJlLnYxLlBvc2l0aW9ucxIjCgV0b3BfaxgEIAEoCzISLnRyYWNld2lyZS52MS5Ub3BLSAASKQoIZmVhdHVyZXMYBSABKAsyFS50cmFjZXdpcmUudjEuVW5pdElkc0gAEkEKFHJlY29uc3RydWN0aW9uX2Vycm9yGAYgASgLMiEudHJhY2V3aXJlLnYxLlJlY29uc3RydWN0aW9uRXJyb3JIAEILCglzZWxlY3Rpb24iFQoTUmVjb25zdHJ1Y3Rpb25FcnJvciLMAQoPV3JpdGVEaWN0aW9uYXJ5EhIKCmRpY3Rpb25hcnkYASABKAkSDgoGbW9kdWxlGAIgASgJEioKCXBvc2l0aW9ucxgDIAEoCzIXLnRyYWNld2lyZS52MS5Qb3NpdGlvbnMSEAoIZmVhdHVyZXMYBCADKAUSDwoFc3RlZXIYBSABKAJIABIPCgVjbGFtcBgGIAEoAkgAEi8KBmFibGF0ZRgHIAEoCzIdLnRyYWNld2lyZS52MS5GZWF0dXJlQWJsYXRpb25IAEIECgJvcCIRCg9GZWF0dXJlQWJsYXRpb24iOQoKQ29uZGl0aW9ucxIrCgpjb25kaXRpb25zGAEgAygLMhcudHJhY2V3aXJlLnYxLkNvbmRpdGlvbiJiChBUb2tlblByb2JhYmlsaXR5EhUKCHRva2VuX2lkGAEgASgFSACIAQESKgoJdGhyZXNob2xkGAIgASgLMhcudHJhY2V3aXJlLnYxLlRocmVzaG9sZEILCglfdG9rZW5faWQiSAoJVGhyZXNob2xkEiwKCmNvbXBhcmlzb24YASABKA4yGC50cmFjZXdpcmUudjEuQ29tcGFyaXNvbhINCgV2YWx1ZRgCIAEoASp9CgtMb2dpdHNTdGFnZRIcChhMT0dJVFNfU1RBR0VfVU5TUEVDSUZJRUQQABIUChBMT0dJVFNfU1RBR0VfUkFXEAESGgoWTE9HSVRTX1NUQUdFX1BST0NFU1NFRBACEh4KGkxPR0lUU19TVEFHRV9CRUZPUkVfV1JJVEVTEAMqOgoJUmVkdWN0aW9uEhkKFVJFRFVDVElPTl9VTlNQRUNJRklFRBAAEhIKDlJFRFVDVElPTl9NRUFOEAEqjgEKCkNvbXBhcmlzb24SGgoWQ09NUEFSSVNPTl9VTlNQRUNJRklFRBAAEhYKEkNPTVBBUklTT05fR1JFQVRFUhABEhwKGENPTVBBUklTT05fR1JFQVRFUl9FUVVBTBACEhMKD0NPTVBBUklTT05fTEVTUxADEhkKFUNPTVBBUklTT05fTEVTU19FUVVBTBAEYgZwcm90bzM", [file_tracewire_v1_tensor]);
 
 /**
  * One declarative intervention on a traced generation: at the selected steps,
@@ -105,6 +105,15 @@ export type Intervention = Message<"tracewire.v1.Intervention"> & {
     case: "readAttentionPattern";
   } | {
     /**
+     * Read a dictionary (a linear probe's outputs, an SAE's features or its
+     * reconstruction error) on the module it reads.
+     *
+     * @generated from field: tracewire.v1.ReadDictionary read_dictionary = 16;
+     */
+    value: ReadDictionary;
+    case: "readDictionary";
+  } | {
+    /**
      * Force the drawn token.
      *
      * @generated from field: tracewire.v1.ForceSample force_sample = 20;
@@ -127,6 +136,14 @@ export type Intervention = Message<"tracewire.v1.Intervention"> & {
      */
     value: WriteModule;
     case: "writeModule";
+  } | {
+    /**
+     * Steer, clamp or ablate dictionary features in the module's output.
+     *
+     * @generated from field: tracewire.v1.WriteDictionary write_dictionary = 23;
+     */
+    value: WriteDictionary;
+    case: "writeDictionary";
   } | {
     /**
      * End the sequence at this step (this step's token is kept).
@@ -1156,6 +1173,15 @@ export type Condition = Message<"tracewire.v1.Condition"> & {
      */
     value: Condition;
     case: "not";
+  } | {
+    /**
+     * A dictionary's value at the new token compares to a threshold (which
+     * step's value: see DictionaryThreshold).
+     *
+     * @generated from field: tracewire.v1.DictionaryThreshold dictionary_value = 10;
+     */
+    value: DictionaryThreshold;
+    case: "dictionaryValue";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1165,6 +1191,231 @@ export type Condition = Message<"tracewire.v1.Condition"> & {
  */
 export const ConditionSchema: GenMessage<Condition> = /*@__PURE__*/
   messageDesc(file_tracewire_v1_intervention, 30);
+
+/**
+ * A dictionary value (a probe output after its activation, or an SAE feature
+ * activation) at the new token's position of the dictionary's module, against
+ * a threshold: closed-loop control inside the engine.
+ *
+ * Which value a condition sees at step s: on reads and stops, the value the
+ * forward pass of step s computed (at the last prompt position for s = 0,
+ * else at the token drawn at step s - 1), the same value a ReadDictionary of
+ * that feature at NewToken returns at step s. On writes (module, dictionary
+ * and logits writes), which are decided before step s's forward pass, the
+ * value of step s - 1: one step late; at step 0 there is none and the leaf is
+ * false (so `not` of it is true).
+ *
+ * @generated from message tracewire.v1.DictionaryThreshold
+ */
+export type DictionaryThreshold = Message<"tracewire.v1.DictionaryThreshold"> & {
+  /**
+   * The dictionary's name.
+   *
+   * @generated from field: string dictionary = 1;
+   */
+  dictionary: string;
+
+  /**
+   * Probe output index (0 <= feature < k) or SAE feature id (0 <= feature < d).
+   *
+   * @generated from field: int32 feature = 2;
+   */
+  feature: number;
+
+  /**
+   * The comparison.
+   *
+   * @generated from field: tracewire.v1.Threshold threshold = 3;
+   */
+  threshold?: Threshold | undefined;
+};
+
+/**
+ * Describes the message tracewire.v1.DictionaryThreshold.
+ * Use `create(DictionaryThresholdSchema)` to create a new message.
+ */
+export const DictionaryThresholdSchema: GenMessage<DictionaryThreshold> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 31);
+
+/**
+ * Read a dictionary on the output of the module it reads (Dictionary.spec.
+ * module), at chosen positions. Values per position (float32): with no
+ * selection every value ([k] probe outputs, [d] SAE features: count them
+ * against the read budget); top_k: the k largest with their ids in
+ * ReadValue.token_ids; features: those values in that order;
+ * reconstruction_error (SAEs): [1], the L2 norm of x - reconstruction.
+ * Module hooks: the engine must run eager (--enforce-eager) with tensor
+ * parallel size 1, else FAILED_PRECONDITION.
+ *
+ * @generated from message tracewire.v1.ReadDictionary
+ */
+export type ReadDictionary = Message<"tracewire.v1.ReadDictionary"> & {
+  /**
+   * The dictionary's name (ListDictionaries lists them).
+   *
+   * @generated from field: string dictionary = 1;
+   */
+  dictionary: string;
+
+  /**
+   * Optional: the module the caller means; when set it must be the
+   * dictionary's own module (else INVALID_ARGUMENT).
+   *
+   * @generated from field: string module = 2;
+   */
+  module: string;
+
+  /**
+   * Which positions. Unset means NewToken.
+   *
+   * @generated from field: tracewire.v1.Positions positions = 3;
+   */
+  positions?: Positions | undefined;
+
+  /**
+   * What to return per position; unset: every value.
+   *
+   * @generated from oneof tracewire.v1.ReadDictionary.selection
+   */
+  selection: {
+    /**
+     * The k largest values and their ids, largest first; 1 <= k <= size.
+     *
+     * @generated from field: tracewire.v1.TopK top_k = 4;
+     */
+    value: TopK;
+    case: "topK";
+  } | {
+    /**
+     * These outputs / features, in this order (not empty, no duplicates).
+     *
+     * @generated from field: tracewire.v1.UnitIds features = 5;
+     */
+    value: UnitIds;
+    case: "features";
+  } | {
+    /**
+     * SAEs only: the norm of the reconstruction error.
+     *
+     * @generated from field: tracewire.v1.ReconstructionError reconstruction_error = 6;
+     */
+    value: ReconstructionError;
+    case: "reconstructionError";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message tracewire.v1.ReadDictionary.
+ * Use `create(ReadDictionarySchema)` to create a new message.
+ */
+export const ReadDictionarySchema: GenMessage<ReadDictionary> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 32);
+
+/**
+ * ||x - (features @ W_dec + b_dec)||_2 per position.
+ *
+ * @generated from message tracewire.v1.ReconstructionError
+ */
+export type ReconstructionError = Message<"tracewire.v1.ReconstructionError"> & {
+};
+
+/**
+ * Describes the message tracewire.v1.ReconstructionError.
+ * Use `create(ReconstructionErrorSchema)` to create a new message.
+ */
+export const ReconstructionErrorSchema: GenMessage<ReconstructionError> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 33);
+
+/**
+ * Change a module's output along dictionary directions at chosen positions
+ * (the dictionary's module; for decoder layers the residual stream). Module
+ * hooks: eager engines only, else FAILED_PRECONDITION.
+ *
+ * @generated from message tracewire.v1.WriteDictionary
+ */
+export type WriteDictionary = Message<"tracewire.v1.WriteDictionary"> & {
+  /**
+   * The dictionary's name.
+   *
+   * @generated from field: string dictionary = 1;
+   */
+  dictionary: string;
+
+  /**
+   * Optional: when set it must be the dictionary's own module.
+   *
+   * @generated from field: string module = 2;
+   */
+  module: string;
+
+  /**
+   * Which positions. Unset means NewToken.
+   *
+   * @generated from field: tracewire.v1.Positions positions = 3;
+   */
+  positions?: Positions | undefined;
+
+  /**
+   * The probe outputs (their rows of W are the directions) or SAE features
+   * (their rows of W_dec) to act on: not empty, no duplicates, in range.
+   *
+   * @generated from field: repeated int32 features = 4;
+   */
+  features: number[];
+
+  /**
+   * @generated from oneof tracewire.v1.WriteDictionary.op
+   */
+  op: {
+    /**
+     * Add steer * direction for each feature (SAE: W_dec[f]; probe: W[f],
+     * unnormalised). Finite.
+     *
+     * @generated from field: float steer = 5;
+     */
+    value: number;
+    case: "steer";
+  } | {
+    /**
+     * SAEs only: set each feature's activation to this value, keeping the
+     * reconstruction error: x + sum_f (clamp - a_f(x)) * W_dec[f]. Finite.
+     *
+     * @generated from field: float clamp = 6;
+     */
+    value: number;
+    case: "clamp";
+  } | {
+    /**
+     * SAEs only: clamp each feature to 0.
+     *
+     * @generated from field: tracewire.v1.FeatureAblation ablate = 7;
+     */
+    value: FeatureAblation;
+    case: "ablate";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message tracewire.v1.WriteDictionary.
+ * Use `create(WriteDictionarySchema)` to create a new message.
+ */
+export const WriteDictionarySchema: GenMessage<WriteDictionary> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 34);
+
+/**
+ * Clamp to zero.
+ *
+ * @generated from message tracewire.v1.FeatureAblation
+ */
+export type FeatureAblation = Message<"tracewire.v1.FeatureAblation"> & {
+};
+
+/**
+ * Describes the message tracewire.v1.FeatureAblation.
+ * Use `create(FeatureAblationSchema)` to create a new message.
+ */
+export const FeatureAblationSchema: GenMessage<FeatureAblation> = /*@__PURE__*/
+  messageDesc(file_tracewire_v1_intervention, 35);
 
 /**
  * A list of conditions.
@@ -1183,7 +1434,7 @@ export type Conditions = Message<"tracewire.v1.Conditions"> & {
  * Use `create(ConditionsSchema)` to create a new message.
  */
 export const ConditionsSchema: GenMessage<Conditions> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 31);
+  messageDesc(file_tracewire_v1_intervention, 36);
 
 /**
  * Comparison of a token's probability (softmax of the logits at the stage the
@@ -1212,7 +1463,7 @@ export type TokenProbability = Message<"tracewire.v1.TokenProbability"> & {
  * Use `create(TokenProbabilitySchema)` to create a new message.
  */
 export const TokenProbabilitySchema: GenMessage<TokenProbability> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 32);
+  messageDesc(file_tracewire_v1_intervention, 37);
 
 /**
  * value <op> threshold.
@@ -1236,7 +1487,7 @@ export type Threshold = Message<"tracewire.v1.Threshold"> & {
  * Use `create(ThresholdSchema)` to create a new message.
  */
 export const ThresholdSchema: GenMessage<Threshold> = /*@__PURE__*/
-  messageDesc(file_tracewire_v1_intervention, 33);
+  messageDesc(file_tracewire_v1_intervention, 38);
 
 /**
  * Which logits a read sees. At each step the row passes three stages, in
