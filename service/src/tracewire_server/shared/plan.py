@@ -71,6 +71,37 @@ class Entropy(msgspec.Struct, frozen=True, tag="entropy"):
     value: float
 
 
+class DictRef(msgspec.Struct, frozen=True):
+    """A dictionary (probe or SAE, shared/dictionary_spec.py) as a plan refers to it: by
+    name and generation (the worker fails the request if the name now holds another
+    generation), with what the compiler resolved from it."""
+
+    name: str
+    generation: int
+    module: str  # the module whose output it reads and writes
+    size: int  # probe outputs (k) or SAE features (d)
+
+
+class DictionaryValue(msgspec.Struct, frozen=True, tag="dictionary_value"):
+    """A dictionary value (probe output, SAE feature) at the new token against a threshold:
+    reads and stops see this step's, writes the previous step's (false at step 0)."""
+
+    dictionary: DictRef
+    feature: int
+    comparison: Comparison
+    value: float
+
+    def read_name(self) -> str:
+        """The name of the internal read (condition_reads) whose value this compares: one
+        per dictionary generation and feature, whichever ops ask."""
+        return f"{CONDITION_READ_PREFIX}{self.dictionary.name}#{self.dictionary.generation}:{self.feature}"
+
+
+# Names of the reads a plan makes for its conditions (never returned): no client name
+# starts with it (the compiler refuses names with control characters).
+CONDITION_READ_PREFIX = "\x00dictionary:"
+
+
 class AllOf(msgspec.Struct, frozen=True, tag="all_of"):
     conditions: tuple[Condition, ...]
 
@@ -84,7 +115,8 @@ class Not(msgspec.Struct, frozen=True, tag="not"):
 
 
 Condition = Union[
-    SampledIn, ArgmaxIn, TextContains, TextMatches, TokenProbability, Entropy, AllOf, AnyOf, Not
+    SampledIn, ArgmaxIn, TextContains, TextMatches, TokenProbability, Entropy, AllOf, AnyOf, Not,
+    DictionaryValue,
 ]
 
 
@@ -305,6 +337,50 @@ class ReadAttentionPattern(msgspec.Struct, frozen=True, tag="read_attention_patt
         return bound._replace(held=self.key_cache_bytes())
 
 
+class ReadDictionary(msgspec.Struct, frozen=True, tag="read_dictionary"):
+    """A dictionary on its module's output at positions (worker/dictionaries.py): every
+    value ([size]), the `top_k` largest with their ids, chosen `features`, or (SAEs) the
+    reconstruction error's norm ([1])."""
+
+    dictionary: DictRef
+    positions: Positions
+    top_k: int | None = None
+    features: tuple[int, ...] | None = None
+    error: bool = False
+    # A condition's value (DictionaryValue.read_name): computed, kept on the worker for the
+    # conditions, never returned.
+    internal: bool = False
+
+    source: ClassVar[ReadSource] = "modules"
+
+    def module_reads(self, name: str) -> list[tuple[str, str]]:
+        """(key, module path) of the module output it gathers: its dictionary's module."""
+        return [(name, self.dictionary.module)]
+
+    def width(self) -> int:
+        """Bytes per position returned: float32 values (and int32 ids for top-k)."""
+        if self.error:
+            return 4
+        if self.top_k is not None:
+            return 8 * self.top_k
+        return 4 * (len(self.features) if self.features is not None else self.dictionary.size)
+
+    def read_bound(self, limits: ModelLimits, prompt_len: int) -> ReadBound:
+        if self.internal:
+            return ReadBound(0)  # never returned
+        return self.positions.read_bound(self.width(), prompt_len)
+
+
+class DictionaryEdit(msgspec.Struct, frozen=True):
+    """A module write along dictionary directions: "steer" adds value * direction of each
+    feature (SAE: W_dec[f], probe: W[f]); "clamp" (SAEs) sets each feature's activation to
+    value, keeping the reconstruction error: x + sum_f (value - a_f(x)) * W_dec[f]."""
+
+    dictionary: DictRef
+    features: tuple[int, ...]
+    value: float
+
+
 class ForceSample(msgspec.Struct, frozen=True, tag="force_sample"):
     token_id: int
 
@@ -325,7 +401,7 @@ class MaskLogits(msgspec.Struct, frozen=True, tag="mask_logits"):
     token_ids: tuple[int, ...]
 
 
-ModuleEdit = Literal["add", "replace", "zero", "mean", "patch", "add_read"]
+ModuleEdit = Literal["add", "replace", "zero", "mean", "patch", "add_read", "steer", "clamp"]
 # What a compiled engine's steering tables express (stream' = a * stream + b, steering.py);
 # a mean depends on the rows it averages: eager engines only.
 COMPILED_EDITS: tuple[ModuleEdit, ...] = ("add", "replace", "zero")
@@ -368,6 +444,7 @@ class WriteModule(msgspec.Struct, frozen=True, tag="write_module"):
     # for every chosen head alike), [units] (neurons).
     units: tuple[int, ...] | None = None
     ref: ReadRef | None = None  # the operand of "patch" / "add_read"
+    dictionary: DictionaryEdit | None = None  # the operand of "steer" / "clamp"
 
 
 class Stop(msgspec.Struct, frozen=True, tag="stop"):
@@ -382,7 +459,9 @@ class InjectFault(msgspec.Struct, frozen=True, tag="inject_fault"):
     message: str
 
 
-Read = Union[ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens, ReadAttentionPattern]
+Read = Union[
+    ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens, ReadAttentionPattern, ReadDictionary
+]
 Write = Union[ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault, WriteModule]
 Action = Union[
     ReadLogits,
@@ -391,6 +470,7 @@ Action = Union[
     ReadModule,
     ReadLogitLens,
     ReadAttentionPattern,
+    ReadDictionary,
     ForceSample,
     ReplaceLogits,
     AddLogits,
@@ -400,11 +480,11 @@ Action = Union[
     WriteModule,
     Stop,
 ]
-READS = (ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens, ReadAttentionPattern)
+READS = (ReadLogits, ReadSample, ReadLogprobs, ReadModule, ReadLogitLens, ReadAttentionPattern, ReadDictionary)
 # The reads of the logits source: each one's equal reads are one computation.
 LogitsRead = Union[ReadLogits, ReadLogprobs]
-HIDDEN_READS = (ReadModule, ReadLogitLens, ReadAttentionPattern)
-HIDDEN_OPS = (ReadModule, ReadLogitLens, ReadAttentionPattern, WriteModule)
+HIDDEN_READS = (ReadModule, ReadLogitLens, ReadAttentionPattern, ReadDictionary)
+HIDDEN_OPS = (ReadModule, ReadLogitLens, ReadAttentionPattern, ReadDictionary, WriteModule)
 WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault, WriteModule)
 LOGITS_WRITES = (ForceSample, ReplaceLogits, AddLogits, BiasLogits, MaskLogits, InjectFault)
 
@@ -503,6 +583,31 @@ def uses_drawn_token(condition: Condition | None) -> bool:
 def text_only(condition: Condition) -> bool:
     """Whether every leaf is a text condition (decidable before the forward pass)."""
     return not _any_leaf(condition, lambda c: not isinstance(c, (TextContains, TextMatches)))
+
+
+def dictionary_values(condition: Condition | None) -> Iterator[DictionaryValue]:
+    """The dictionary leaves of a condition tree."""
+    return (c for c in _leaves(condition) if isinstance(c, DictionaryValue))
+
+
+def condition_reads(ops: tuple[Op, ...]) -> tuple[Op, ...]:
+    """The internal reads that compute `ops`' dictionary conditions' values: one per
+    dictionary and feature, at the new token, at every step from 0 to the last one any op
+    asking for it selects (a write at step s looks at step s - 1's value)."""
+    lasts: dict[str, tuple[DictionaryValue, int | None]] = {}
+    for op in ops:
+        for leaf in dictionary_values(op.condition):
+            key = leaf.read_name()
+            last = op.steps.last()
+            if key in lasts:
+                before = lasts[key][1]
+                last = None if before is None or last is None else max(before, last)
+            lasts[key] = (leaf, last)
+    return tuple(
+        Op(key, StepSet(0, None if last is None else last + 1), None,
+           ReadDictionary(leaf.dictionary, Positions(), features=(leaf.feature,), internal=True))
+        for key, (leaf, last) in lasts.items()
+    )
 
 
 def _uses_logits(condition: Condition | None) -> bool:
