@@ -112,6 +112,7 @@ def _list_column(pa: Any, arrays: list[np.ndarray[Any, Any]]) -> Any:
 
 
 def _read_parquet(path: Path, first: int) -> Shard:
+    pa = require("pyarrow", "collect")
     pq = require("pyarrow.parquet", "collect")
     table = pq.read_table(path)
     shard = Shard(first, table.column("prompt").to_pylist(), table.column("text").to_pylist())
@@ -121,7 +122,7 @@ def _read_parquet(path: Path, first: int) -> Shard:
         column = table.column(name).combine_chunks()
         offsets = column.offsets.to_numpy()
         values = column.flatten()
-        if hasattr(values, "list_size"):  # rows are vectors
+        if pa.types.is_fixed_size_list(values.type):  # rows are vectors
             flat = values.flatten().to_numpy(zero_copy_only=False).reshape(-1, values.type.list_size)
         else:
             flat = values.to_numpy(zero_copy_only=False)
