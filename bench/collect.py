@@ -50,6 +50,7 @@ def prompts(n: int) -> list[str]:
 def plain_loop(client: Any, texts: list[str], folder: Path, max_tokens: int, shard_size: int) -> None:
     from tracewire import shards
 
+    folder.mkdir(parents=True)
     shard = shards.Shard(0, [], [])
     number = 0
     for i, prompt in enumerate(texts):
