@@ -16,6 +16,7 @@ import csv
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -212,6 +213,22 @@ def test_prompts_from_csv_parquet_and_text_and_the_collect_cli(eclient, eager, t
         row = tracer.iter[0].module("layers.3", positions=[-1]).save()
     assert last[2].shape == (1, 256)
     np.testing.assert_allclose(last[2], row.value, atol=1e-5)
+
+
+def test_collect_on_a_compiled_server_reads_logits_and_refuses_layers(client, hf, tmp_path):
+    manifest = client.collect(PROMPTS[:3], tmp_path / "logits", samples=True, max_tokens=3, ignore_eos=True)
+    assert set(manifest.fields) == {"prompt_token_ids", "samples"} and manifest.engine_mode == "compiled"
+    samples = tracewire.collect.load(tmp_path / "logits").field("samples")
+    assert [s.tolist() for s in samples] == [hf.greedy(hf.encode(p), 3) for p in PROMPTS[:3]]
+    with pytest.raises(tw.FailedPrecondition, match="--enforce-eager") as refused:
+        client.collect(PROMPTS[:3], tmp_path / "layers", layers=[1])
+    assert refused.value.field == "layers" and not (tmp_path / "layers" / "manifest.json").exists()
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)   # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'tracewire\[plot\]'"):
+        tracewire.plot.patching(np.zeros((2, 2)))
 
 
 # -- steering, figures, HTML -------------------------------------------------------------
