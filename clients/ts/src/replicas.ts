@@ -7,7 +7,8 @@
  *   server (no policy: its own error at once, as before);
  * - calls spread round-robin over the replicas;
  * - a call refused with UNAVAILABLE before any response (a replica draining after SIGTERM
- *   refuses before it sends anything; one that is down refuses the connection) is retried on
+ *   refuses before it sends anything; one that is down refuses the connection; one that has
+ *   just exited closed the connection under it: gRPC's UNAVAILABLE too) is retried on
  *   the next replica: up to 4 retries, 50 ms to 1 s apart with jitter (gRPC's backoff). A
  *   stream is retried only while its `transport.stream()` has not resolved, which happens once
  *   the response's headers arrive: a trace is never replayed after it began streaming. A unary
@@ -86,14 +87,14 @@ export function replicaTransport(replicas: readonly Transport[], policy: RetryPo
 
 class ReplicaTransport implements Transport {
   private next = 0;
-  /** Per replica: when it rejoins the rotation (ms, Date.now()) and its refusals in a row. */
-  private readonly benched: { until: number; refusals: number }[];
+  /** Per replica: when it last refused and when it rejoins the rotation (ms, Date.now()), its refusals in a row. */
+  private readonly benched: { since: number; until: number; refusals: number }[];
 
   constructor(
     private readonly replicas: readonly Transport[],
     private readonly policy: RetryPolicy,
   ) {
-    this.benched = replicas.map(() => ({ until: 0, refusals: 0 }));
+    this.benched = replicas.map(() => ({ since: 0, until: 0, refusals: 0 }));
   }
 
   unary<I extends DescMessage, O extends DescMessage>(
@@ -129,23 +130,31 @@ class ReplicaTransport implements Transport {
     );
   }
 
-  /** `call` on the next replica, again on the following one while it is refused with UNAVAILABLE. */
+  /**
+   * `call` on the next replica, again while it is refused with UNAVAILABLE: each retry on a
+   * replica this call has not tried yet, when one is in the rotation.
+   */
   private async attempt<T>(
     signal: AbortSignal | undefined,
     timeoutMs: number | undefined,
     call: (replica: Transport, remainingMs: number | undefined) => Promise<T>,
   ): Promise<T> {
     const started = Date.now();
+    const tried = new Set<number>();
     for (let attempt = 1; ; attempt++) {
       // The call's deadline covers all its attempts (as gRPC's does); Connect reads <= 0 as "none".
       const remaining = timeoutMs === undefined || timeoutMs <= 0 ? undefined : timeoutMs - (Date.now() - started);
       if (remaining !== undefined && remaining <= 0) {
         throw new ConnectError("deadline exceeded (retrying on other replicas)", Code.DeadlineExceeded);
       }
-      const index = this.pick();
+      const index = this.pick(tried);
+      tried.add(index);
+      const sent = Date.now();
       try {
         const response = await call(this.replicas[index]!, remaining);
-        this.benched[index] = { until: 0, refusals: 0 };
+        // Back in the rotation, unless it refused another call since this one was sent (a
+        // replica that began draining after taking this call).
+        if (this.benched[index]!.since < sent) this.benched[index] = { since: 0, until: 0, refusals: 0 };
         return response;
       } catch (error) {
         if (!isRefusal(error) || signal?.aborted || attempt >= this.policy.maxAttempts) throw error;
@@ -155,26 +164,28 @@ class ReplicaTransport implements Transport {
     }
   }
 
-  /** The next replica in the rotation; when every one is benched, the one back soonest. */
-  private pick(): number {
+  /**
+   * The next replica in the rotation that is not benched, preferring one `tried` lacks; when
+   * every one is benched, the one back soonest.
+   */
+  private pick(tried: ReadonlySet<number> = new Set()): number {
     const now = Date.now();
     const count = this.replicas.length;
-    for (let i = 0; i < count; i++) {
-      const index = (this.next + i) % count;
-      if (this.benched[index]!.until <= now) {
-        this.next = index + 1;
-        return index;
-      }
-    }
-    const soonest = this.benched.reduce((best, b, i) => (b.until < this.benched[best]!.until ? i : best), 0);
-    this.next = soonest + 1;
-    return soonest;
+    const order = Array.from({ length: count }, (_, i) => (this.next + i) % count);
+    const ready = (i: number): boolean => this.benched[i]!.until <= now;
+    const choice =
+      order.find((i) => ready(i) && !tried.has(i)) ??
+      order.find(ready) ??
+      order.reduce((best, i) => (this.benched[i]!.until < this.benched[best]!.until ? i : best));
+    this.next = choice + 1;
+    return choice;
   }
 
   private bench(index: number): void {
     const refusals = this.benched[index]!.refusals + 1;
     const cooldown = Math.min(COOLDOWN_MS * 2 ** (refusals - 1), MAX_COOLDOWN_MS);
-    this.benched[index] = { until: Date.now() + cooldown, refusals };
+    const now = Date.now();
+    this.benched[index] = { since: now, until: now + cooldown, refusals };
   }
 
   /** gRPC's: uniform in [0, min(initial * multiplier^(n-1), max)). */
@@ -184,8 +195,30 @@ class ReplicaTransport implements Transport {
   }
 }
 
+/**
+ * Node's errors for a connection lost under a call: the replica closed its HTTP/2 session
+ * (a server exiting at the end of its drain sends GOAWAY; Node then reports "Session closed
+ * with error code 2") or reset the connection. Connect-node maps these to INTERNAL / ABORTED;
+ * gRPC reports a call that got no response on a lost connection as UNAVAILABLE, and retries it.
+ */
+const CONNECTION_LOST = new Set(["ERR_HTTP2_SESSION_ERROR", "ERR_HTTP2_GOAWAY_SESSION", "ECONNRESET"]);
+
+/**
+ * UNAVAILABLE, or the connection lost, before any response: the replica did not take the
+ * call (the caller only asks about errors that came before the response).
+ */
 function isRefusal(error: unknown): boolean {
-  return error instanceof ConnectError && error.code === Code.Unavailable;
+  if (!(error instanceof ConnectError)) {
+    return false;
+  }
+  if (error.code === Code.Unavailable) {
+    return true;
+  }
+  for (let cause: unknown = error.cause, depth = 0; cause instanceof Error && depth < 8; cause = cause.cause, depth++) {
+    const code = (cause as { code?: unknown }).code;
+    if (typeof code === "string" && CONNECTION_LOST.has(code)) return true;
+  }
+  return false;
 }
 
 function sleep(ms: number, signal: AbortSignal | undefined): Promise<void> {
