@@ -119,7 +119,7 @@ class ReplicaTransport implements Transport {
     contextValues?: ContextValues,
   ): Promise<StreamResponse<I, O>> {
     if (method.methodKind !== "server_streaming") {
-      // A client stream cannot be replayed (TraceService has none): one replica, no retry.
+      // A client stream cannot be replayed once sent: one replica, no retry.
       return this.replicas[this.pick()]!.stream(method, signal, timeoutMs, header, input, contextValues);
     }
     // The one request message, kept so that each attempt sends it again.
