@@ -117,7 +117,7 @@ def train_probe(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"W": w.detach().contiguous(), "b": b.detach().contiguous()}
 
 
-def train_sae(x: torch.Tensor) -> dict[str, torch.Tensor]:
+def train_sae(x: torch.Tensor, l1_coef: float = L1_COEF) -> dict[str, torch.Tensor]:
     torch.manual_seed(SEED)
     hidden = x.shape[1]
     w_dec = torch.randn(SAE_FEATURES, hidden)
@@ -132,7 +132,7 @@ def train_sae(x: torch.Tensor) -> dict[str, torch.Tensor]:
         acts = torch.relu((batch - b_dec) @ w_enc + b_enc)
         recon = acts @ w_dec + b_dec
         l1 = (acts * w_dec.norm(dim=1)).sum(1).mean()
-        loss = (recon - batch).pow(2).sum(1).mean() + L1_COEF * l1
+        loss = (recon - batch).pow(2).sum(1).mean() + l1_coef * l1
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -164,6 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=MODEL / "dictionaries")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--l1", type=float, default=L1_COEF, help="the SAE's L1 coefficient")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -172,7 +173,7 @@ def main() -> None:
     log(f"{len(x)} positions of {MODULE} from {CORPUS.name} ({time.monotonic() - started:.1f} s)")
     eos = AutoTokenizer.from_pretrained(MODEL).eos_token_id
     probe = train_probe(x, probe_targets(nexts, strings, eos))
-    sae = train_sae(x)
+    sae = train_sae(x, args.l1)
     args.out.mkdir(parents=True, exist_ok=True)
     write(args.out, PROBE_NAME, probe, {
         "kind": "DICTIONARY_KIND_PROBE",

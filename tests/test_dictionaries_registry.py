@@ -59,7 +59,7 @@ def test_register_list_replace_delete(client) -> None:
     assert (first.kind, first.size, first.input_size, first.dtype) == ("probe", 2, 256, "float32")
     assert first.device_bytes == weights["W"].nbytes + weights["b"].nbytes
     assert first.owner == "anonymous" and first.labels == ("a", "b")
-    assert client.list_dictionaries()[-1].name != "" and "test-probe" in {d.name for d in client.list_dictionaries()}
+    assert "test-probe" in {d.name for d in client.list_dictionaries()}
     with pytest.raises(tracewire.AlreadyExists):
         client.register_dictionary("test-probe", PROBE_SPEC, weights)
     # replaced by its owner: another generation, another size (from a file this time)
@@ -118,10 +118,8 @@ def test_upload_over_the_limit_stops_at_the_chunk(stub) -> None:
         yield dictionary_pb2.RegisterDictionaryRequest(
             header=dictionary_pb2.DictionaryHeader(name="test-huge", spec=spec))
         rows = 100 * chunk // (256 * 4)
-        head = safetensors_bytes({"W": np.zeros((1, 256), np.float32)})[: 8]  # (just the length's shape)
         header = json.dumps({"W": {"dtype": "F32", "shape": [rows, 256], "data_offsets": [0, rows * 1024]}}).encode()
         yield dictionary_pb2.RegisterDictionaryRequest(chunk=len(header).to_bytes(8, "little") + header)
-        assert len(head) == 8
         for _ in range(100):
             sent += 1
             yield dictionary_pb2.RegisterDictionaryRequest(chunk=bytes(chunk))
