@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, start_server
+from conftest import DICTIONARIES, ROOT, start_server
 from snippets import Block, blocks, claim_holds, print_claims, run_python
 
 README = ROOT / "README.md"
@@ -33,7 +33,8 @@ SET_UP = ("make ", "pip install ")
 
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("readme"), "--enforce-eager")
+    # (with the dictionaries `make serve` loads)
+    server = start_server(tmp_path_factory.mktemp("readme"), "--enforce-eager", "--dictionaries", str(DICTIONARIES))
     yield server
     server.stop()
 

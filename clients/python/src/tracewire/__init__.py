@@ -17,13 +17,16 @@ __path__ = extend_path(__path__, __name__)
 from .aio import AsyncClient, AsyncTracer
 from .client import Client
 from .conditions import Condition, argmax_in, entropy, prob, sampled_in, text_contains, text_matches
+from .dictionaries import Dictionary
 from .errors import (
+    AlreadyExists,
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     TracewireError,
     Unavailable,
@@ -67,6 +70,9 @@ __all__ = [
     "Client",
     "CompletionOutput",
     "DeadlineExceeded",
+    "Dictionary",
+    "AlreadyExists",
+    "PermissionDenied",
     "EngineStats",
     "FailedPrecondition",
     "Internal",

@@ -21,6 +21,7 @@ import grpc.aio
 
 from . import rpcs
 from .channel import connect
+from .dictionaries import Dictionary, SpecLike, TensorsLike
 from .errors import InvalidArgument, TypedErrors
 from .mapping import MapOptions, MapResults, run_map_async
 from .outputs import RequestOutput
@@ -143,6 +144,25 @@ class AsyncClient:
     ) -> MapResults[R]:
         """`Client.map`, awaited: at most `concurrency` traces in flight on this channel."""
         return await run_map_async(self, prompts, trace_fn, MapOptions(concurrency, retries, progress), sampling)
+
+    async def register_dictionary(
+        self, name: str, spec: SpecLike, tensors: TensorsLike, *, replace: bool = False
+    ) -> Dictionary:
+        """Upload a dictionary (a linear probe or an SAE) under `name`: `spec` is a mapping
+        ({"kind": "probe", "module": "layers.2", "probe_activation": "sigmoid", "labels":
+        [...]}), a DictionarySpec or a NAME.json path; `tensors` a mapping of arrays ("W", "b";
+        or "W_enc", "b_enc", "W_dec", "b_dec", "threshold"), safetensors bytes or a
+        .safetensors path. `replace`: replace your own dictionary of that name. Returns it as
+        the server holds it."""
+        return await self._unary(rpcs.register_dictionary(name, spec, tensors, replace))
+
+    async def list_dictionaries(self, *, omit_labels: bool = False) -> list[Dictionary]:
+        """Every dictionary the server holds (the operator's have owner "")."""
+        return await self._unary(rpcs.list_dictionaries(omit_labels))
+
+    async def delete_dictionary(self, name: str) -> int:
+        """Remove a dictionary you registered; the device bytes freed."""
+        return await self._unary(rpcs.delete_dictionary(name))
 
     async def model_info(self) -> ModelInfo:
         return await self._unary(rpcs.get_model_info())

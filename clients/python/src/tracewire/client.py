@@ -11,6 +11,7 @@ import grpc
 
 from . import rpcs
 from .channel import connect
+from .dictionaries import Dictionary, SpecLike, TensorsLike
 from .errors import InvalidArgument, TypedErrors
 from .mapping import MapOptions, MapResults, run_map
 from .outputs import RequestOutput
@@ -157,6 +158,25 @@ class Client:
                            mean, logits_top_k, samples, max_tokens)
         return collect(self, prompts, output, plan, storage=storage, shard_size=shard_size, column=column,
                        options=MapOptions(concurrency, retries, progress), on_shard=on_shard, sampling=sampling)
+
+    def register_dictionary(
+        self, name: str, spec: SpecLike, tensors: TensorsLike, *, replace: bool = False
+    ) -> Dictionary:
+        """Upload a dictionary (a linear probe or an SAE) under `name`: `spec` is a mapping
+        ({"kind": "probe", "module": "layers.2", "probe_activation": "sigmoid", "labels":
+        [...]}), a DictionarySpec or a NAME.json path; `tensors` a mapping of arrays ("W", "b";
+        or "W_enc", "b_enc", "W_dec", "b_dec", "threshold"), safetensors bytes or a
+        .safetensors path. `replace`: replace your own dictionary of that name. Returns it as
+        the server holds it."""
+        return self._unary(rpcs.register_dictionary(name, spec, tensors, replace))
+
+    def list_dictionaries(self, *, omit_labels: bool = False) -> list[Dictionary]:
+        """Every dictionary the server holds (the operator's have owner "")."""
+        return self._unary(rpcs.list_dictionaries(omit_labels))
+
+    def delete_dictionary(self, name: str) -> int:
+        """Remove a dictionary you registered; the device bytes freed."""
+        return self._unary(rpcs.delete_dictionary(name))
 
     def model_info(self) -> ModelInfo:
         return self._unary(rpcs.get_model_info())
