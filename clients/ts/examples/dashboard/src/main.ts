@@ -12,6 +12,9 @@ import { NO_SPECIAL_TOKENS, type SpecialTokens } from "./format.js";
 import { TokenLabels } from "./labels.js";
 import { buildInvoke, forceAt, sampling, toStepView, type Forced, type RunSettings, type StepView } from "./model.js";
 import { addStep, clearError, findElements, setStatus, showError, startRun, type Elements } from "./view.js";
+import { featureStrip, stripChoices, stripDictionary, withFeatures } from "./model.js";
+import { addFeatureStrip, findFeatureElements, showDictionaries } from "./view.js";
+import type { Dictionary, Step } from "@tracewire/client";
 import "./style.css";
 
 const DEFAULT_SERVER = "http://127.0.0.1:8080";
@@ -88,6 +91,10 @@ class Dashboard {
   private readonly specials: Promise<SpecialTokens>;
   private resolveSpecials: (specials: SpecialTokens) => void = () => undefined;
 
+  /** The feature strip's picker, and the SAEs it offers (none: no strip). */
+  private readonly strip = findFeatureElements(document);
+  private stripChoices: Dictionary[] = [];
+
   constructor(
     private readonly els: Elements,
     private readonly client: TracewireClient,
@@ -110,6 +117,7 @@ class Dashboard {
       try {
         const info = await this.client.modelInfo({ timeoutMs: CHECK_TIMEOUT_MS });
         this.resolveSpecials({ eos: info.eosTokenIds, bos: info.bosTokenId });
+        void this.loadDictionaries(info.engineMode);
         if (this.runId === 0) {
           clearError(this.els);
           setStatus(this.els, "idle", 0, `ready: ${info.model} (${info.architecture}, ${info.dtype}), vLLM ${info.vllmVersion}`);
@@ -164,8 +172,9 @@ class Dashboard {
     const what = forced.length > 0 ? `forcing token ${forced.at(-1)} at step ${forced.length - 1}` : "running";
     setStatus(this.els, "running", id, `${what}…`);
     const started = performance.now();
+    const dictionary = stripDictionary(this.stripChoices, this.strip.dictionary.value);
     try {
-      const trace = this.client.trace(buildInvoke(settings, forced), sampling(settings), {
+      const trace = this.client.trace(withFeatures(buildInvoke(settings, forced), dictionary), sampling(settings), {
         signal: abort.signal,
         timeoutMs: TIMEOUT_MS,
       });
@@ -176,6 +185,7 @@ class Dashboard {
         const view = toStepView(step, forced, before);
         steps.push(view);
         addStep(this.els, this.labels, view);
+        this.drawFeatures(step, dictionary);
         setStatus(this.els, "running", id, `${what}: step ${view.step}`);
       }
       const seconds = ((performance.now() - started) / 1000).toFixed(2);
@@ -186,6 +196,23 @@ class Dashboard {
         setStatus(this.els, "error", id, "failed");
       }
     }
+  }
+  /**
+   * The feature strip's dictionaries (ListDictionaries): its SAEs, the first chosen. A server
+   * without dictionaries (or without the RPC, or not eager) keeps the strip hidden.
+   */
+  private async loadDictionaries(engineMode: Parameters<typeof stripChoices>[1]): Promise<void> {
+    try {
+      this.stripChoices = stripChoices(await this.client.listDictionaries({}, { timeoutMs: CHECK_TIMEOUT_MS }), engineMode);
+    } catch {
+      this.stripChoices = [];
+    }
+    showDictionaries(this.strip, this.stripChoices, stripDictionary(this.stripChoices)?.name);
+  }
+
+  private drawFeatures(step: Step, dictionary: Dictionary | undefined): void {
+    const chips = dictionary ? featureStrip(step, dictionary) : undefined;
+    if (dictionary && chips) addFeatureStrip(this.els, step.step, dictionary.name, chips);
   }
 }
 
