@@ -18,7 +18,7 @@ from tracewire.v1 import sampling_pb2, service_pb2
 from ..shared import plan as P
 from ..shared.limits import ModelLimits
 from .errors import InvalidArgument, ResourceExhausted
-from .interventions import InterventionCompiler
+from .interventions import DictionaryLookup, InterventionCompiler
 from .patching import InvokeDraft, PatchWait, resolve_patches
 from .prompts import Encoder, EnginePrompt, to_engine_prompt
 from .sampling import DEFAULT_MAX_TOKENS, fit_max_tokens, to_vllm_kwargs
@@ -107,13 +107,14 @@ class _Compiler:
         fault_injection: bool,
         route: int = 0,
         max_sequences: int = 256,
+        dictionaries: DictionaryLookup | None = None,
     ):
         self.max_sequences = max_sequences
         self.limits = limits
         self.route = route  # the frontend process this trace's records go to
         self.encoder = encoder
         self.server_max_read_bytes = server_max_read_bytes
-        self.interventions = InterventionCompiler(limits, fault_injection)
+        self.interventions = InterventionCompiler(limits, fault_injection, dictionaries or _no_dictionaries)
         self.prompt_len = 0  # of the invoke being compiled
 
     # -- whole request -------------------------------------------------------
@@ -240,10 +241,15 @@ def compile_trace(
     fault_injection: bool = False,
     route: int = 0,
     max_sequences: int = 256,
+    dictionaries: DictionaryLookup | None = None,
 ) -> CompiledTrace:
-    return _Compiler(limits, encoder, server_max_read_bytes, fault_injection, route, max_sequences).trace(
-        request, trace_key
-    )
+    """`dictionaries`: the server's probes and SAEs by name (None: it has none)."""
+    return _Compiler(limits, encoder, server_max_read_bytes, fault_injection, route, max_sequences,
+                     dictionaries).trace(request, trace_key)
+
+
+def _no_dictionaries(name: str) -> None:
+    return None
 
 
 def _whole_rows(op: P.Op) -> P.Op:

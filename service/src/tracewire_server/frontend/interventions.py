@@ -7,6 +7,7 @@ around them; every error names the intervention's field path.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -14,10 +15,14 @@ from tracewire.v1 import intervention_pb2 as ipb
 
 from ..shared import plan as P
 from ..shared import textmatch
+from ..shared.dictionary_spec import DictionaryInfo
 from ..shared.limits import ModelLimits
 from .errors import FailedPrecondition, InvalidArgument
 from .tensors import float_vector
 from .units import read_units, require_units, unit_operand, write_units
+
+# The server's dictionaries by name (frontend/dictionaries.py's registry; None: unknown).
+DictionaryLookup = Callable[[str], DictionaryInfo | None]
 
 # With --enable-fault-injection (tests only), an intervention named
 # "__fault__:<message>" raises <message> inside the worker hook at its steps.
@@ -39,8 +44,10 @@ _COMPARISONS = {
 
 
 class InterventionCompiler:
-    def __init__(self, limits: ModelLimits, fault_injection: bool) -> None:
+    def __init__(self, limits: ModelLimits, fault_injection: bool,
+                 dictionaries: DictionaryLookup = lambda name: None) -> None:
         self.limits = limits
+        self.dictionaries = dictionaries  # the server's registry (dictionaries.py): name -> info
         self.fault_injection = fault_injection
         self.prompt_len = 0  # of the invoke being compiled
         self.max_tokens = 0  # of the invoke being compiled (attention patterns' key caches)
@@ -61,6 +68,8 @@ class InterventionCompiler:
             if isinstance(action, P.READS) and not name:
                 raise InvalidArgument(f"{f}.name", "reads need a name to return values under")
             if name:
+                if not name.isprintable():
+                    raise InvalidArgument(f"{f}.name", "must not contain control characters")
                 if name in names:
                     raise InvalidArgument(
                         f"{f}.name", f"duplicate name {name!r} (also {field}[{names[name]}])"
@@ -68,11 +77,12 @@ class InterventionCompiler:
                 names[name] = j
             condition = self.condition(iv.condition, f"{f}.condition") if iv.HasField(
                 "condition") else None
-            if isinstance(action, P.WriteModule) and condition is not None and not P.text_only(condition):
+            if isinstance(action, P.WriteModule) and condition is not None and not P.known_before_forward(condition):
                 raise InvalidArgument(
                     f"{f}.condition",
                     "a module write acts inside the forward pass, before this step's logits exist: "
-                    "only text conditions (text_contains, text_matches) can gate it",
+                    "only text conditions (text_contains, text_matches) and dictionary values (the previous "
+                    "step's) can gate it",
                 )
             if isinstance(action, P.WRITES) and P.uses_drawn_token(condition):
                 raise InvalidArgument(
@@ -82,7 +92,8 @@ class InterventionCompiler:
                 )
             steps = self.steps(iv.steps, f"{f}.steps") if iv.HasField("steps") else P.StepSet()
             ops.append(P.Op(name or f"#{j}", steps, condition, action))
-        return tuple(ops)
+        # Dictionary conditions' values: reads of their own, computed and never returned.
+        return tuple(ops) + P.condition_reads(tuple(ops))
 
     def steps(self, sel: ipb.StepSelector, field: str) -> P.StepSet:
         kind = sel.WhichOneof("kind")
@@ -159,6 +170,10 @@ class InterventionCompiler:
             return self.write_module(iv.write_module, f)
         if kind == "read_attention_pattern":
             return self.read_attention_pattern(iv.read_attention_pattern, f)
+        if kind == "read_dictionary":
+            return self.read_dictionary(iv.read_dictionary, f)
+        if kind == "write_dictionary":
+            return self.write_dictionary(iv.write_dictionary, f)
         raise InvalidArgument(f"{field}.action", f"unknown action {kind!r}")
 
     def require_eager(self, field: str) -> None:
@@ -406,7 +421,83 @@ class InterventionCompiler:
             return P.AllOf(items) if kind == "all_of" else P.AnyOf(items)
         if kind == "not":
             return P.Not(self.condition(getattr(c, "not"), f))
+        if kind == "dictionary_value":
+            dv = c.dictionary_value
+            info = self.dictionary(dv.dictionary, "", f)
+            feature = self.feature(info, dv.feature, f"{f}.feature")
+            cmp, value = self.threshold(dv.threshold, f"{f}.threshold")
+            return P.DictionaryValue(dictionary_ref(info), feature, cmp, value)
         raise InvalidArgument(field, "set one condition kind")
+
+    # -- dictionaries (probes, SAEs) ---------------------------------------------------
+
+    def dictionary(self, name: str, module: str, field: str) -> DictionaryInfo:
+        """The dictionary an intervention names, checked against the module it gave."""
+        self.require_eager(field)  # (computed in module hooks)
+        if not name:
+            raise InvalidArgument(f"{field}.dictionary", "name a dictionary (ListDictionaries lists them)")
+        info = self.dictionaries(name)
+        if info is None:
+            raise InvalidArgument(f"{field}.dictionary", f"unknown dictionary {name!r}; ListDictionaries lists "
+                                  "the server's")
+        if module and module != info.module:
+            raise InvalidArgument(f"{field}.module", f"dictionary {name!r} reads {info.module!r}, not {module!r}")
+        return info
+
+    def feature(self, info: DictionaryInfo, feature: int, field: str) -> int:
+        what = "output" if info.kind == "probe" else "feature"
+        if not 0 <= feature < info.size:
+            raise InvalidArgument(field, f"{what} {feature} is outside [0, {info.size}) (dictionary {info.name!r})")
+        return feature
+
+    def features(self, info: DictionaryInfo, ids: Any, field: str) -> tuple[int, ...]:
+        if not len(ids):
+            raise InvalidArgument(field, "must not be empty")
+        seen: dict[int, int] = {}
+        for k, f in enumerate(ids):
+            self.feature(info, f, f"{field}[{k}]")
+            if f in seen:
+                raise InvalidArgument(f"{field}[{k}]", f"duplicate {f} (also [{seen[f]}])")
+            seen[f] = k
+        return tuple(seen)
+
+    def read_dictionary(self, r: ipb.ReadDictionary, field: str) -> P.Action:
+        info = self.dictionary(r.dictionary, r.module, field)
+        positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
+        ref = dictionary_ref(info)
+        which = r.WhichOneof("selection")
+        if which == "top_k":
+            if not 1 <= r.top_k.k <= info.size:
+                raise InvalidArgument(f"{field}.top_k.k", f"must be in [1, {info.size}] (dictionary "
+                                      f"{info.name!r}), got {r.top_k.k}")
+            return P.ReadDictionary(ref, positions, top_k=r.top_k.k)
+        if which == "features":
+            return P.ReadDictionary(ref, positions, features=self.features(info, r.features.ids,
+                                                                           f"{field}.features.ids"))
+        if which == "reconstruction_error":
+            if info.kind != "sae":
+                raise InvalidArgument(f"{field}.reconstruction_error", f"{info.name!r} is a probe: only SAEs "
+                                      "reconstruct")
+            return P.ReadDictionary(ref, positions, error=True)
+        return P.ReadDictionary(ref, positions)
+
+    def write_dictionary(self, w: ipb.WriteDictionary, field: str) -> P.Action:
+        info = self.dictionary(w.dictionary, w.module, field)
+        op = w.WhichOneof("op")
+        if op is None:
+            raise InvalidArgument(f"{field}.op", "set steer, clamp or ablate")
+        edit: P.ModuleEdit = "steer" if op == "steer" else "clamp"
+        self.require_writable(info.module, edit, field)
+        if op != "steer" and info.kind != "sae":
+            raise InvalidArgument(f"{field}.{op}", f"{info.name!r} is a probe: probes steer (its rows are "
+                                  "directions); clamping and ablating are for SAE features")
+        value = 0.0 if op == "ablate" else float(getattr(w, op))
+        if not math.isfinite(value):
+            raise InvalidArgument(f"{field}.{op}", "must be finite")
+        features = self.features(info, w.features, f"{field}.features")
+        positions = self.positions(w.positions, f"{field}.positions") if w.HasField("positions") else P.Positions()
+        return P.WriteModule(info.module, positions, edit,
+                             dictionary=P.DictionaryEdit(dictionary_ref(info), features, value))
 
     def threshold(self, t: ipb.Threshold, field: str) -> tuple[P.Comparison, float]:
         if t.comparison not in _COMPARISONS:
@@ -414,6 +505,11 @@ class InterventionCompiler:
         if not math.isfinite(t.value):
             raise InvalidArgument(f"{field}.value", "must be finite")
         return _COMPARISONS[t.comparison], t.value  # type: ignore[return-value]
+
+
+def dictionary_ref(info: DictionaryInfo) -> P.DictRef:
+    """How a plan refers to a dictionary: by name and generation."""
+    return P.DictRef(info.name, info.generation, info.module, info.size)
 
 
 def _module_order(path: str) -> tuple[int, str]:

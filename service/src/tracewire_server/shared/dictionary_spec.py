@@ -16,6 +16,8 @@ from typing import Literal
 
 import msgspec
 
+from .plan import unit_kind
+
 DictionaryKind = Literal["probe", "sae"]
 ProbeActivation = Literal["none", "sigmoid", "softmax"]
 SaeActivation = Literal["relu", "jumprelu", "topk"]
@@ -96,8 +98,9 @@ def check_tensors(
         raise DictionaryError(f"tensors.{main}", f"missing: a {info.kind} needs {main}")
     shape = tensors[main][1]
     if len(shape) != 2 or shape[1] != hidden_size:
-        raise DictionaryError(f"tensors.{main}", f"shape {list(shape)}: expected [{'k' if info.kind == 'probe' else 'd'}, "
-                              f"{hidden_size}] (the model's hidden size is {hidden_size})")
+        rows = "k" if info.kind == "probe" else "d"
+        raise DictionaryError(f"tensors.{main}", f"shape {list(shape)}: expected [{rows}, {hidden_size}] (the "
+                              f"model's hidden size is {hidden_size})")
     size = shape[0]
     if size < 1:
         raise DictionaryError(f"tensors.{main}", "has no rows")
@@ -137,6 +140,9 @@ def _count(shape: tuple[int, ...]) -> int:
 def check_spec(info: DictionaryInfo, modules: Mapping[str, int], hidden_size: int) -> None:
     """The spec's own fields: the module exists and has the hidden size's width
     (`modules`: path -> output width), labels and description within bounds."""
+    if unit_kind(info.module):
+        raise DictionaryError("spec.module", f"{info.module!r} is a unit-addressed module (heads / neurons); a "
+                              "dictionary reads a module's output rows, e.g. a decoder layer (layers.N)")
     width = modules.get(info.module)
     if width is None:
         raise DictionaryError("spec.module", f"unknown module {info.module!r}; GetModelInfo lists them")

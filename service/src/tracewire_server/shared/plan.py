@@ -580,11 +580,6 @@ def uses_drawn_token(condition: Condition | None) -> bool:
     )
 
 
-def text_only(condition: Condition) -> bool:
-    """Whether every leaf is a text condition (decidable before the forward pass)."""
-    return not _any_leaf(condition, lambda c: not isinstance(c, (TextContains, TextMatches)))
-
-
 def dictionary_values(condition: Condition | None) -> Iterator[DictionaryValue]:
     """The dictionary leaves of a condition tree."""
     return (c for c in _leaves(condition) if isinstance(c, DictionaryValue))
@@ -608,6 +603,12 @@ def condition_reads(ops: tuple[Op, ...]) -> tuple[Op, ...]:
            ReadDictionary(leaf.dictionary, Positions(), features=(leaf.feature,), internal=True))
         for key, (leaf, last) in lasts.items()
     )
+
+
+def known_before_forward(condition: Condition) -> bool:
+    """Whether every leaf is decidable before the forward pass: text conditions, and
+    dictionary values (the previous step's)."""
+    return not _any_leaf(condition, lambda c: not isinstance(c, (TextContains, TextMatches, DictionaryValue)))
 
 
 def _uses_logits(condition: Condition | None) -> bool:

@@ -13,16 +13,30 @@ import torch
 
 from ..shared import plan as P
 from .batch import Row
+from .host import scalar
 from .ops import NO_OPS
 from .sequences import Sequence
 
 
 class Context:
-    """What a condition can look at for one row at one step."""
+    """What a condition can look at for one row at one step. `before_draw`: a write's
+    condition, decided before this step's forward pass / draw (dictionary values are then
+    the previous step's)."""
 
-    def __init__(self, row: Row) -> None:
+    def __init__(self, row: Row, before_draw: bool = False) -> None:
         self.row = row
+        self.before_draw = before_draw
         self._logprobs: torch.Tensor | None = None
+
+    def dictionary_value(self, cond: P.DictionaryValue) -> float | None:
+        """The value the condition compares: this step's (its internal read, on the host
+        now), or before the draw the previous step's (None at step 0: the leaf is false)."""
+        key = cond.read_name()
+        seq = self.row.seq
+        if self.before_draw:
+            found = seq.condition_values.get(key)
+            return found[1] if found is not None and found[0] == seq.step - 1 else None
+        return scalar(self.row.reads[key])
 
     @property
     def processed(self) -> torch.Tensor:
@@ -68,6 +82,9 @@ def holds(cond: P.Condition | None, ctx: Context) -> bool:
         probs = torch.exp(lp)
         entropy = float(-(probs * torch.where(probs > 0, lp, torch.zeros_like(lp))).sum())
         return _compare(entropy, cond.comparison, cond.value)
+    if isinstance(cond, P.DictionaryValue):
+        value = ctx.dictionary_value(cond)
+        return value is not None and _compare(value, cond.comparison, cond.value)
     if isinstance(cond, P.AllOf):
         return all(holds(c, ctx) for c in cond.conditions)
     if isinstance(cond, P.AnyOf):
@@ -84,4 +101,13 @@ def holds_before_forward(condition: P.Condition | None, seq: Sequence, drain: Ca
     if condition is None:
         return True
     drain()
-    return holds(condition, Context(Row(-1, seq, NO_OPS)))
+    return holds(condition, Context(Row(-1, seq, NO_OPS), before_draw=True))
+
+
+def remember_condition_values(row: Row) -> None:
+    """Keep this step's dictionary-condition values on the sequence, for the writes of the
+    next step (which decide before their forward pass)."""
+    for name in row.selected.condition_reads:
+        launched = row.reads.get(name)
+        if launched is not None:
+            row.seq.condition_values[name] = (row.step, scalar(launched))

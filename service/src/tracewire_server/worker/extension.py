@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..shared.dictionary_spec import DictionaryError, decode_info, encode_info
+from .dictionaries import load
 from .hooks import PlanHooks
 from .runner import RunnerView, check_supported
 from .sender import Sender
@@ -51,6 +53,35 @@ class TracewireWorkerExtension:
         log.debug("patch store: released %s (%d bytes); holds %d traces, %d bytes", trace, freed,
                   held.traces, held.bytes)
         return freed, held.traces, held.entries, held.bytes
+
+    # -- dictionaries (probes, SAEs): the frontend's registry asks every worker --------
+
+    def tracewire_dictionary_load(self, info: bytes, path: str) -> tuple[bytes, str, str]:
+        """Load the safetensors file at `path` as dictionary `info` (replacing one of that
+        name): (the completed info, "", "") or (b"", field, message) for a bad file."""
+        hooks = self._hooks()
+        try:
+            dictionary = load(decode_info(info), path, hooks.runner.device, hooks.runner.hidden_size)
+        except DictionaryError as e:
+            return b"", e.field, e.message
+        hooks.dictionaries.put(dictionary)
+        log.info("dictionary %s loaded (%s, %d bytes)", dictionary.info.name, dictionary.info.kind,
+                 dictionary.info.device_bytes)
+        return encode_info(dictionary.info), "", ""
+
+    def tracewire_dictionary_delete(self, name: str) -> int:
+        """Forget dictionary `name`: the device bytes freed (0: none held)."""
+        return self._hooks().dictionaries.delete(name)
+
+    def tracewire_dictionaries(self) -> list[bytes]:
+        """Every dictionary held (encode_info)."""
+        return [encode_info(info) for info in self._hooks().dictionaries.infos()]
+
+    def _hooks(self) -> PlanHooks:
+        hooks: PlanHooks | None = getattr(self, "tracewire_hooks", None)
+        if hooks is None:
+            raise RuntimeError("tracewire hooks are not installed on this worker")
+        return hooks
 
 
 def install(runner: Any, fault_injection: bool) -> PlanHooks:

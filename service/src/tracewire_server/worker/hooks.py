@@ -62,7 +62,8 @@ from ..shared import plan as P
 from ..shared import steering
 from .batch import Block, Row, Step, StepWork
 from .collector import StepCollector
-from .conditions import Context, holds
+from .conditions import Context, holds, remember_condition_values
+from .dictionaries import Dictionaries
 from .host import SAMPLE, to_host
 from .logits_reads import BEFORE_WRITES, PROCESSED, RAW, UNWRITTEN, launch_batched, launch_logprobs
 from .logits_writes import write_and_capture
@@ -98,6 +99,8 @@ class PlanHooks:
         self.steering: SteeringSlots | None = None  # compiled engines with --compiled-steering
         # Activation patching: patch sources' values, per trace, until the trace ends.
         self.patches = PatchStore()
+        # Probes and SAEs the frontends loaded (reads, writes and conditions use them).
+        self.dictionaries = Dictionaries()
         # Off the engine's thread only where the device runs ahead of the host.
         self.collector: StepCollector[StepWork] = StepCollector(self._finish, threaded=runner.device_runs_ahead)
         period = float(os.environ.get(HOOK_TIMES_ENV) or 0)
@@ -166,7 +169,8 @@ class PlanHooks:
 
     def install_module_hooks(self) -> None:
         """Forward hooks on every addressable module (eager engines)."""
-        self.modules = ModuleHooks(self.runner, self.sequences, self.collector.drain, self.patches)
+        self.modules = ModuleHooks(self.runner, self.sequences, self.collector.drain, self.patches,
+                                   self.dictionaries)
         self.modules.install()
 
     def install_compiled_steering(self, tables: steering.SteeringTables) -> None:
@@ -248,7 +252,8 @@ class PlanHooks:
             if row.selected.module_reads:
                 fired.append(row)
         try:
-            launch_module_reads(fired, self.modules.lens if self.modules is not None else None, self.patches)
+            launch_module_reads(fired, self.modules.lens if self.modules is not None else None, self.patches,
+                                self.dictionaries)
         except Exception as e:  # noqa: BLE001 - a batch failure fails the traces in it
             for row in fired:
                 row.error = f"{type(e).__name__}: {e}"
@@ -282,6 +287,8 @@ class PlanHooks:
             if seq.tracker is not None:  # before the conditions: the text includes the token
                 seq.scan.extend(seq.tracker.add(row.token))
             if row.selected.ops:
+                if row.error is None and row.selected.condition_reads:
+                    remember_condition_values(row)  # (before the conditions: they use them)
                 if row.error is None and row.selected.plain:
                     row.kept = row.reads  # the common case: keep every read, nothing to decide
                 elif row.error is None:
@@ -314,6 +321,8 @@ class PlanHooks:
         ctx = Context(row)
         for op in row.selected.ops:
             if isinstance(op.action, P.READS):
+                if op.name in row.selected.condition_reads:
+                    continue  # a condition's value: kept on the sequence, never returned
                 if holds(op.condition, ctx):
                     row.kept[op.name] = row.reads[op.name]
             elif isinstance(op.action, P.Stop):

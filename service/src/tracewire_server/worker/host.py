@@ -117,4 +117,12 @@ class ColumnRows(msgspec.Struct, gc=False):
 
 # A read launched for one row: its own value, or its row of a batch.
 Launched = HostRead | ColumnRow
+
+
+def scalar(launched: Launched) -> float:
+    """The first value of a one-value read (a dictionary condition's), once on the host."""
+    if isinstance(launched, ColumnRow):
+        return float(launched.batch.values[launched.row].reshape(-1)[0])
+    assert launched.batch is not None
+    return float(launched.batch.values.reshape(-1)[0])
 SAMPLE = HostRead(None)

@@ -70,7 +70,7 @@ def write_and_capture(rows: list[Row], logits: torch.Tensor, drain: Callable[[],
             continue
         try:
             wrote = False
-            ctx = Context(row)
+            ctx = Context(row, before_draw=True)
             if any(op.condition is not None for op in row.selected.logits_writes):
                 # Conditions see the row as vLLM made it, before any of our writes (a
                 # LOGITS_STAGE_BEFORE_WRITES read): captured before the first write,

@@ -20,6 +20,7 @@ from ..shared import plan as P
 from . import recompute
 from .attention_patterns import AttentionPatterns
 from .conditions import holds_before_forward
+from .dictionaries import Dictionaries, Dictionary
 from .host import on_device
 from .module_reads import Lens
 from .patch_store import PatchStore
@@ -97,11 +98,12 @@ def _edit_module_output(path: str, output: Any, edits: list[Edit]) -> None:
     is_layer = isinstance(output, tuple) and P.is_decoder_layer(path)
     target = output[0] if isinstance(output, tuple) else output
     residual = output[1] if is_layer and output[1] is not None else None
-    if all(e.write.edit == "add" for e in edits):
+    if all(e.write.edit in ("add", "steer") for e in edits):
         # Steering, the common case: stream + s*v is hidden + s*v, for every row of every
         # request at once (one index_add_, not a few kernels per request).
         rows = [row for e in edits for row in e.rows]
-        vectors = torch.cat([e.seq.write_vector(e.write, target).expand(len(e.rows), -1) for e in edits])
+        vectors = torch.cat([e.seq.write_vector(e.write, target, e.dictionary).expand(len(e.rows), -1)
+                             for e in edits])
         target.index_add_(0, on_device(rows, target.device, torch.long), vectors)
         return
     for e in edits:
@@ -111,8 +113,12 @@ def _edit_module_output(path: str, output: Any, edits: list[Edit]) -> None:
         if e.operand is not None:  # patch / add_read: another invoke's rows, row for row
             operand = e.operand.to(device=target.device, dtype=stream.dtype)
             new_stream = operand if edit.edit == "patch" else stream + edit.scale * operand
-        elif edit.edit == "add":
-            new_stream = stream + seq.write_vector(edit, target)
+        elif edit.edit in ("add", "steer"):
+            new_stream = stream + seq.write_vector(edit, target, e.dictionary)
+        elif edit.edit == "clamp":
+            assert e.dictionary is not None and edit.dictionary is not None
+            clamp = edit.dictionary
+            new_stream = stream + e.dictionary.clamp_delta(stream, clamp.features, clamp.value).to(stream.dtype)
         elif edit.edit == "replace":
             new_stream = seq.write_vector(edit, target).expand_as(stream)
         elif edit.edit == "zero":
@@ -131,6 +137,7 @@ class Edit(NamedTuple):
     seq: Sequence
     # patch / add_read: the stored source rows for `rows`, in order ([len(rows), width])
     operand: torch.Tensor | None = None
+    dictionary: Dictionary | None = None  # steer / clamp: the dictionary the write names
 
 
 class ModuleHooks:
@@ -140,8 +147,9 @@ class ModuleHooks:
     pass has module reads or writes."""
 
     def __init__(self, runner: RunnerView, sequences: Sequences, drain: Callable[[], None],
-                 store: PatchStore | None = None) -> None:
+                 store: PatchStore | None = None, dictionaries: Dictionaries | None = None) -> None:
         self.runner = runner
+        self.dictionaries = dictionaries if dictionaries is not None else Dictionaries()
         self.store = store if store is not None else PatchStore()  # patch sources' values
         self.sequences = sequences
         self.drain = drain  # (module_writes' text conditions: every finished step first)
@@ -212,14 +220,16 @@ class ModuleHooks:
 
     def _edit(self, seq: Sequence, write: P.WriteModule, step: int, rows: list[int], wanted: list[int]) -> None:
         """Plan `write` at these rows of the pass (positions `wanted`), as step `step` makes it."""
-        operand = None
-        if write.ref is not None:
-            try:
+        operand = dictionary = None
+        try:
+            if write.ref is not None:
                 operand = self._operand(write, write.ref, seq, step, wanted)
-            except RuntimeError as e:  # fails this request's trace only
-                seq.error = seq.error or f"{write.edit} of {write.module}: {e}"
-                return
-        self._edits.setdefault(write.module, []).append(Edit(rows, write, seq, operand))
+            if write.dictionary is not None:
+                dictionary = self.dictionaries.get(write.dictionary.dictionary)
+        except RuntimeError as e:  # fails this request's trace only
+            seq.error = seq.error or f"{write.edit} of {write.module}: {e}"
+            return
+        self._edits.setdefault(write.module, []).append(Edit(rows, write, seq, operand, dictionary))
 
     def _operand(self, write: P.WriteModule, ref: P.ReadRef, seq: Sequence, step: int,
                  wanted: list[int]) -> torch.Tensor:

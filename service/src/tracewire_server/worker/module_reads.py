@@ -15,6 +15,8 @@ import torch
 
 from ..shared import plan as P
 from .batch import Row
+from .dictionaries import Dictionaries
+from .dictionary_reads import DictionaryWant, launch_dictionary_reads
 from .host import ColumnRow, HostBatch, HostRead, to_host
 from .patch_store import PatchStore
 from .pattern_state import joined
@@ -117,12 +119,14 @@ def _pattern_value(row: Row, name: str, read: P.ReadAttentionPattern) -> HostRea
     return HostRead(HostBatch(to_host(torch.stack(values)), to_host(torch.stack(ids)) if ids else None), positions)
 
 
-def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | None = None) -> None:
+def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | None = None,
+                        dictionaries: Dictionaries | None = None) -> None:
     """Launch the rows' module and logit-lens reads, each on its way to the host. A
     module's new-token reads for every row are one [rows, hidden] column with one copy
     to the host, not a copy per row. A read that fails fails its own row's trace.
     Reads other invokes patch from (the plan's exports) also go into `store`."""
     new_token: dict[str | tuple[str, P.Units | None], list[_NewToken]] = {}
+    dictionary_wants: list[DictionaryWant] = []
     for row in rows:
         try:
             for op in row.selected.module_reads:
@@ -139,11 +143,18 @@ def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | 
                         row.reads[op.name] = _module_value(row, op.name, a, store)
                 elif isinstance(a, P.ReadAttentionPattern):
                     row.reads[op.name] = _pattern_value(row, op.name, a)
+                elif isinstance(a, P.ReadDictionary):
+                    values, positions = _gathered(row, op.name, a.dictionary.module, a.positions)
+                    new = a.positions.new_token_only(row.seq.step)
+                    dictionary_wants.append(DictionaryWant(row, op.name, a, values, None if new else positions))
                 else:
                     assert isinstance(a, P.ReadLogitLens) and lens is not None
                     row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
         except Exception as e:  # noqa: BLE001 - fails this request's trace only
             row.error = f"{type(e).__name__}: {e}"
+    if dictionary_wants:
+        assert dictionaries is not None
+        launch_dictionary_reads([w for w in dictionary_wants if w.row.error is None], dictionaries)
     for column, members in new_token.items():
         members = [m for m in members if m.row.error is None]
         if members:

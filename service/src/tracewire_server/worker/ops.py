@@ -47,6 +47,8 @@ class StepOps:
     reads_per_row: bool
     # Only reads, none with a condition: every read launched is kept.
     plain: bool
+    # Names of the reads computing dictionary conditions' values (never returned).
+    condition_reads: frozenset[str]
     # Only logits reads and reads of the drawn token, none with a condition: rows
     # with equal keys (and frontend) form one Block. None: each row is a Row.
     block_key: BlockKey | None
@@ -61,7 +63,8 @@ class StepOps:
         # Module writes are done before the draw (in the forward pass): at the sampler
         # they are nothing to decide.
         drawn = tuple(op for op in ops if not isinstance(op.action, P.WriteModule))
-        plain = len(reads) == len(drawn) and all(op.condition is None for op in drawn)
+        internal = frozenset(op.name for op, read in reads if isinstance(read, P.ReadDictionary) and read.internal)
+        plain = len(reads) == len(drawn) and all(op.condition is None for op in drawn) and not internal
         blockable = bool(ops) and plain and not module_reads
         found = cls(
             ops,
@@ -72,6 +75,7 @@ class StepOps:
             samples,
             bool(module_reads or samples),
             plain,
+            internal,
             BlockKey(logits_reads, samples) if blockable else None,
         )
         if found.block_key is None:

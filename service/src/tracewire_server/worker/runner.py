@@ -133,6 +133,15 @@ class RunnerView:
         return device is None or device.type == "cuda"
 
     @property
+    def device(self) -> torch.device:
+        """The device the model's weights live on (dictionaries are loaded there)."""
+        return torch.device(getattr(self._runner, "device", "cpu"))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self._runner.model_config.get_hidden_size())
+
+    @property
     def eager(self) -> bool:
         """No compiled graphs: Python forward hooks fire."""
         return bool(self._runner.model_config.enforce_eager)

@@ -16,6 +16,7 @@ import torch
 
 from ..shared import detokenize, textmatch
 from ..shared import plan as P
+from .dictionaries import Dictionary
 from .host import on_device
 from .ops import NO_OPS, StepOps
 from .pattern_state import KeyCache, PatternChunk
@@ -65,19 +66,30 @@ class Sequence:
     # The module writes made so far, as (step, index in plan.ops): made again where vLLM
     # recomputes a preempted request (recompute.py).
     applied: set[tuple[int, int]] = field(default_factory=set)
+    # Dictionary conditions' values, by internal read name: (step, value) of the last step
+    # computed (writes look at the previous step's).
+    condition_values: dict[str, tuple[int, float]] = field(default_factory=dict)
     key_caches: dict[str, KeyCache] = field(default_factory=dict)
     patterns: dict[str, list[PatternChunk]] = field(default_factory=dict)
 
-    def write_vector(self, write: P.WriteModule, like: torch.Tensor) -> torch.Tensor:
-        """A module write's operand (its float32 `vector`, times its scale for adds) on
-        `like`'s device in its dtype: built the first time, then kept in `operands`."""
+    def write_vector(self, write: P.WriteModule, like: torch.Tensor,
+                     dictionary: Dictionary | None = None) -> torch.Tensor:
+        """A module write's operand (its float32 `vector`, times its scale for adds; for a
+        dictionary steer, value * its features' directions) on `like`'s device in its
+        dtype: built the first time, then kept in `operands`."""
         key = id(write)
         found = self.operands.get(key)
         if found is None:
-            vector = np.frombuffer(write.vector, "<f4")
+            if write.dictionary is not None:
+                assert dictionary is not None
+                steer = write.dictionary
+                vector = dictionary.direction(steer.features, steer.value).to(device=like.device, dtype=like.dtype)
+                found = self.operands[key] = (vector,)
+                return vector
+            values = np.frombuffer(write.vector, "<f4")
             if write.edit == "add":
-                vector = vector * np.float32(write.scale)
-            found = self.operands[key] = (on_device(vector, like.device, torch.float32).to(like.dtype),)
+                values = values * np.float32(write.scale)
+            found = self.operands[key] = (on_device(values, like.device, torch.float32).to(like.dtype),)
         return found[0]
 
     def __post_init__(self) -> None:

@@ -1,0 +1,134 @@
+"""Dictionaries on the engine's device: linear probes and SAEs, their values and directions.
+
+A dictionary's weights are loaded once (the frontend asks every worker through
+collective_rpc: extension.py) and kept on the device in their file's dtype. Reads
+apply it to module rows the hooks gathered (module_reads.py: one matmul per dictionary
+and step for every row using it); writes add its directions or clamp its features in
+the forward pass (module_hooks.py). The arithmetic is dictionary.proto's, in one place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..shared import plan as P
+from ..shared.dictionary_spec import DictionaryError, DictionaryInfo, check_tensors
+
+_TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class Dictionary:
+    """One dictionary's weights on the device, and what reads and writes compute from them."""
+
+    def __init__(self, info: DictionaryInfo, tensors: dict[str, torch.Tensor]) -> None:
+        self.info = info
+        self.tensors = tensors
+        hidden, size = info.input_size, info.size
+        like = next(iter(tensors.values()))
+        zeros = lambda n: torch.zeros(n, dtype=like.dtype, device=like.device)  # noqa: E731
+        if info.kind == "probe":
+            self.directions = tensors["W"]  # [k, hidden]: a probe's rows are its directions
+            self.bias = tensors.get("b", zeros(size))
+        else:
+            self.encoder = tensors["W_enc"]  # [hidden, d]
+            self.encoder_bias = tensors.get("b_enc", zeros(size))
+            self.directions = tensors["W_dec"]  # [d, hidden]
+            self.decoder_bias = tensors.get("b_dec", zeros(hidden))
+            self.threshold = tensors.get("threshold")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.directions.dtype
+
+    @torch.no_grad()
+    def values(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] module rows -> [rows, size] float32: probe outputs after their
+        activation, or SAE feature activations."""
+        x = x.to(self.dtype)
+        info = self.info
+        if info.kind == "probe":
+            z = (x @ self.directions.t() + self.bias).float()
+            if info.probe_activation == "sigmoid":
+                return torch.sigmoid(z)
+            if info.probe_activation == "softmax":
+                return torch.softmax(z, dim=-1)
+            return z
+        if info.subtract_decoder_bias:
+            x = x - self.decoder_bias
+        z = (x @ self.encoder + self.encoder_bias).float()
+        if info.sae_activation == "jumprelu":
+            assert self.threshold is not None
+            return torch.where(z > self.threshold.float(), z, torch.zeros_like(z))
+        if info.sae_activation == "topk":
+            top = torch.topk(z, info.sae_top_k, dim=-1, sorted=False)
+            return torch.zeros_like(z).scatter_(-1, top.indices, torch.relu(top.values))
+        return torch.relu(z)
+
+    @torch.no_grad()
+    def reconstruction_error(self, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """||x - (features @ W_dec + b_dec)|| per row: [rows, 1] float32 (SAEs)."""
+        reconstruction = features.to(self.dtype) @ self.directions + self.decoder_bias
+        return torch.linalg.vector_norm(x.float() - reconstruction.float(), dim=-1, keepdim=True)
+
+    def direction(self, features: tuple[int, ...], scale: float) -> torch.Tensor:
+        """scale * the sum of the features' directions: [hidden], in the weights' dtype."""
+        index = torch.tensor(features, device=self.directions.device)
+        return (self.directions.index_select(0, index).float().sum(0) * scale).to(self.dtype)
+
+    @torch.no_grad()
+    def clamp_delta(self, x: torch.Tensor, features: tuple[int, ...], value: float) -> torch.Tensor:
+        """What to add to rows `x` ([rows, hidden]) so each feature's activation becomes
+        `value`, the reconstruction error kept: sum_f (value - a_f(x)) * W_dec[f]."""
+        index = torch.tensor(features, device=self.directions.device)
+        activations = self.values(x).index_select(1, index)  # [rows, features]
+        return (value - activations) @ self.directions.index_select(0, index).float()
+
+
+def load(info: DictionaryInfo, path: str, device: torch.device, hidden_size: int) -> Dictionary:
+    """The safetensors file at `path` as dictionary `info` on `device`, checked: shapes
+    against the model (check_tensors), every value finite. DictionaryError otherwise."""
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            for name in names:
+                tensors[name] = f.get_tensor(name)
+    except DictionaryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a malformed file is the uploader's error
+        raise DictionaryError("chunk", f"not a readable safetensors file: {e}") from None
+    shapes = {name: (_TORCH_DTYPES.get(t.dtype, str(t.dtype).removeprefix("torch.")), tuple(t.shape))
+              for name, t in tensors.items()}
+    info = check_tensors(info, shapes, hidden_size)
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise DictionaryError(f"tensors.{name}", "contains NaN or infinite values")
+    return Dictionary(info, {name: t.to(device) for name, t in tensors.items()})
+
+
+class Dictionaries:
+    """The dictionaries this worker holds, by name."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, Dictionary] = {}
+
+    def put(self, dictionary: Dictionary) -> None:
+        self.by_name[dictionary.info.name] = dictionary  # (the old one's memory goes with it)
+
+    def delete(self, name: str) -> int:
+        found = self.by_name.pop(name, None)
+        return found.info.device_bytes if found is not None else 0
+
+    def infos(self) -> list[DictionaryInfo]:
+        return [d.info for d in self.by_name.values()]
+
+    def get(self, ref: P.DictRef) -> Dictionary:
+        """The dictionary a plan names, as the plan was compiled against it."""
+        found = self.by_name.get(ref.name)
+        if found is None or found.info.generation != ref.generation:
+            raise RuntimeError(f"dictionary {ref.name!r} was deleted or replaced after this trace was "
+                               "compiled against it")
+        return found
+
