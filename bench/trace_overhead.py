@@ -206,8 +206,13 @@ INTERVAL_ROW = "top-20 logits every step, 50 ms stream interval"
 GPU_ROWS = ("trace, no interventions", "top-20 logits every step", INTERVAL_ROW, "forced token at step 0")
 # --hidden: module hooks need eager engines (both engines run --enforce-eager then).
 PATTERN_ROW = "attention pattern (top-5, layer 1, all heads) every step"
+PROBE_ROW = "probe read (k=16, layer 1) every step"
+SAE_ROW = "SAE top-20 (layer 1) every step"
 HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step",
-               "head read every step", PATTERN_ROW)
+               "head read every step", PATTERN_ROW, PROBE_ROW, SAE_ROW)
+# The dictionary rows' probe and SAE: random weights of the model's hidden size, made at
+# start (write_dictionaries); --sae-features sets the SAE's width.
+DICTIONARY_ROWS = (PROBE_ROW, SAE_ROW)
 # --compiled-steering: both engines compiled (CUDA graphs on a GPU), the server with its
 # steering tables; layer reads need eager engines, so only the write is measured (and
 # top-20, which the tables cost as they cost every request).
@@ -270,6 +275,10 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
             module="layers.1.self_attn.heads", units=I.UnitSelection(ids=I.UnitIds(ids=[0, 2]))))],
         # the new token's weights over every key, each step: the key copy, q . K, softmax, top-k
         PATTERN_ROW: [I.Intervention(name="a", read_attention_pattern=I.ReadAttentionPattern(layers=[1], top_k=5))],
+        # the dictionaries' one batched matmul per step over every row reading them
+        PROBE_ROW: [I.Intervention(name="p", read_dictionary=I.ReadDictionary(dictionary="bench-probe"))],
+        SAE_ROW: [I.Intervention(name="f", read_dictionary=I.ReadDictionary(dictionary="bench-sae",
+                                                                              top_k=I.TopK(k=20)))],
         "trace, no interventions": [],
         "top-20 logits every step": [I.Intervention(name="t", read_logits=I.ReadLogits(top_k=I.TopK(k=20)))],
         INTERVAL_ROW: [I.Intervention(name="t", read_logits=I.ReadLogits(top_k=I.TopK(k=20)))],
@@ -347,6 +356,35 @@ async def wait_for_bare(bare: subprocess.Popen[bytes], log_path: Path) -> None:
     raise SystemExit("bench/bare_stream.py did not start in 360 s")
 
 
+def write_dictionaries(model: str, out: Path, sae_features: int) -> int:
+    """A probe (k=16) and a ReLU SAE of `sae_features` features on layers.1, random (seeded)
+    float32 weights of the model's hidden size, for --dictionaries: the device bytes
+    they take."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    hidden = int(json.loads((Path(model) / "config.json").read_text())["hidden_size"])
+    rng = np.random.default_rng(0)
+    out.mkdir(parents=True, exist_ok=True)
+    made = {
+        "bench-probe": ({"kind": "DICTIONARY_KIND_PROBE", "module": "layers.1",
+                         "probe_activation": "PROBE_ACTIVATION_SIGMOID"},
+                        {"W": rng.standard_normal((16, hidden), np.float32) * 0.01,
+                         "b": np.zeros(16, np.float32)}),
+        "bench-sae": ({"kind": "DICTIONARY_KIND_SAE", "module": "layers.1"},
+                      {"W_enc": rng.standard_normal((hidden, sae_features), np.float32) * 0.01,
+                       "b_enc": np.zeros(sae_features, np.float32),
+                       "W_dec": rng.standard_normal((sae_features, hidden), np.float32) * 0.01,
+                       "b_dec": np.zeros(hidden, np.float32)}),
+    }
+    total = 0
+    for name, (spec, tensors) in made.items():
+        (out / f"{name}.json").write_text(json.dumps(spec))
+        save_file(tensors, str(out / f"{name}.safetensors"))
+        total += sum(t.nbytes for t in tensors.values())
+    return total
+
+
 def start_server(model: str, log_path: Path, frontends: int) -> tuple[subprocess.Popen[bytes], int]:
     """The tracewire server in a subprocess, its output in `log_path`."""
     port = free_port()
@@ -363,6 +401,7 @@ def start_server(model: str, log_path: Path, frontends: int) -> tuple[subprocess
 
 
 HIDDEN_SIZE = [0]  # set from GetModelInfo
+DICTIONARY_BYTES = [0]  # the dictionary rows' weights (write_dictionaries)
 
 
 async def wait_for_server(server: subprocess.Popen[bytes], log_path: Path, port: int) -> int:
@@ -769,6 +808,8 @@ def main() -> int:
                         "tokens (a c=1 cell of 2 requests lasts about a second: too short to read)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 64 (GPU mode: 128)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per cell (median)")
+    parser.add_argument("--sae-features", type=int, default=4096,
+                        help="the SAE row's dictionary width (--hidden; the issue's GPU row: 16384)")
     parser.add_argument("--rows", default=None,
                         help="only these rows, names separated by ';' (raw vLLM and Generate always run), "
                         "e.g. --rows 'trace, no interventions;top-20 logits every step'")
@@ -809,6 +850,10 @@ def main() -> int:
         if unknown:
             parser.error(f"--rows: no row named {unknown}; rows of this mode: {'; '.join(kinds)}")
         kinds = tuple(name for name in kinds if name in wanted)
+    if any(name in DICTIONARY_ROWS for name in kinds):
+        folder = Path(tempfile.mkdtemp()) / "dictionaries"
+        DICTIONARY_BYTES[0] = write_dictionaries(args.model, folder, args.sae_features)
+        SERVER_FLAGS.extend(["--dictionaries", str(folder)])
     rounds = {c: max(args.rounds, -(-args.min_tokens // (c * args.new_tokens))) for c in levels}
     rows = asyncio.run(measure(args.model, levels, rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
                                args.frontends, args.client_procs, args.load))
@@ -827,6 +872,8 @@ def main() -> int:
         "model": args.shape or args.model, "engine": ENGINE, "new_tokens": args.new_tokens,
         "rounds": rounds, "repeats": args.repeats, "method": "rows interleaved, median of repeats",
         "frontends": args.frontends, "client_procs": args.client_procs, "load": args.load,
+        **({"dictionaries": {"sae_features": args.sae_features, "device_bytes": DICTIONARY_BYTES[0]}}
+           if DICTIONARY_BYTES[0] else {}),
         "tokens_per_second": rows,
         # each repeat's ratio to raw interpolated at the cell's time (paired_ratios), median
         "ratio_to_raw": {k: {c: statistics.median(PAIRED[k][c]) if k in PAIRED else 1.0 for c in levels}

@@ -11,6 +11,8 @@ from pathlib import Path
 from .arg_errors import one_line_errors
 from .frontend import connection_limits, launcher
 from .frontend.auth import TokenFileError, TokenTable
+from .frontend.dictionaries import DEFAULT_MAX_BYTES
+from .frontend.dictionary_directory import read_directory
 from .frontend.model_path import model_problem
 from .frontend.server import ServerConfig
 from .frontend.servicer import TraceOptions
@@ -137,6 +139,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         action="store_true",
         help="testing only: interventions named '__fault__:<message>' raise in the engine hooks",
     )
+    _dictionary_flags(parser)
     _security_flags(parser)
     connection_limits.add_flags(parser)
     parser = AsyncEngineArgs.add_cli_args(parser)
@@ -159,6 +162,10 @@ def parse_args(argv: list[str]) -> ServerConfig:
     except (TlsConfigError, TokenFileError) as e:
         parser.error(str(e))
     quotas = _tenant_quotas(parser, args, auth=tokens is not None)
+    if args.max_dictionary_bytes < 0:
+        parser.error("--max-dictionary-bytes must be >= 0 (0: no uploads)")
+    # Before the engine starts: a bad file is one line now, not after a minute's start.
+    dictionaries = read_directory(Path(args.dictionaries)) if args.dictionaries else ()
     if tokens is None and not _loopback(args.host):
         log.warning("listening on %s without --auth-tokens: anyone who can reach it may call it", args.host)
     return ServerConfig(
@@ -185,6 +192,23 @@ def parse_args(argv: list[str]) -> ServerConfig:
         metrics_port=args.metrics_port,
         access_log=args.access_log,
         allowed_hosts=tuple(args.allowed_host),
+        dictionaries=dictionaries,
+        max_dictionary_bytes=args.max_dictionary_bytes,
+    )
+
+
+def _dictionary_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("dictionaries (README: Dictionaries)")
+    group.add_argument(
+        "--dictionaries", metavar="DIR",
+        help="load the probes and SAEs in DIR at start (NAME.json, a DictionarySpec in protobuf JSON, "
+        "beside NAME.safetensors for each); clients read them by NAME and cannot delete them",
+    )
+    group.add_argument(
+        "--max-dictionary-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
+        help="device bytes all dictionaries uploaded with RegisterDictionary may take together "
+        "(--dictionaries' not counted); an upload over what is left is refused with RESOURCE_EXHAUSTED "
+        "as its chunks arrive",
     )
 
 

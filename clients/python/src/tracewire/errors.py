@@ -63,6 +63,18 @@ class Internal(TracewireError):
     code = grpc.StatusCode.INTERNAL
 
 
+class AlreadyExists(TracewireError):
+    """A name is taken (register_dictionary without replace=True)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class PermissionDenied(TracewireError):
+    """Not the caller's to change (another client's or the operator's dictionary)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[TracewireError]] = {
     cls.code: cls
     for cls in (
@@ -75,6 +87,8 @@ _BY_CODE: dict[grpc.StatusCode, type[TracewireError]] = {
         Cancelled,
         Unimplemented,
         Internal,
+        AlreadyExists,
+        PermissionDenied,
     )
 }
 

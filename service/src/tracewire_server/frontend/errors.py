@@ -55,6 +55,22 @@ class Internal(TracewireError):
     code = grpc.StatusCode.INTERNAL
 
 
+class AlreadyExists(TracewireError):
+    """A name is taken (a dictionary registered without `replace`)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class PermissionDenied(TracewireError):
+    """The caller may not change this (another tenant's or the operator's dictionary)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class NotFound(TracewireError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
 # A status travels in trailers, which clients cap (grpc's hard limit is 16 KiB): a message
 # that quotes a large input (a 100 kB `model`) would turn into the client's own
 # RESOURCE_EXHAUSTED. Messages and field paths are clipped to these many characters.
@@ -92,4 +108,7 @@ _CODE_VALUES = {
     grpc.StatusCode.FAILED_PRECONDITION: code_pb2.FAILED_PRECONDITION,
     grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
     grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
+    grpc.StatusCode.ALREADY_EXISTS: code_pb2.ALREADY_EXISTS,
+    grpc.StatusCode.PERMISSION_DENIED: code_pb2.PERMISSION_DENIED,
+    grpc.StatusCode.NOT_FOUND: code_pb2.NOT_FOUND,
 }

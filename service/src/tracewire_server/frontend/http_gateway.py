@@ -206,15 +206,18 @@ def service_endpoints(
 ) -> dict[str, Endpoint[Any, Any]]:
     """`/package.Service/Method` -> endpoint calling the grpc servicer's method of that name.
 
-    `methods` limits which are served (None: all). Client and bidi streaming need HTTP/2
-    full duplex, which browsers lack; no served service has such methods, so they are refused.
+    `methods` limits which are served (None: all). Client streaming (RegisterDictionary) is
+    served over the Connect protocol, whose request body carries the whole stream (HTTP/1.1
+    needs nothing more); gRPC-Web has no client streaming, and connectrpc refuses it there.
+    Bidi streaming needs HTTP/2 full duplex, which browsers lack; no served service has such
+    methods, so they are refused.
     """
     endpoints: dict[str, Endpoint[Any, Any]] = {}
     for method in service.methods:
         if methods is not None and method.name not in methods:
             continue
-        if method.client_streaming:
-            raise ValueError(f"{service.full_name}.{method.name}: client streaming is not served over HTTP")
+        if method.client_streaming and method.server_streaming:
+            raise ValueError(f"{service.full_name}.{method.name}: bidi streaming is not served over HTTP")
         info: MethodInfo[Any, Any] = MethodInfo(
             name=method.name,
             service_name=service.full_name,
@@ -223,14 +226,18 @@ def service_endpoints(
             idempotency_level=_IDEMPOTENCY.get(
                 method.GetOptions().idempotency_level, IdempotencyLevel.UNKNOWN
             ),
-            stream_type=StreamType.SERVER_STREAM if method.server_streaming else StreamType.UNARY,
+            stream_type=(StreamType.SERVER_STREAM if method.server_streaming
+                         else StreamType.CLIENT_STREAM if method.client_streaming else StreamType.UNARY),
         )
         handler = getattr(servicer, method.name)
-        endpoint: Endpoint[Any, Any] = (
-            Endpoint.server_stream(info, _server_stream(handler))
-            if method.server_streaming
-            else Endpoint.unary(info, _unary(handler))
-        )
+        endpoint: Endpoint[Any, Any]
+        if method.server_streaming:
+            endpoint = Endpoint.server_stream(info, _server_stream(handler))
+        elif method.client_streaming:
+            # (same call shape as unary: the servicer takes the request iterator)
+            endpoint = Endpoint.client_stream(info, _unary(handler))
+        else:
+            endpoint = Endpoint.unary(info, _unary(handler))
         endpoints[f"/{service.full_name}/{method.name}"] = endpoint
     return endpoints
 

@@ -25,7 +25,10 @@ from tracewire.v1 import service_pb2
 from . import access_log, listen_errors, vllm_compat
 from .auth import ReflectionAuth, TokenTable
 from .connection_limits import ConnectionLimits
+from .dictionaries import DEFAULT_MAX_BYTES, DictionaryRegistry, EngineDictionaries
+from .dictionary_directory import DirectoryError, OperatorDictionary, check_against_model
 from .engine import Engine
+from .errors import InvalidArgument
 from .grpc_calls import CallObserver
 from .servicer import SERVICE_NAME, TraceOptions, TraceServicer, add_to_server
 from .tenants import TenantQuotas
@@ -81,6 +84,10 @@ class ServerConfig:
     access_log: str = ""
     # Names the HTTP ports answer for besides the listening address (host_check.py).
     allowed_hosts: tuple[str, ...] = ()
+    # The operator's dictionaries (--dictionaries DIR, read when the flags were parsed),
+    # loaded once the engine is up; and the device bytes uploads may take in all.
+    dictionaries: tuple[OperatorDictionary, ...] = ()
+    max_dictionary_bytes: int = DEFAULT_MAX_BYTES
 
 
 async def serve(
@@ -153,7 +160,6 @@ async def serve(
             config.engine_args,
             fault_injection=config.trace.fault_injection,
             client=client,
-            on_ready=readiness.arrive if readiness is not None else None,
         )
     )
     stop_task = asyncio.create_task(stop.wait())
@@ -170,10 +176,25 @@ async def serve(
         await server.stop(0)
         raise
     heartbeat.cancel()
+    first = client is None or client.index == 0
+    try:
+        servicer.dictionaries = await _load_dictionaries(config, engine, first)
+    except BaseException:
+        for http in (gateway, metrics_gateway):
+            if http is not None:
+                await http.stop()
+        await server.stop(0)
+        engine.shutdown()
+        raise
     engine_died = False
     if readiness is not None:
+        # Only now: the first frontend has loaded the operator's dictionaries, so the
+        # others, once every frontend has arrived, find them on the worker.
+        readiness.arrive()
         log.info("engine client up; waiting for the other frontends")
         await readiness.all_ready(stop)
+        if not first:
+            await servicer.dictionaries.refresh()
     if not stop.is_set():
         servicer.engine = engine
         frozen = _freeze_startup_heap()
@@ -208,6 +229,27 @@ async def serve(
     gc.unfreeze()
     log.info("tracewire stopped")
     return 1 if engine_died else 0
+
+
+async def _load_dictionaries(config: ServerConfig, engine: Engine, first: bool) -> DictionaryRegistry:
+    """The registry of this frontend; the first (or only) frontend loads the operator's
+    dictionaries onto the worker, checked against the model (a bad one: DirectoryError,
+    one line, and the server does not start)."""
+    registry = DictionaryRegistry(EngineDictionaries(engine.llm), max_upload_bytes=config.max_dictionary_bytes,
+                                  shared=config.frontends > 1)
+    if not first:
+        return registry
+    d = engine.description
+    modules = {m.path: m.output_size for m in d.modules}
+    for operator in config.dictionaries:
+        info = check_against_model(operator, modules, d.hidden_size)
+        try:
+            loaded = await registry.load_operator(info, operator.weights)
+        except InvalidArgument as e:  # the worker's refusal of the file
+            raise DirectoryError(operator.weights, e.field, e.description) from None
+        log.info("dictionary %s (%s, %d x %d, %s, %d bytes on the device) from %s", loaded.name, loaded.kind,
+                 loaded.size, loaded.input_size, loaded.dtype, loaded.device_bytes, operator.weights)
+    return registry
 
 
 def _bind_grpc(server: grpc.aio.Server, config: ServerConfig) -> int:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import message_factory
 from grpc_status import rpc_status
-from tracewire.v1 import service_pb2, service_pb2_grpc
+from tracewire.v1 import dictionary_pb2, service_pb2, service_pb2_grpc
 
 from .. import __version__
 from ..shared.limits import EngineMode
@@ -28,6 +28,9 @@ from .auth import TokenTable
 from .bounds import RequestBounds
 from .calls import current_call
 from .compiler import check_sequences, compile_trace
+from .dictionaries import DictionaryRegistry
+from .dictionary_messages import dictionary_names, to_message
+from .dictionary_uploads import register_upload
 from .engine import Engine
 from .errors import Internal, InvalidArgument, TracewireError, Unavailable, to_rpc_status
 from .prompts import EnginePrompt, to_engine_prompt
@@ -68,13 +71,21 @@ def _lenient(message_class: Any) -> Callable[[bytes], Any]:
     return parse
 
 
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def add_to_server(servicer: TraceServicer, server: grpc.aio.Server) -> None:
     """TraceService's handlers, built from its descriptor as the generated
     add_TraceServiceServicer_to_server does, but decoding requests leniently."""
     service = service_pb2.DESCRIPTOR.services_by_name["TraceService"]
     handlers = {}
     for method in service.methods:
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        make = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=_lenient(message_factory.GetMessageClass(method.input_type)),
@@ -204,6 +215,8 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         # --auth-tokens: every call needs a token, and each tenant's calls are counted.
         self._tokens = tokens
         self._ledger = TenantLedger(quotas or TenantQuotas())
+        # The dictionaries the engine holds (dictionaries.py); set with `engine`.
+        self.dictionaries: DictionaryRegistry | None = None
 
     def _open_call(self, context: grpc.aio.ServicerContext) -> TenantCall:
         """Who is calling, and their hold on a call slot; the one check on both ports (the
@@ -352,6 +365,9 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         # Streams through context.write (grpc.aio: a coroutine handler that returns None).
         engine = self._admit(request)
         self._check_model(engine, request.model)
+        registry = self._registry()
+        if registry.shared:  # another frontend may have registered what it names
+            await registry.prefetch(dictionary_names(request))
         compiled = await self._off_loop(request, functools.partial(
             compile_trace,
             request,
@@ -438,3 +454,51 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             num_running_requests=stats.running,
             num_waiting_requests=stats.waiting,
         )
+
+    # -- dictionaries (dictionaries.py, dictionary_uploads.py) ---------------------------
+
+    def _registry(self) -> DictionaryRegistry:
+        self._ready()
+        assert self.dictionaries is not None
+        return self.dictionaries
+
+    @unary
+    async def RegisterDictionary(  # type: ignore[override]
+        self,
+        request: AsyncIterator[dictionary_pb2.RegisterDictionaryRequest | Undecodable],
+        context: grpc.aio.ServicerContext,
+        tenant: TenantCall,
+    ) -> dictionary_pb2.RegisterDictionaryResponse:
+        engine = self._ready()
+        info = await register_upload(_decoded(request), _owner(tenant), self._registry(), engine.description)
+        return dictionary_pb2.RegisterDictionaryResponse(dictionary=to_message(info))
+
+    @unary
+    async def ListDictionaries(
+        self, request: dictionary_pb2.ListDictionariesRequest, context: grpc.aio.ServicerContext, tenant: TenantCall
+    ) -> dictionary_pb2.ListDictionariesResponse:
+        held = await self._registry().current()
+        return dictionary_pb2.ListDictionariesResponse(
+            dictionaries=[to_message(info, omit_labels=request.omit_labels) for info in held]
+        )
+
+    @unary
+    async def DeleteDictionary(
+        self, request: dictionary_pb2.DeleteDictionaryRequest, context: grpc.aio.ServicerContext, tenant: TenantCall
+    ) -> dictionary_pb2.DeleteDictionaryResponse:
+        freed = await self._registry().delete(request.name, _owner(tenant))
+        return dictionary_pb2.DeleteDictionaryResponse(freed_bytes=freed)
+
+
+def _owner(tenant: TenantCall) -> str:
+    """Who owns what this call registers: its tenant (--auth-tokens), else everyone's
+    "anonymous" (the operator's are "")."""
+    return tenant.tenant or "anonymous"
+
+
+async def _decoded(messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A client stream's messages, a body that does not parse raising INVALID_ARGUMENT."""
+    async for message in messages:
+        if isinstance(message, Undecodable):
+            raise message.error()
+        yield message

@@ -148,8 +148,8 @@ export type Dictionary = Message<"tracewire.v1.Dictionary"> & {
   owner: string;
 
   /**
-   * Changes each time the name is registered: a trace compiled against one
-   * generation of a name fails (FAILED_PRECONDITION) rather than read another.
+   * Changes each time the name is registered: a trace running against one
+   * generation of a name fails, naming it, rather than read another.
    *
    * @generated from field: int64 generation = 8;
    */
