@@ -378,6 +378,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             max_sequences=self.options.max_sequences,
             fault_injection=self.options.fault_injection,
             route=engine.route,
+            dictionaries=registry.lookup,
         ))
         tenant.reserve_sequences(sum(len(invoke.sequences) for invoke in compiled.invokes))
         tenant.charge_reads(compiled.read_bytes_bound)
