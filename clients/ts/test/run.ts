@@ -9,7 +9,7 @@
  */
 
 import { spawn } from "node:child_process";
-import { readdirSync } from "node:fs";
+import { existsSync, readdirSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { REPO, startServer } from "./server.js";
@@ -27,7 +27,8 @@ const shared = files.some((f) => !f.endsWith(".standalone.test.js"));
 // The dictionaries shipped with the default model (a probe, an SAE): dictionaries.test.ts and
 // the dashboard's feature strip (TRACEWIRE_TEST_DICTIONARIES: another directory).
 const dictionaries = process.env.TRACEWIRE_TEST_DICTIONARIES ?? join(REPO, "models/tracewire-tiny/dictionaries");
-const server = shared ? await startServer({ extraArgs: ["--enforce-eager", "--dictionaries", dictionaries] }) : undefined;
+const shipped = existsSync(dictionaries) ? ["--dictionaries", dictionaries] : []; // (another model's: none)
+const server = shared ? await startServer({ extraArgs: ["--enforce-eager", ...shipped] }) : undefined;
 if (server) {
   console.log(`tracewire server at ${server.url}, HTTP port ${server.httpUrl} (up in ${((Date.now() - started) / 1000).toFixed(1)} s, log ${server.logPath})`);
 }
