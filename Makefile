@@ -47,6 +47,9 @@ PORT ?= 50051
 HOST ?= 127.0.0.1
 # Connect protocol / gRPC-Web for browsers (HTTP/1.1); HTTP_PORT=0 turns it off.
 HTTP_PORT ?= 8080
+# The operator's dictionaries (probes, SAEs) loaded at start: the ones shipped with the
+# default model when serving it; DICTIONARIES= serves none.
+DICTIONARIES ?= $(if $(filter models/tracewire-tiny,$(MODEL)),models/tracewire-tiny/dictionaries)
 # Extra server / engine options, e.g. ENGINE_ARGS="--dtype bfloat16 --max-model-len 512"
 ENGINE_ARGS ?=
 PYTEST_ARGS ?=
@@ -115,7 +118,7 @@ serve: setup
 	@echo "tracewire: starting on gRPC $(HOST):$(PORT)$(if $(filter-out 0,$(HTTP_PORT)), and HTTP $(HOST):$(HTTP_PORT)) with $(MODEL);" \
 		"the SDK and CLI in another shell: source $(VENV)/bin/activate"
 	$(PY) -m tracewire_server --model $(MODEL) --host $(HOST) --port $(PORT) \
-		--http-port $(HTTP_PORT) $(ENGINE_ARGS)
+		--http-port $(HTTP_PORT) $(if $(DICTIONARIES),--dictionaries $(DICTIONARIES)) $(ENGINE_ARGS)
 
 # A localhost page, so the server's default CORS lets it call the HTTP port. The printed URL
 # carries ?server= for `make serve`'s HTTP port (a server bound to every interface is reached

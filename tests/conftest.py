@@ -186,9 +186,17 @@ def _start_server_once(
     return server
 
 
+# The shared server serves the dictionaries shipped with the default model, and takes
+# uploads up to SHARED_MAX_DICTIONARY_BYTES (small, so a test can go over it cheaply).
+DICTIONARIES = MODEL / "dictionaries"
+SHARED_MAX_DICTIONARY_BYTES = 8 << 20
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("server"))
+    shipped = ["--dictionaries", str(DICTIONARIES)] if DICTIONARIES.is_dir() else []  # (another model's: none)
+    proc = start_server(tmp_path_factory.mktemp("server"), *shipped,
+                        "--max-dictionary-bytes", str(SHARED_MAX_DICTIONARY_BYTES))
     yield proc
     proc.stop()
 

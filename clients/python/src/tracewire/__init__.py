@@ -29,18 +29,22 @@ from .conditions import (
     text_contains,
     text_matches,
 )
+from .dictionaries import Dictionary
 from .errors import (
+    AlreadyExists,
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     TracewireError,
     Unavailable,
     Unimplemented,
 )
+from .mapping import Item, MapResults
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .rpcs import EngineStats, ModelInfo, ModuleInfo, StreamUpdate
 from .sampling import SAMPLING_KEYWORDS
@@ -57,6 +61,8 @@ __all__ = [
     "AsyncTracer",
     "Condition",
     "Invoke",
+    "Item",
+    "MapResults",
     "Logprobs",
     "ModuleRef",
     "Saved",
@@ -80,6 +86,9 @@ __all__ = [
     "Client",
     "CompletionOutput",
     "DeadlineExceeded",
+    "Dictionary",
+    "AlreadyExists",
+    "PermissionDenied",
     "EngineStats",
     "FailedPrecondition",
     "Internal",

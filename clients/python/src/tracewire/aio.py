@@ -13,7 +13,7 @@ only awaits them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -21,7 +21,9 @@ import grpc.aio
 
 from . import rpcs
 from .channel import connect
+from .dictionaries import Dictionary, SpecLike, TensorsLike
 from .errors import InvalidArgument, TypedErrors
+from .mapping import MapOptions, MapResults, run_map_async
 from .outputs import RequestOutput
 from .prompts import PromptLike
 from .rpcs import EngineStats, ModelInfo, Rpc, StreamUpdate
@@ -31,6 +33,7 @@ from .tracing import Step, Tracer
 from .v1 import service_pb2
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 AsyncRunner = Callable[[service_pb2.TraceRequest], AsyncIterator[service_pb2.TraceResponse]]
 
@@ -128,6 +131,38 @@ class AsyncClient:
         elif sampling:
             raise InvalidArgument("sampling keywords go to client.trace(), not stream_trace(tracer)")
         return trace.astream()
+
+    async def map(
+        self,
+        prompts: Iterable[PromptLike],
+        trace_fn: Callable[[AsyncTracer], R],
+        *,
+        concurrency: int = 8,
+        retries: int = 2,
+        progress: bool | None = None,
+        **sampling: Any,
+    ) -> MapResults[R]:
+        """`Client.map`, awaited: at most `concurrency` traces in flight on this channel."""
+        return await run_map_async(self, prompts, trace_fn, MapOptions(concurrency, retries, progress), sampling)
+
+    async def register_dictionary(
+        self, name: str, spec: SpecLike, tensors: TensorsLike, *, replace: bool = False
+    ) -> Dictionary:
+        """Upload a dictionary (a linear probe or an SAE) under `name`: `spec` is a mapping
+        ({"kind": "probe", "module": "layers.2", "probe_activation": "sigmoid", "labels":
+        [...]}), a DictionarySpec or a NAME.json path; `tensors` a mapping of arrays ("W", "b";
+        or "W_enc", "b_enc", "W_dec", "b_dec", "threshold"), safetensors bytes or a
+        .safetensors path. `replace`: replace your own dictionary of that name. Returns it as
+        the server holds it."""
+        return await self._unary(rpcs.register_dictionary(name, spec, tensors, replace))
+
+    async def list_dictionaries(self, *, omit_labels: bool = False) -> list[Dictionary]:
+        """Every dictionary the server holds (the operator's have owner "")."""
+        return await self._unary(rpcs.list_dictionaries(omit_labels))
+
+    async def delete_dictionary(self, name: str) -> int:
+        """Remove a dictionary you registered; the device bytes freed."""
+        return await self._unary(rpcs.delete_dictionary(name))
 
     async def model_info(self) -> ModelInfo:
         return await self._unary(rpcs.get_model_info())

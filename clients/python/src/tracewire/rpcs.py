@@ -8,27 +8,28 @@ holds the state they fill in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, cast
 
 from google.protobuf.message import Message
 
+from .dictionaries import Dictionary, SpecLike, TensorsLike, chunks, dictionary, header_request
 from .outputs import RequestOutput, request_output
 from .prompts import PromptLike, to_prompt
 from .sampling import sampling_params
-from .v1 import service_pb2
+from .v1 import dictionary_pb2, service_pb2
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Rpc(Generic[T]):
-    """One call: the stub method, its request, and `decode` for its response (unary) or
-    for each message (server stream)."""
+    """One call: the stub method, its request (the messages of a client stream), and
+    `decode` for its response (unary) or for each message (server stream)."""
 
     method: str
-    request: Message
+    request: Message | Iterator[Message]
     decode: Callable[[Any], T]
 
 
@@ -141,6 +142,27 @@ def get_engine_stats() -> Rpc[EngineStats]:
     return Rpc("GetEngineStats", service_pb2.GetEngineStatsRequest(), engine_stats)
 
 
+def register_dictionary(name: str, spec: SpecLike, tensors: TensorsLike, replace: bool) -> Rpc[Dictionary]:
+    """A RegisterDictionary stream: the header, then the safetensors file in chunks (read
+    or encoded as the stream is sent)."""
+    header = header_request(name, spec, replace)  # (a bad spec raises before any call)
+
+    def requests() -> Iterator[Message]:
+        yield header
+        for chunk in chunks(tensors):
+            yield dictionary_pb2.RegisterDictionaryRequest(chunk=chunk)
+
+    return Rpc("RegisterDictionary", requests(), _registered)
+
+
+def list_dictionaries(omit_labels: bool) -> Rpc[list[Dictionary]]:
+    return Rpc("ListDictionaries", dictionary_pb2.ListDictionariesRequest(omit_labels=omit_labels), _dictionaries)
+
+
+def delete_dictionary(name: str) -> Rpc[int]:
+    return Rpc("DeleteDictionary", dictionary_pb2.DeleteDictionaryRequest(name=name), _freed_bytes)
+
+
 def prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLike]:
     """One prompt or a list of prompts -> a list (a list of ints is one prompt)."""
     if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
@@ -196,6 +218,18 @@ def _token_ids(response: service_pb2.TokenizeResponse) -> list[int]:
 
 def _text(response: service_pb2.DetokenizeResponse) -> str:
     return str(response.text)
+
+
+def _registered(response: dictionary_pb2.RegisterDictionaryResponse) -> Dictionary:
+    return dictionary(response.dictionary)
+
+
+def _dictionaries(response: dictionary_pb2.ListDictionariesResponse) -> list[Dictionary]:
+    return [dictionary(d) for d in response.dictionaries]
+
+
+def _freed_bytes(response: dictionary_pb2.DeleteDictionaryResponse) -> int:
+    return int(response.freed_bytes)
 
 
 def _as_is(message: T) -> T:

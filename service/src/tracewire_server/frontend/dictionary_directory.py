@@ -54,7 +54,8 @@ def _read_one(spec_path: Path, weights: Path | None) -> OperatorDictionary:
     try:
         json_format.Parse(spec_path.read_text(), spec)
     except (json_format.ParseError, UnicodeDecodeError) as e:
-        raise DirectoryError(spec_path, "", f"not a DictionarySpec in protobuf JSON: {e}") from None
+        reason = " ".join(str(e).split())  # (protobuf's message spans lines)
+        raise DirectoryError(spec_path, "", f"not a DictionarySpec in protobuf JSON: {reason}") from None
     try:
         info = info_from_spec(spec_path.stem, spec)
     except DictionaryError as e:

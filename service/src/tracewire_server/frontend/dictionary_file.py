@@ -46,7 +46,7 @@ def header_length(prefix: bytes) -> int:
     """The JSON header's length from the file's first 8 bytes, or DictionaryError."""
     (length,) = struct.unpack("<Q", prefix[:8])
     if length > MAX_HEADER_BYTES:
-        raise DictionaryError("chunk", f"the safetensors header claims {length} bytes; at most "
+        raise DictionaryError("file", f"the safetensors header claims {length} bytes; at most "
                               f"{MAX_HEADER_BYTES} (is this a safetensors file?)")
     return int(length)
 

@@ -37,8 +37,11 @@ _SAE_ACTIVATIONS: dict[int, SaeActivation] = {
 # (typed Any: the generated enums' value types are not ints to mypy)
 _KIND_VALUES: dict[str, Any] = {v: k for k, v in _KINDS.items()}
 _PROBE_VALUES: dict[str, Any] = {v: k for k, v in _PROBE_ACTIVATIONS.items()}
-_SAE_VALUES: dict[str, Any] = {"relu": dictionary_pb2.SAE_ACTIVATION_RELU, "jumprelu": dictionary_pb2.SAE_ACTIVATION_JUMPRELU,
-               "topk": dictionary_pb2.SAE_ACTIVATION_TOPK}
+_SAE_VALUES: dict[str, Any] = {
+    "relu": dictionary_pb2.SAE_ACTIVATION_RELU,
+    "jumprelu": dictionary_pb2.SAE_ACTIVATION_JUMPRELU,
+    "topk": dictionary_pb2.SAE_ACTIVATION_TOPK,
+}
 
 
 def info_from_spec(name: str, spec: dictionary_pb2.DictionarySpec) -> DictionaryInfo:

@@ -10,10 +10,51 @@
 import { Code, createWebClient, TracewireError, type TracewireClient, type WebProtocol } from "@tracewire/client";
 import { NO_SPECIAL_TOKENS, type SpecialTokens } from "./format.js";
 import { TokenLabels } from "./labels.js";
-import { buildInvoke, forceAt, sampling, toStepView, type Forced, type RunSettings, type StepView } from "./model.js";
-import { addStep, clearError, findElements, setStatus, showError, startRun, type Elements } from "./view.js";
-import { featureStrip, stripChoices, stripDictionary, withFeatures } from "./model.js";
-import { addFeatureStrip, findFeatureElements, showDictionaries } from "./view.js";
+import {
+  allLayers,
+  buildInvoke,
+  featureStrip,
+  forceAt,
+  inputTokenAt,
+  lensColumns,
+  moduleFeature,
+  norm,
+  sampling,
+  sideOf,
+  steeringInvokes,
+  steeringVector,
+  stripChoices,
+  stripDictionary,
+  toStepView,
+  vectorInvokes,
+  VECTOR_SAMPLING,
+  withFeatures,
+  withLens,
+  type Availability,
+  type Forced,
+  type RunSettings,
+  type StepView,
+} from "./model.js";
+import {
+  addFeatureStrip,
+  addLensColumns,
+  addSteeringText,
+  addStep,
+  clearError,
+  findElements,
+  findFeatureElements,
+  setStatus,
+  setSteerStatus,
+  setUpSteering,
+  showCoefficient,
+  showDictionaries,
+  showError,
+  showLensAvailability,
+  startLens,
+  startRun,
+  startSteering,
+  type Elements,
+} from "./view.js";
 import type { Dictionary, Step } from "@tracewire/client";
 import "./style.css";
 
@@ -76,6 +117,13 @@ function readSettings(els: Elements): RunSettings {
   };
 }
 
+/** What the server's model info allows: the decoder layers, and whether the lens / steering run. */
+interface Features {
+  readonly layers: readonly number[];
+  readonly lens: Availability;
+  readonly steering: Availability;
+}
+
 class Dashboard {
   private readonly labels: TokenLabels;
   /** Bumped by every run; a superseded run stops drawing and is cancelled. */
@@ -91,6 +139,13 @@ class Dashboard {
   private readonly specials: Promise<SpecialTokens>;
   private resolveSpecials: (specials: SpecialTokens) => void = () => undefined;
 
+  /** Set once the server check answers; until then runs go without the lens. */
+  private features: Features | undefined;
+  /** Bumped by every steering comparison; a superseded one stops drawing. */
+  private steerRunId = 0;
+  private steerAbort: AbortController | undefined;
+  /** Steering vectors read so far, by layer and prompt pair. */
+  private readonly vectors = new Map<string, Float32Array>();
   /** The feature strip's picker, and the SAEs it offers (none: no strip). */
   private readonly strip = findFeatureElements(document);
   private stripChoices: Dictionary[] = [];
@@ -117,6 +172,13 @@ class Dashboard {
       try {
         const info = await this.client.modelInfo({ timeoutMs: CHECK_TIMEOUT_MS });
         this.resolveSpecials({ eos: info.eosTokenIds, bos: info.bosTokenId });
+        this.features = {
+          layers: allLayers(info.numLayers),
+          lens: moduleFeature("The logit lens", info.engineMode),
+          steering: moduleFeature("Steering (its vector is read from the residual stream)", info.engineMode),
+        };
+        showLensAvailability(this.els, this.features.lens);
+        setUpSteering(this.els, this.features.layers, this.features.steering);
         void this.loadDictionaries(info.engineMode);
         if (this.runId === 0) {
           clearError(this.els);
@@ -154,6 +216,15 @@ class Dashboard {
         void this.run(this.shown.settings, forced);
       }
     });
+    this.els.steerForm.addEventListener("submit", (event) => {
+      event.preventDefault();
+      void this.steer();
+    });
+    this.els.steerCoef.addEventListener("input", () => showCoefficient(this.els));
+    // Releasing the slider re-runs the comparison once a vector has been read (Steer reads it).
+    this.els.steerCoef.addEventListener("change", () => {
+      if (this.vectors.size > 0) void this.steer();
+    });
   }
 
   /** One trace, drawn step by step as the stream delivers it. */
@@ -172,9 +243,14 @@ class Dashboard {
     const what = forced.length > 0 ? `forcing token ${forced.at(-1)} at step ${forced.length - 1}` : "running";
     setStatus(this.els, "running", id, `${what}…`);
     const started = performance.now();
+    const lens = this.features?.lens.available ? this.features.layers : undefined;
     const dictionary = stripDictionary(this.stripChoices, this.strip.dictionary.value);
     try {
-      const trace = this.client.trace(withFeatures(buildInvoke(settings, forced), dictionary), sampling(settings), {
+      // The lens's bottom row names the token each column reads: the prompt's, then the drawn ones.
+      const promptIds = lens ? await this.promptTokenIds(settings.prompt) : [];
+      if (lens) startLens(this.els, lens);
+      const builder = withFeatures(buildInvoke(settings, forced), dictionary);
+      const trace = this.client.trace(lens ? withLens(builder, lens) : builder, sampling(settings), {
         signal: abort.signal,
         timeoutMs: TIMEOUT_MS,
       });
@@ -186,6 +262,10 @@ class Dashboard {
         steps.push(view);
         addStep(this.els, this.labels, view);
         this.drawFeatures(step, dictionary);
+        if (lens) {
+          const drawn = steps.map((s) => s.tokenId);
+          addLensColumns(this.els, this.labels, lensColumns(step, lens), (p) => inputTokenAt(p, promptIds, drawn));
+        }
         setStatus(this.els, "running", id, `${what}: step ${view.step}`);
       }
       const seconds = ((performance.now() - started) / 1000).toFixed(2);
@@ -197,6 +277,7 @@ class Dashboard {
       }
     }
   }
+
   /**
    * The feature strip's dictionaries (ListDictionaries): its SAEs, the first chosen. A server
    * without dictionaries (or without the RPC, or not eager) keeps the strip hidden.
@@ -213,6 +294,58 @@ class Dashboard {
   private drawFeatures(step: Step, dictionary: Dictionary | undefined): void {
     const chips = dictionary ? featureStrip(step, dictionary) : undefined;
     if (dictionary && chips) addFeatureStrip(this.els, step.step, dictionary.name, chips);
+  }
+
+  /** The prompt's token ids (the lens's column labels); none when Tokenize fails (the run reports errors). */
+  private async promptTokenIds(prompt: string): Promise<number[]> {
+    try {
+      return (await this.client.tokenize(prompt, {}, { timeoutMs: CHECK_TIMEOUT_MS })).tokenIds;
+    } catch {
+      return [];
+    }
+  }
+
+  /**
+   * The steering comparison: the vector for (layer, A, B) (read once, then kept), then one
+   * trace with the prompt above as is and steered, both streamed side by side.
+   */
+  private async steer(): Promise<void> {
+    if (!this.features?.steering.available) {
+      return;
+    }
+    const id = ++this.steerRunId;
+    this.steerAbort?.abort();
+    const abort = new AbortController();
+    this.steerAbort = abort;
+    const settings = readSettings(this.els);
+    const layer = Number(this.els.steerLayer.value);
+    const coefficient = this.els.steerCoef.valueAsNumber;
+    const call = { signal: abort.signal, timeoutMs: TIMEOUT_MS };
+    clearError(this.els);
+    try {
+      const key = `${layer}\n${this.els.steerA.value}\n${this.els.steerB.value}`;
+      let vector = this.vectors.get(key);
+      if (!vector) {
+        setSteerStatus(this.els, "running", id, `reading layers.${layer} for A and B…`);
+        const read = await this.client.trace(vectorInvokes(layer, this.els.steerA.value, this.els.steerB.value), VECTOR_SAMPLING, call).collect();
+        vector = steeringVector(read.steps);
+        this.vectors.set(key, vector);
+      }
+      if (id !== this.steerRunId) return;
+      startSteering(this.els, settings.prompt, coefficient, norm(vector));
+      setSteerStatus(this.els, "running", id, `steering layers.${layer} with coefficient ${coefficient}…`);
+      const trace = this.client.trace(steeringInvokes(settings.prompt, layer, vector, coefficient), sampling(settings), call);
+      for await (const step of trace) {
+        if (id !== this.steerRunId) return; // superseded: leaving the loop cancels the call
+        addSteeringText(this.els, sideOf(step), step.text);
+      }
+      setSteerStatus(this.els, "done", id, `done: layers.${layer}, coefficient ${coefficient}`);
+    } catch (error) {
+      if (id === this.steerRunId) {
+        showError(this.els, error, this.unreachable);
+        setSteerStatus(this.els, "error", id, "steering failed");
+      }
+    }
   }
 }
 
