@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .dictionaries import check_name, feature_ids, finite
+from .dictionary_ops import check_name, feature_ids, finite
 from .v1 import intervention_pb2 as ipb
 
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import dictionaries
+from . import dictionary_ops
 from .conditions import Condition
 from .errors import InvalidArgument
 from .outputs import RequestOutput, request_output
@@ -554,7 +554,7 @@ class ModuleRef(_Read):
         [k] outputs (or the `outputs` chosen, in order) at "new" positions, [positions, k]
         at any other positions (as `.select()` reads neurons). The dictionary must read
         this module (the server checks; ListDictionaries says which it reads)."""
-        return self._dictionary_read(dictionaries.read_dictionary(
+        return self._dictionary_read(dictionary_ops.read_dictionary(
             dictionary, *self._dictionary_target("probe"), ids=outputs))
 
     def features(self, dictionary: str, *, top_k: int | None = None, ids: int | Sequence[int] | None = None) -> _Read:
@@ -562,34 +562,34 @@ class ModuleRef(_Read):
         per position, a `TopK(values, ids)` ([k] at "new" positions, [positions, k] at
         others, largest first); `ids=[...]` those features' values, in order; neither:
         all d of them (counted against the read budget)."""
-        return self._dictionary_read(dictionaries.read_dictionary(
+        return self._dictionary_read(dictionary_ops.read_dictionary(
             dictionary, *self._dictionary_target("features"), top_k=top_k, ids=ids))
 
     def reconstruction_error(self, dictionary: str) -> _Read:
         """||x - SAE(x)||_2 of this module's output x: [1] per step at "new" positions,
         [positions, 1] at others."""
-        return self._dictionary_read(dictionaries.read_dictionary(
+        return self._dictionary_read(dictionary_ops.read_dictionary(
             dictionary, *self._dictionary_target("reconstruction_error"), error=True))
 
     def steer_feature(self, dictionary: str, features: int | Sequence[int], alpha: float) -> None:
         """Add alpha * W_dec[f] for each SAE feature f at these positions and steps."""
-        self._view._write(write_dictionary=dictionaries.steer(
+        self._view._write(write_dictionary=dictionary_ops.steer(
             dictionary, *self._dictionary_target("steer_feature"), features, alpha))
 
     def clamp_feature(self, dictionary: str, features: int | Sequence[int], value: float) -> None:
         """Set SAE features' activations to `value`, keeping the reconstruction error:
         x + sum_f (value - a_f(x)) * W_dec[f]."""
-        self._view._write(write_dictionary=dictionaries.clamp(
+        self._view._write(write_dictionary=dictionary_ops.clamp(
             dictionary, *self._dictionary_target("clamp_feature"), features, value))
 
     def ablate_feature(self, dictionary: str, features: int | Sequence[int]) -> None:
         """Clamp SAE features to 0 (x - sum_f a_f(x) * W_dec[f])."""
-        self._view._write(write_dictionary=dictionaries.ablate(
+        self._view._write(write_dictionary=dictionary_ops.ablate(
             dictionary, *self._dictionary_target("ablate_feature"), features))
 
     def steer_probe(self, dictionary: str, output: int = 0, alpha: float = 1.0) -> None:
         """Add alpha * W[output], the probe output's (unnormalised) direction."""
-        self._view._write(write_dictionary=dictionaries.steer(
+        self._view._write(write_dictionary=dictionary_ops.steer(
             dictionary, *self._dictionary_target("steer_probe"), output, alpha))
 
     def _dictionary_target(self, method: str) -> tuple[str, ipb.Positions]:
@@ -605,7 +605,7 @@ class ModuleRef(_Read):
             iv.read_dictionary.CopyFrom(message)
 
         one_row = self._selected.WhichOneof("kind") == "new_token"
-        if dictionaries.selection(message) == "top_k":
+        if dictionary_ops.selection(message) == "top_k":
             return _Read(self._view, build, _Decode.unit_top_k if one_row else _Decode.unit_top_k_rows)
         return _Read(self._view, build, _Decode.logits if one_row else _Decode.unit_rows)
 

@@ -249,6 +249,9 @@ export function sideOf(step: Step): Side {
     throw new Error(`a steering step came from invoke ${step.invokeIndex}; the comparison has 2`);
   }
   return side;
+}
+
+/* ---------------------------------------------------------------------------------------
  * The feature strip: per step, the top features of a dictionary (an SAE the server holds,
  * ListDictionaries) with their labels. Read at the new token like the candidates: step s's
  * features are those of the forward pass that drew step s's token (at the position before
