@@ -91,7 +91,8 @@ def _nan() -> dict[str, np.ndarray]:
     ("test-bad", {**PROBE_SPEC, "labels": ["one"]}, probe(), "header.spec.labels"),
     ("test-bad", {**PROBE_SPEC, "labels": []}, _bad_shape(), "tensors.W"),
     ("test-bad", PROBE_SPEC, _nan(), "tensors.W"),
-    ("test-bad", PROBE_SPEC, b"not a safetensors file", "file"),
+    ("test-bad", PROBE_SPEC, b"not a safetensors file", "chunk[0]"),
+    ("test-bad", PROBE_SPEC, b"\x02\0\0\0\0\0\0\0{x", "file"),
 ])
 def test_bad_upload_is_invalid_argument_naming_the_field(client, name, spec, tensors, field) -> None:
     with pytest.raises(tracewire.InvalidArgument) as e:
