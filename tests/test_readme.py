@@ -132,7 +132,7 @@ def shell_block(containing: str) -> Block:
 def test_every_client_side_shell_block_is_run_here():
     """The blocks below are all there are: a new one needs a test of what it claims."""
     names = {b.code.split("\n", 1)[0] for b in shell_blocks()}
-    assert len(shell_blocks()) == 8, names
+    assert len(shell_blocks()) == 9, names
 
 
 def test_activating_the_venv_reaches_the_cli_and_the_sdk(eager):
@@ -205,10 +205,21 @@ def test_buf_curl_connect_trace(eager):
 
 
 def test_tracewire_lens(eager):
-    lines = run_shell(shell_block("tracewire lens"), eager).splitlines()
+    lines = run_shell(shell_block("each layer's top next-token guess"), eager).splitlines()
     header, rows = lines[0], lines[1:]
     assert header.split()[0] == "layer" and "' France'" in header
     assert len(rows) == 4 and all("' Paris'" in row.split("  ")[-1] for row in rows[1:])
+
+
+def test_tracewire_lens_plot_and_collect(eager):
+    """The Researcher workflow's shell block: the lens table (and its heatmap), then a
+    collection of the two JSONL prompts whose summary names its fields."""
+    out = run_shell(shell_block("tracewire collect"), eager).splitlines()
+    assert out[0].split()[0] == "layer" and "' Paris'" in out[-2]
+    summary = json.loads(out[-1])
+    assert summary["prompts"] == 2 and summary["shards"] == 1
+    assert summary["fields"]["layers.1"] == {"dtype": "float32", "shape": [None, 256]}
+    assert summary["fields"]["logits.ids"] == {"dtype": "int32", "shape": [None, 5]}
 
 
 def test_tracewire_trace_tables(eager):

@@ -3,12 +3,15 @@
  * createNodeClient, kept apart so browser bundles never import node:http2.
  */
 
+import type { Transport } from "@connectrpc/connect";
 import { Http2SessionManager, createGrpcTransport, type GrpcTransportOptions } from "@connectrpc/connect-node";
 import { withToken } from "./auth.js";
 import { Code, TracewireError } from "./errors.js";
 import { TracewireClient, type ClientOptions } from "./client.js";
+import { replicaAddresses, replicaTransport } from "./replicas.js";
 
 export * from "./index.js";
+export { DEFAULT_RETRY, replicaAddresses, replicaTransport, type RetryPolicy } from "./replicas.js";
 
 /** TLS for the gRPC port (the server's --tls-cert; --tls-client-ca: present cert and key). PEM. */
 export interface NodeTlsOptions {
@@ -34,8 +37,24 @@ export interface NodeClientOptions extends ClientOptions {
  * ("127.0.0.1:50051", the Python SDK's form, means plaintext http:// too; https:// with `tls`).
  * Connect-ES v2's gRPC transport is always HTTP/2, so there is no httpVersion to choose. Call
  * client.close() when done.
+ *
+ * Several replicas (README: Replicas): gRPC's address list, "ipv4:10.0.0.1:50051,10.0.0.2:50051"
+ * (as the Python SDK takes it), or a list of URLs. Calls then go round-robin over them, and a
+ * call refused with UNAVAILABLE before any response is retried on the next one (replicas.ts).
  */
-export function createNodeClient(url: string, options: NodeClientOptions = {}): TracewireClient {
+export function createNodeClient(target: string | readonly string[], options: NodeClientOptions = {}): TracewireClient {
+  const addresses = replicaAddresses(target);
+  if (addresses.length > 1 && options.transport?.sessionManager) {
+    throw new TracewireError("transport.sessionManager: one session serves one server, not a list of replicas", Code.InvalidArgument);
+  }
+  const connections = addresses.map((address) => connect(address, options));
+  const transport =
+    connections.length === 1 ? connections[0]!.transport : replicaTransport(connections.map((c) => c.transport));
+  return new TracewireClient(transport, options, () => connections.forEach((c) => c.release()));
+}
+
+/** One server's gRPC transport, and how to end its HTTP/2 connection. */
+function connect(url: string, options: NodeClientOptions): { transport: Transport; release: () => void } {
   const tls = options.tls === true ? {} : options.tls || undefined;
   const baseUrl = /^[a-z][a-z0-9+.-]*:\/\//i.test(url) ? url : `${tls ? "https" : "http"}://${url}`;
   if (tls && !baseUrl.startsWith("https://")) {
@@ -54,5 +73,5 @@ export function createNodeClient(url: string, options: NodeClientOptions = {}): 
     : new Http2SessionManager(baseUrl, transportOptions, transportOptions.nodeOptions);
   const sessionManager = transportOptions.sessionManager ?? own;
   const transport = createGrpcTransport({ ...transportOptions, baseUrl, sessionManager });
-  return new TracewireClient(transport, options, () => own?.abort());
+  return { transport, release: () => own?.abort() };
 }

@@ -16,7 +16,7 @@ import { extname, join, normalize, sep } from "node:path";
 import { after, before, test } from "node:test";
 import { chromium, type Browser, type Page } from "playwright-core";
 import { formatProb, tokenLabel } from "../examples/dashboard/src/format.js";
-import { createNodeClient, type TracewireClient } from "../src/node.js";
+import { createNodeClient, invoke, read, write, type TracewireClient } from "../src/node.js";
 import { REPO } from "./server.js";
 
 const HTTP_URL = process.env.TRACEWIRE_TEST_HTTP_URL;
@@ -25,6 +25,12 @@ const CHROMIUM = process.env.TRACEWIRE_CHROMIUM ?? "/usr/bin/chromium";
 const DIST = join(REPO, "clients/ts/examples/dashboard/dist");
 const OUTPUT = join(REPO, "clients/ts/test-output");
 const PARIS = 806;
+const FRANCE = "The capital of France is";
+const SPAIN = "The capital of Spain is";
+// Enough steps for the lens to have several generated columns, few enough to stay quick.
+const LENS_STEPS = 6;
+const STEER_LAYER = 2;
+const STRONG = 8;
 const STEPS = 24;
 const TIMEOUT_MS = 120_000;
 // What the machine's closed network needs: no background connections, no sync, no QUIC.
@@ -44,6 +50,7 @@ let siteUrl: string;
 let browser: Browser;
 let page: Page;
 let client: TracewireClient;
+let modelInfo: Awaited<ReturnType<TracewireClient["modelInfo"]>> | undefined;
 const pageErrors: string[] = [];
 
 before(async () => {
@@ -186,6 +193,138 @@ test("dashboard: stream a trace, force a candidate at step 0, see the continuati
   }
 });
 
+test("dashboard: the logit-lens heatmap shows what the client's own lens read returns", { timeout: 300_000 }, async () => {
+  const lensPage = await openReady({ width: 1400, height: 900 });
+  try {
+    assert.equal(await lensPage.getAttribute("#lens-note", "data-available"), "true");
+    await lensPage.fill("#prompt", FRANCE);
+    await lensPage.fill("#max-tokens", String(LENS_STEPS));
+    await lensPage.check("#ignore-eos");
+    await lensPage.click("#run");
+    await waitRun(lensPage, 1);
+
+    // The same read through the TS client: every layer's top-1 at every position ("all").
+    const info = await client.modelInfo();
+    const layers = Array.from({ length: info.numLayers }, (_, i) => i);
+    const own = await client
+      .trace(invoke(FRANCE).read("lens", read.logitLens(layers, { positions: "all", topK: 1 })), {
+        temperature: 0,
+        maxTokens: LENS_STEPS,
+        ignoreEos: true,
+      })
+      .collect();
+    const expected = new Map<string, { tokenId: number; prob: number }>();
+    for (const step of own.steps) {
+      const lens = step.values.lens;
+      assert.ok(lens?.tokenIds && lens.positions);
+      const [, count = 0] = lens.values.shape;
+      layers.forEach((layer, l) =>
+        Array.from(lens.positions!.data, Number).forEach((position, p) => {
+          const at = l * count + p;
+          expected.set(`${layer}:${position}`, { tokenId: Number(lens.tokenIds!.data[at]), prob: Math.exp(Number(lens.values.data[at])) });
+        }),
+      );
+    }
+    const prompt = (await client.tokenize(FRANCE)).tokenIds;
+    // positions 0 .. P-1 at step 0, then one per later step
+    assert.equal(expected.size, info.numLayers * (prompt.length + LENS_STEPS - 1));
+
+    await lensPage.waitForFunction(() => Array.from(document.querySelectorAll("#lens [data-label-for]")).every((el) => !/^#\d+$/.test(el.textContent ?? "")));
+    const cells = await lensPage.$$eval("#lens td.lens-cell", (tds) =>
+      tds.map((td) => {
+        const el = td as HTMLElement;
+        return {
+          key: `${el.dataset.layer}:${el.dataset.position}`,
+          tokenId: Number(el.dataset.tokenId),
+          prob: Number(el.dataset.prob),
+          label: el.querySelector(".lens-token")?.textContent ?? "",
+          background: getComputedStyle(el).backgroundColor,
+        };
+      }),
+    );
+    assert.equal(cells.length, expected.size);
+    const specials = { eos: info.eosTokenIds, bos: info.bosTokenId };
+    for (const cell of cells) {
+      const want = expected.get(cell.key);
+      assert.ok(want, `cell ${cell.key} is not in the client's read`);
+      assert.equal(cell.tokenId, want.tokenId, cell.key);
+      assert.ok(Math.abs(cell.prob - want.prob) < 1e-6, `${cell.key}: ${cell.prob} vs ${want.prob}`);
+      const text = await client.detokenize([cell.tokenId], { skipSpecialTokens: false });
+      assert.equal(cell.label, tokenLabel(text, cell.tokenId, specials).text, cell.key);
+    }
+    // The last layer at the last prompt position is the model's own guess: " Paris", drawn at step 0.
+    const last = info.numLayers - 1;
+    assert.equal(expected.get(`${last}:${prompt.length - 1}`)?.tokenId, PARIS);
+    // Probability as colour: the most and least likely cells differ in shade.
+    const byProb = [...cells].sort((x, y) => x.prob - y.prob);
+    assert.notEqual(byProb[0]?.background, byProb.at(-1)?.background);
+    // Rows: the last layer on top; the bottom row names the token each column reads.
+    const rows = await lensPage.$$eval("#lens tr", (trs) => trs.map((tr) => (tr as HTMLElement).dataset.layer ?? "inputs"));
+    assert.deepEqual(rows, [...layers.map(String).reverse(), "inputs"]);
+    const inputs = await lensPage.$$eval("#lens th.lens-input", (ths) => ths.map((th) => Number((th as HTMLElement).dataset.tokenId)));
+    const drawn = (await stepRows(lensPage)).map((r) => r.tokenId);
+    assert.deepEqual(inputs, [...prompt, ...drawn.slice(0, -1)]);
+    await lensPage.locator("#lens-section").screenshot({ path: screenshotPath("dashboard-lens.png") });
+    assert.deepEqual(pageErrors, []);
+  } catch (error) {
+    await lensPage.screenshot({ path: screenshotPath("dashboard-lens-failure.png"), fullPage: true }).catch(() => undefined);
+    throw error;
+  } finally {
+    await lensPage.close();
+  }
+});
+
+test("dashboard: steering from a prompt pair: equal to the plain continuation at 0, the client's own steered run at 8", { timeout: 300_000 }, async () => {
+  const steerPage = await openReady({ width: 1100, height: 1000 });
+  try {
+    assert.equal(await steerPage.getAttribute("#steer-note", "data-available"), "true");
+    await steerPage.fill("#prompt", FRANCE);
+    await steerPage.fill("#max-tokens", String(LENS_STEPS));
+    await steerPage.check("#ignore-eos");
+    await steerPage.selectOption("#steer-layer", String(STEER_LAYER));
+    await steerPage.fill("#steer-a", SPAIN);
+    await steerPage.fill("#steer-b", FRANCE);
+    await setCoefficient(steerPage, 0);
+    await steerPage.click("#steer-run");
+    await waitSteer(steerPage, 1);
+    const sampling = { temperature: 0, maxTokens: LENS_STEPS, ignoreEos: true };
+    const [plainOut] = await client.generate(FRANCE, sampling);
+    const plain = plainOut?.outputs[0]?.text ?? "";
+    assert.match(plain, /^ Paris/);
+    assert.deepEqual(await sides(steerPage), { plain, steered: plain });
+
+    // The vector as the client reads it: layer 2's output, mean over the prompt, Spain minus France.
+    const mean = read.module(`layers.${STEER_LAYER}`, { positions: "prompt", mean: true });
+    const reads = await client
+      .trace([invoke(SPAIN).read("r", mean, { steps: 0 }), invoke(FRANCE).read("r", mean, { steps: 0 })], { temperature: 0, maxTokens: 1 })
+      .collect();
+    const [a, b] = [0, 1].map((i) => reads.steps.find((s) => s.invokeIndex === i)?.values.r?.values.data as Float32Array);
+    assert.ok(a && b && a.length === info().hiddenSize);
+    const vector = Float32Array.from(a, (x, i) => x - (b[i] ?? 0));
+    const vectorNorm = Math.hypot(...vector);
+    assert.ok(Math.abs(Number(await steerPage.getAttribute("#steer-status", "data-norm")) - vectorNorm) < 1e-4 * vectorNorm);
+
+    // Releasing the slider re-runs with the vector already read.
+    await setCoefficient(steerPage, STRONG);
+    await waitSteer(steerPage, 2);
+    const shown = await sides(steerPage);
+    const steered = await client.trace(invoke(FRANCE).write(write.steer(`layers.${STEER_LAYER}`, vector, { scale: STRONG })), sampling).result();
+    const want = steered.outputs[0]?.outputs[0]?.text ?? "";
+    assert.equal(shown.plain, plain);
+    assert.equal(shown.steered, want);
+    assert.notEqual(shown.steered, plain);
+    assert.match(shown.steered, /Madrid/); // towards A: Spain's capital
+    assert.equal(await steerPage.textContent("#steer-steered-title"), `steered (coefficient ${STRONG}, |vector| ${vectorNorm.toFixed(2)})`);
+    await steerPage.locator("#steering").screenshot({ path: screenshotPath("dashboard-steering.png") });
+    assert.deepEqual(pageErrors, []);
+  } catch (error) {
+    await steerPage.screenshot({ path: screenshotPath("dashboard-steering-failure.png"), fullPage: true }).catch(() => undefined);
+    throw error;
+  } finally {
+    await steerPage.close();
+  }
+});
+
 test("dashboard: no server at ?server= shows at once (before any Run), and says how to start one", { timeout: 120_000 }, async () => {
   const offline = await browser.newPage({ viewport: { width: 1100, height: 600 } });
   try {
@@ -228,6 +367,49 @@ test("dashboard: `make dashboard DASHBOARD_PORT=...` prints the URL for the runn
     await stopGroup(make);
   }
 });
+
+/** A page of the dashboard on the test server, once its server check says ready. */
+async function openReady(viewport: { width: number; height: number }): Promise<Page> {
+  const opened = await browser.newPage({ viewport });
+  opened.setDefaultTimeout(TIMEOUT_MS);
+  opened.on("pageerror", (error) => pageErrors.push(String(error)));
+  await opened.goto(`${siteUrl}/?server=${encodeURIComponent(HTTP_URL ?? "")}`);
+  await opened.waitForSelector("#status[data-state='idle']");
+  modelInfo ??= await client.modelInfo();
+  return opened;
+}
+
+function info(): Awaited<ReturnType<TracewireClient["modelInfo"]>> {
+  assert.ok(modelInfo);
+  return modelInfo;
+}
+
+/** Set the slider as a user does: input while dragging, change on release. */
+async function setCoefficient(page: Page, value: number): Promise<void> {
+  await page.$eval(
+    "#steer-coef",
+    (el, v) => {
+      const input = el as HTMLInputElement;
+      input.value = String(v);
+      input.dispatchEvent(new Event("input", { bubbles: true }));
+      input.dispatchEvent(new Event("change", { bubbles: true }));
+    },
+    value,
+  );
+  assert.equal(await page.textContent("#steer-coef-value"), String(value));
+}
+
+async function waitSteer(page: Page, run: number): Promise<void> {
+  await page.waitForSelector(`#steer-status[data-run='${run}']:is([data-state='done'], [data-state='error'])`);
+  const state = await page.getAttribute("#steer-status", "data-state");
+  assert.equal(state, "done", `steering run ${run} failed: ${await page.textContent("#error")}`);
+}
+
+/** The two continuations (the prompt's span excluded). */
+async function sides(page: Page): Promise<{ plain: string; steered: string }> {
+  const text = (id: string): Promise<string> => page.$$eval(`#${id} .piece`, (pieces) => pieces.map((p) => p.textContent ?? "").join(""));
+  return { plain: await text("steer-plain"), steered: await text("steer-steered") };
+}
 
 /** Wait until run `run` ends; a failure shows the page's banner in the assertion. */
 async function waitRun(page: Page, run: number): Promise<void> {

@@ -2,7 +2,8 @@
  * The README's TypeScript snippets run as written against the real server, from Node
  * (test/snippets.ts says how). The stop example must stop: its stop at step 3 fires (greedy
  * decoding would run on) and no warning comes back. The Security section's snippet needs a
- * TLS server with tokens: auth.standalone.test.ts runs it.
+ * TLS server with tokens: auth.standalone.test.ts runs it; the Replicas snippets (an "ipv4:"
+ * address list) need two servers: replicas.standalone.test.ts runs them.
  */
 
 import assert from "node:assert/strict";
@@ -22,13 +23,13 @@ function run(snippet: Snippet): string[] {
 
 const README = join(REPO, "README.md");
 
-/** The snippets against a plaintext server (the Security one needs TLS). */
-function plaintext(): Snippet[] {
-  return snippets(README).filter((s) => !s.code.includes("tls:"));
+/** The snippets against one plaintext server (the Security one needs TLS, the Replicas one two servers). */
+function plaintext(path = README): Snippet[] {
+  return snippets(path).filter((s) => !s.code.includes("tls:") && !s.code.includes("ipv4:"));
 }
 
 test("the README has its runnable TypeScript snippets", () => {
-  assert.equal(snippets(README).length, 3, JSON.stringify(snippets(README).map((s) => s.line)));
+  assert.equal(snippets(README).length, 4, JSON.stringify(snippets(README).map((s) => s.line)));
   assert.equal(plaintext().length, 2);
 });
 
@@ -60,7 +61,8 @@ test("the Node snippet's stop at step 3 fires, with no warning", () => {
 const TS_README = join(REPO, "clients/ts/README.md");
 
 test("clients/ts/README.md's snippets run: the Node one forces ' Berlin' and stops at the period", () => {
-  const found = snippets(TS_README);
+  assert.equal(snippets(TS_README).length, 4, JSON.stringify(snippets(TS_README).map((s) => s.line)));
+  const found = plaintext(TS_README);
   assert.equal(found.length, 3, JSON.stringify(found.map((s) => s.line)));
   const [node, ...others] = found;
   assert.ok(node && node.code.includes("write.force(berlin)"), node?.code);

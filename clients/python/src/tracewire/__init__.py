@@ -32,6 +32,7 @@ from .errors import (
     Unavailable,
     Unimplemented,
 )
+from .mapping import Item, MapResults
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .rpcs import EngineStats, ModelInfo, ModuleInfo, StreamUpdate
 from .sampling import SAMPLING_KEYWORDS
@@ -48,6 +49,8 @@ __all__ = [
     "AsyncTracer",
     "Condition",
     "Invoke",
+    "Item",
+    "MapResults",
     "Logprobs",
     "ModuleRef",
     "Saved",

@@ -13,7 +13,7 @@ only awaits them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -23,6 +23,7 @@ from . import rpcs
 from .channel import connect
 from .dictionaries import Dictionary, SpecLike, TensorsLike
 from .errors import InvalidArgument, TypedErrors
+from .mapping import MapOptions, MapResults, run_map_async
 from .outputs import RequestOutput
 from .prompts import PromptLike
 from .rpcs import EngineStats, ModelInfo, Rpc, StreamUpdate
@@ -32,6 +33,7 @@ from .tracing import Step, Tracer
 from .v1 import service_pb2
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 AsyncRunner = Callable[[service_pb2.TraceRequest], AsyncIterator[service_pb2.TraceResponse]]
 
@@ -129,6 +131,19 @@ class AsyncClient:
         elif sampling:
             raise InvalidArgument("sampling keywords go to client.trace(), not stream_trace(tracer)")
         return trace.astream()
+
+    async def map(
+        self,
+        prompts: Iterable[PromptLike],
+        trace_fn: Callable[[AsyncTracer], R],
+        *,
+        concurrency: int = 8,
+        retries: int = 2,
+        progress: bool | None = None,
+        **sampling: Any,
+    ) -> MapResults[R]:
+        """`Client.map`, awaited: at most `concurrency` traces in flight on this channel."""
+        return await run_map_async(self, prompts, trace_fn, MapOptions(concurrency, retries, progress), sampling)
 
     async def register_dictionary(
         self, name: str, spec: SpecLike, tensors: TensorsLike, *, replace: bool = False

@@ -4,6 +4,8 @@
     tracewire trace "The capital of France is" --top-k 5 --max-tokens 16
     tracewire trace "..." --json            # one JSON object per step, then the result
     tracewire lens "The capital of France is"        # logit lens table (server: --enforce-eager)
+    tracewire lens "The capital of France is" --plot lens.png   # ... and as a heatmap (tracewire[plot])
+    tracewire collect prompts.jsonl acts/ --layers 1,2 --positions last   # activations to Parquet shards
     tracewire tokenize " Berlin"
 
 The server address comes from --target or $TRACEWIRE_TARGET (default 127.0.0.1:50051).
@@ -106,6 +108,8 @@ def _lens(client: Client, args: argparse.Namespace) -> None:
     top = lens.value
     ids = client.tokenizer.encode(args.prompt)
     decode = _TokenText(client)
+    if args.plot:
+        _save_lens_plot(args.plot, top, layers, [decode(t) for t in ids], decode)
     if args.json:
         print(json.dumps({
             "positions": [decode(t) for t in ids],
@@ -123,6 +127,39 @@ def _lens(client: Client, args: argparse.Namespace) -> None:
     ]
     for line in _table(header, rows, colour=_colour_wanted()):
         print(line)
+
+
+def _save_lens_plot(path: str, top: Any, layers: list[int], tokens: list[str], decode: _TokenText) -> None:
+    try:
+        from . import plot
+
+        figure = plot.logit_lens(top, layers=layers, tokens=tokens, decode=decode)
+    except ImportError as e:
+        raise SystemExit(f"tracewire: --plot: {e}") from e
+    try:
+        figure.savefig(path, dpi=150)
+    except (OSError, ValueError) as e:  # a folder that is not there; a suffix matplotlib cannot write
+        raise SystemExit(f"tracewire: --plot {path}: {e}") from e
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def _collect(client: Client, args: argparse.Namespace) -> None:
+    """A dataset's activations into sharded files (collect.py), with a progress bar."""
+    try:
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else []
+        positions: str | list[int] = (args.positions if args.positions in ("prompt", "last", "new")
+                                      else [int(p) for p in args.positions.split(",")])
+    except ValueError as e:
+        raise SystemExit(f"tracewire: --layers / --positions: comma-separated integers expected ({e})") from e
+    manifest = client.collect(
+        args.prompts, args.output, layers=layers, positions=positions, mean=args.mean,
+        logits_top_k=args.logits_top_k, samples=args.samples, max_tokens=args.max_tokens or 1,
+        storage=args.format, shard_size=args.shard_size, column=args.column, concurrency=args.concurrency,
+        progress=False if args.no_progress else None,
+        **{k: v for k, v in _sampling(args).items() if k != "max_tokens"},
+    )
+    print(json.dumps({"output": args.output, "prompts": manifest.count, "shards": len(manifest.shards),
+                      "fields": manifest.fields}))
 
 
 class _Cell:
@@ -222,6 +259,22 @@ def parser() -> argparse.ArgumentParser:
     lens.add_argument("prompt")
     lens.add_argument("--layers", help="comma-separated layer indices (default: all)")
     lens.add_argument("--json", action="store_true")
+    lens.add_argument("--plot", metavar="FILE", help="also save a heatmap (.png, .svg, .pdf; needs tracewire[plot])")
+    c = sub.add_parser("collect", help="a dataset's activations into Parquet / safetensors shards, resumable")
+    c.add_argument("prompts", help="a .jsonl, .txt, .parquet or .csv file of prompts")
+    c.add_argument("output", help="the collection's folder (run again to resume)")
+    c.add_argument("--column", help="the prompt column / JSON field (default: prompt, else text)")
+    c.add_argument("--layers", help="comma-separated decoder layers to read (server needs --enforce-eager)")
+    c.add_argument("--positions", default="last",
+                   help="prompt | last | new | comma-separated prompt positions (default last)")
+    c.add_argument("--mean", action="store_true", help="average the prompt positions on the server")
+    c.add_argument("--logits-top-k", type=int, default=0, dest="logits_top_k", help="the k largest logits per step")
+    c.add_argument("--samples", action="store_true", help="the token drawn at each step")
+    c.add_argument("--format", choices=("parquet", "safetensors"), default="parquet")
+    c.add_argument("--shard-size", type=int, default=256, dest="shard_size", help="prompts per shard")
+    c.add_argument("--concurrency", type=int, default=8, help="traces in flight")
+    c.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar")
+    sampling_flags(c)
     k = sub.add_parser("tokenize", help="token ids of a text")
     k.add_argument("text")
     k.add_argument("--json", action="store_true")
@@ -256,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         with Client(args.target, token=_token(args), tls=_tls(args), timeout=args.timeout) as client:
-            commands = {"generate": _generate, "trace": _trace, "lens": _lens, "tokenize": _tokenize}
+            commands = {"generate": _generate, "trace": _trace, "lens": _lens, "tokenize": _tokenize,
+                        "collect": _collect}
             commands[args.command](client, args)
     except TracewireError as e:
         where = f" (field {e.field})" if e.field else ""

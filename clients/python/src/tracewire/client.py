@@ -3,8 +3,9 @@ module only sends them, blocking."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -12,6 +13,7 @@ from . import rpcs
 from .channel import connect
 from .dictionaries import Dictionary, SpecLike, TensorsLike
 from .errors import InvalidArgument, TypedErrors
+from .mapping import MapOptions, MapResults, run_map
 from .outputs import RequestOutput
 from .prompts import PromptLike
 from .rpcs import EngineStats, ModelInfo, Rpc, StreamUpdate
@@ -20,7 +22,12 @@ from .tokenizer import RemoteTokenizer
 from .tracing import Step, Tracer
 from .v1 import service_pb2
 
+if TYPE_CHECKING:
+    from .collect import Manifest, ShardWritten
+    from .shards import Storage
+
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Client:
@@ -102,6 +109,55 @@ class Client:
         elif sampling:
             raise InvalidArgument("sampling keywords go to client.trace(), not stream_trace(tracer)")
         return trace.events()
+
+    def map(
+        self,
+        prompts: Iterable[PromptLike],
+        trace_fn: Callable[[Tracer], R],
+        *,
+        concurrency: int = 8,
+        retries: int = 2,
+        progress: bool | None = None,
+        **sampling: Any,
+    ) -> MapResults[R]:
+        """Trace every prompt, `concurrency` at a time: `trace_fn(tracer)` adds the reads and
+        writes to one prompt's trace and returns what to keep (filled once it has run). One
+        `Item` per prompt, in input order, with its value or its error (UNAVAILABLE is
+        retried `retries` times). `progress`: a bar on a terminal with tqdm (None), never
+        (False). `sampling`: every trace's sampling parameters (mapping.py)."""
+        return run_map(self, prompts, trace_fn, MapOptions(concurrency, retries, progress), sampling)
+
+    def collect(
+        self,
+        prompts: Iterable[str] | str | os.PathLike[str],
+        output: str | os.PathLike[str],
+        *,
+        layers: Sequence[int] = (),
+        positions: str | Sequence[int] = "last",
+        mean: bool = False,
+        logits_top_k: int = 0,
+        samples: bool = False,
+        max_tokens: int = 1,
+        storage: Storage = "parquet",
+        shard_size: int = 256,
+        column: str | None = None,
+        concurrency: int = 8,
+        retries: int = 2,
+        progress: bool | None = None,
+        on_shard: Callable[[ShardWritten], None] | None = None,
+        **sampling: Any,
+    ) -> Manifest:
+        """Collect activations of a dataset into `output` (a folder): sharded Parquet or
+        safetensors and manifest.json, resumable (collect.py). `prompts`: text prompts, or a
+        .jsonl / .txt / .parquet / .csv file (`column`: its prompt column). Read them back
+        with `tracewire.collect.load(output)`."""
+        from .collect import CollectPlan, collect
+
+        plan = CollectPlan(tuple(int(x) for x in layers),
+                           positions if isinstance(positions, str) else tuple(int(p) for p in positions),
+                           mean, logits_top_k, samples, max_tokens)
+        return collect(self, prompts, output, plan, storage=storage, shard_size=shard_size, column=column,
+                       options=MapOptions(concurrency, retries, progress), on_shard=on_shard, sampling=sampling)
 
     def register_dictionary(
         self, name: str, spec: SpecLike, tensors: TensorsLike, *, replace: bool = False

@@ -615,6 +615,8 @@ class Invoke:
         self._interventions: list[ipb.Intervention] = []
         self._reads: dict[str, _SavedRead] = {}
         self.result: RequestOutput | None = None
+        # Each generated token's text as streamed, per sequence: {sequence: {step: text}}.
+        self.step_tokens: dict[int, dict[int, str]] = {}
 
     # -- building --------------------------------------------------------------
 
@@ -699,6 +701,10 @@ class Invoke:
             target.append(decoded)
             target.steps.append(step.step)
         return values
+
+    def saved_reads(self) -> list[Saved]:
+        """This invoke's saved reads, in the order they were added."""
+        return [read.saved for read in self._reads.values()]
 
     def __enter__(self) -> Invoke:
         return self
@@ -830,6 +836,7 @@ class Tracer:
         if kind == "steps":
             for s in event.steps.results:
                 values = self._invokes[s.invoke_index]._record(s)
+                self._invokes[s.invoke_index].step_tokens.setdefault(s.sequence_index, {})[s.step] = s.text_delta
                 yield Step(s.invoke_index, s.sequence_index, s.step, s.token_id, s.text_delta, values, s.stopped)
         elif kind == "invoke_result":
             self._invokes[event.invoke_result.invoke_index].result = request_output(event.invoke_result.output)
@@ -843,6 +850,12 @@ class Tracer:
         for _ in self.events():
             pass
         return self
+
+    def _repr_html_(self) -> str:
+        """Jupyter: each invoke's tokens and probabilities as a table (notebook.py)."""
+        from .notebook import trace_html
+
+        return trace_html(self)
 
     def __enter__(self) -> Tracer:
         return self

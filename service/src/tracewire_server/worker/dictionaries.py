@@ -13,6 +13,7 @@ import torch
 
 from ..shared import plan as P
 from ..shared.dictionary_spec import DictionaryError, DictionaryInfo, check_tensors
+from .host import on_device
 
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -72,14 +73,14 @@ class Dictionary:
 
     def direction(self, features: tuple[int, ...], scale: float) -> torch.Tensor:
         """scale * the sum of the features' directions: [hidden], in the weights' dtype."""
-        index = torch.tensor(features, device=self.directions.device)
+        index = on_device(list(features), self.directions.device, torch.long)
         return (self.directions.index_select(0, index).float().sum(0) * scale).to(self.dtype)
 
     @torch.no_grad()
     def clamp_delta(self, x: torch.Tensor, features: tuple[int, ...], value: float) -> torch.Tensor:
         """What to add to rows `x` ([rows, hidden]) so each feature's activation becomes
         `value`, the reconstruction error kept: sum_f (value - a_f(x)) * W_dec[f]."""
-        index = torch.tensor(features, device=self.directions.device)
+        index = on_device(list(features), self.directions.device, torch.long)  # (no wait for the device)
         activations = self.values(x).index_select(1, index)  # [rows, features]
         return (value - activations) @ self.directions.index_select(0, index).float()
 

@@ -17,7 +17,7 @@ import torch
 from ..shared import plan as P
 from .batch import Row
 from .dictionaries import Dictionaries, Dictionary
-from .host import ColumnRow, HostBatch, HostRead, to_host
+from .host import ColumnRow, HostBatch, HostRead, on_device, to_host
 
 
 class DictionaryWant(NamedTuple):
@@ -62,7 +62,8 @@ def _launch(group: list[DictionaryWant], dictionary: Dictionary) -> None:
             want.row.reads[want.name] = HostRead(_batch(chosen, ids), positions=want.positions)
         offset += n
     for members in columns.values():
-        index = torch.tensor([offset for _, offset in members], device=values.device)
+        # (on_device: a pageable copy to a GPU would wait for the forward pass)
+        index = on_device([start for _, start in members], values.device, torch.long)
         read = members[0][0].read
         chosen, ids = _select(read, values.index_select(0, index), errors, index)
         batch = _batch(chosen, ids)
@@ -83,7 +84,7 @@ def _select(read: P.ReadDictionary, values: torch.Tensor, errors: torch.Tensor |
         top = torch.topk(values, read.top_k, dim=-1)
         return top.values, top.indices.to(torch.int32)
     if read.features is not None:
-        return values.index_select(1, torch.tensor(read.features, device=values.device)), None
+        return values.index_select(1, on_device(list(read.features), values.device, torch.long)), None
     return values, None
 
 

@@ -96,3 +96,13 @@ export function controlMessage(control: ControlId, field: string, message: strin
   const why = message.startsWith(prefix) ? message.slice(prefix.length) : message;
   return `${CONTROL_NAMES[control]}: ${why}`;
 }
+
+/**
+ * A logit-lens cell's colours: probability as the blue's depth (white at 0, deep at 1), the
+ * text white once the background is dark enough that black would not read.
+ */
+export function lensColors(prob: number): { readonly background: string; readonly text: string } {
+  const p = Number.isFinite(prob) ? Math.min(Math.max(prob, 0), 1) : 0;
+  const lightness = Math.round(97 - 62 * p); // 97% .. 35%
+  return { background: `hsl(212 70% ${lightness}%)`, text: lightness < 60 ? "#ffffff" : "#1d232b" };
+}

@@ -10,8 +10,44 @@
 import { Code, createWebClient, TracewireError, type TracewireClient, type WebProtocol } from "@tracewire/client";
 import { NO_SPECIAL_TOKENS, type SpecialTokens } from "./format.js";
 import { TokenLabels } from "./labels.js";
-import { buildInvoke, forceAt, sampling, toStepView, type Forced, type RunSettings, type StepView } from "./model.js";
-import { addStep, clearError, findElements, setStatus, showError, startRun, type Elements } from "./view.js";
+import {
+  allLayers,
+  buildInvoke,
+  forceAt,
+  inputTokenAt,
+  lensColumns,
+  moduleFeature,
+  norm,
+  sampling,
+  sideOf,
+  steeringInvokes,
+  steeringVector,
+  toStepView,
+  vectorInvokes,
+  VECTOR_SAMPLING,
+  withLens,
+  type Availability,
+  type Forced,
+  type RunSettings,
+  type StepView,
+} from "./model.js";
+import {
+  addLensColumns,
+  addSteeringText,
+  addStep,
+  clearError,
+  findElements,
+  setStatus,
+  setSteerStatus,
+  setUpSteering,
+  showCoefficient,
+  showError,
+  showLensAvailability,
+  startLens,
+  startRun,
+  startSteering,
+  type Elements,
+} from "./view.js";
 import "./style.css";
 
 const DEFAULT_SERVER = "http://127.0.0.1:8080";
@@ -73,6 +109,13 @@ function readSettings(els: Elements): RunSettings {
   };
 }
 
+/** What the server's model info allows: the decoder layers, and whether the lens / steering run. */
+interface Features {
+  readonly layers: readonly number[];
+  readonly lens: Availability;
+  readonly steering: Availability;
+}
+
 class Dashboard {
   private readonly labels: TokenLabels;
   /** Bumped by every run; a superseded run stops drawing and is cancelled. */
@@ -87,6 +130,14 @@ class Dashboard {
   /** Settled by the server check: EOS / BOS ids for the labels (none if the check failed). */
   private readonly specials: Promise<SpecialTokens>;
   private resolveSpecials: (specials: SpecialTokens) => void = () => undefined;
+
+  /** Set once the server check answers; until then runs go without the lens. */
+  private features: Features | undefined;
+  /** Bumped by every steering comparison; a superseded one stops drawing. */
+  private steerRunId = 0;
+  private steerAbort: AbortController | undefined;
+  /** Steering vectors read so far, by layer and prompt pair. */
+  private readonly vectors = new Map<string, Float32Array>();
 
   constructor(
     private readonly els: Elements,
@@ -110,6 +161,13 @@ class Dashboard {
       try {
         const info = await this.client.modelInfo({ timeoutMs: CHECK_TIMEOUT_MS });
         this.resolveSpecials({ eos: info.eosTokenIds, bos: info.bosTokenId });
+        this.features = {
+          layers: allLayers(info.numLayers),
+          lens: moduleFeature("The logit lens", info.engineMode),
+          steering: moduleFeature("Steering (its vector is read from the residual stream)", info.engineMode),
+        };
+        showLensAvailability(this.els, this.features.lens);
+        setUpSteering(this.els, this.features.layers, this.features.steering);
         if (this.runId === 0) {
           clearError(this.els);
           setStatus(this.els, "idle", 0, `ready: ${info.model} (${info.architecture}, ${info.dtype}), vLLM ${info.vllmVersion}`);
@@ -146,6 +204,15 @@ class Dashboard {
         void this.run(this.shown.settings, forced);
       }
     });
+    this.els.steerForm.addEventListener("submit", (event) => {
+      event.preventDefault();
+      void this.steer();
+    });
+    this.els.steerCoef.addEventListener("input", () => showCoefficient(this.els));
+    // Releasing the slider re-runs the comparison once a vector has been read (Steer reads it).
+    this.els.steerCoef.addEventListener("change", () => {
+      if (this.vectors.size > 0) void this.steer();
+    });
   }
 
   /** One trace, drawn step by step as the stream delivers it. */
@@ -164,8 +231,13 @@ class Dashboard {
     const what = forced.length > 0 ? `forcing token ${forced.at(-1)} at step ${forced.length - 1}` : "running";
     setStatus(this.els, "running", id, `${what}…`);
     const started = performance.now();
+    const lens = this.features?.lens.available ? this.features.layers : undefined;
     try {
-      const trace = this.client.trace(buildInvoke(settings, forced), sampling(settings), {
+      // The lens's bottom row names the token each column reads: the prompt's, then the drawn ones.
+      const promptIds = lens ? await this.promptTokenIds(settings.prompt) : [];
+      if (lens) startLens(this.els, lens);
+      const builder = buildInvoke(settings, forced);
+      const trace = this.client.trace(lens ? withLens(builder, lens) : builder, sampling(settings), {
         signal: abort.signal,
         timeoutMs: TIMEOUT_MS,
       });
@@ -176,6 +248,10 @@ class Dashboard {
         const view = toStepView(step, forced, before);
         steps.push(view);
         addStep(this.els, this.labels, view);
+        if (lens) {
+          const drawn = steps.map((s) => s.tokenId);
+          addLensColumns(this.els, this.labels, lensColumns(step, lens), (p) => inputTokenAt(p, promptIds, drawn));
+        }
         setStatus(this.els, "running", id, `${what}: step ${view.step}`);
       }
       const seconds = ((performance.now() - started) / 1000).toFixed(2);
@@ -184,6 +260,58 @@ class Dashboard {
       if (id === this.runId) {
         showError(this.els, error, this.unreachable);
         setStatus(this.els, "error", id, "failed");
+      }
+    }
+  }
+
+  /** The prompt's token ids (the lens's column labels); none when Tokenize fails (the run reports errors). */
+  private async promptTokenIds(prompt: string): Promise<number[]> {
+    try {
+      return (await this.client.tokenize(prompt, {}, { timeoutMs: CHECK_TIMEOUT_MS })).tokenIds;
+    } catch {
+      return [];
+    }
+  }
+
+  /**
+   * The steering comparison: the vector for (layer, A, B) (read once, then kept), then one
+   * trace with the prompt above as is and steered, both streamed side by side.
+   */
+  private async steer(): Promise<void> {
+    if (!this.features?.steering.available) {
+      return;
+    }
+    const id = ++this.steerRunId;
+    this.steerAbort?.abort();
+    const abort = new AbortController();
+    this.steerAbort = abort;
+    const settings = readSettings(this.els);
+    const layer = Number(this.els.steerLayer.value);
+    const coefficient = this.els.steerCoef.valueAsNumber;
+    const call = { signal: abort.signal, timeoutMs: TIMEOUT_MS };
+    clearError(this.els);
+    try {
+      const key = `${layer}\n${this.els.steerA.value}\n${this.els.steerB.value}`;
+      let vector = this.vectors.get(key);
+      if (!vector) {
+        setSteerStatus(this.els, "running", id, `reading layers.${layer} for A and B…`);
+        const read = await this.client.trace(vectorInvokes(layer, this.els.steerA.value, this.els.steerB.value), VECTOR_SAMPLING, call).collect();
+        vector = steeringVector(read.steps);
+        this.vectors.set(key, vector);
+      }
+      if (id !== this.steerRunId) return;
+      startSteering(this.els, settings.prompt, coefficient, norm(vector));
+      setSteerStatus(this.els, "running", id, `steering layers.${layer} with coefficient ${coefficient}…`);
+      const trace = this.client.trace(steeringInvokes(settings.prompt, layer, vector, coefficient), sampling(settings), call);
+      for await (const step of trace) {
+        if (id !== this.steerRunId) return; // superseded: leaving the loop cancels the call
+        addSteeringText(this.els, sideOf(step), step.text);
+      }
+      setSteerStatus(this.els, "done", id, `done: layers.${layer}, coefficient ${coefficient}`);
+    } catch (error) {
+      if (id === this.steerRunId) {
+        showError(this.els, error, this.unreachable);
+        setSteerStatus(this.els, "error", id, "steering failed");
       }
     }
   }

@@ -12,7 +12,7 @@
  * step (same prefix, same distribution), so those steps keep the previous candidates.
  */
 
-import { invoke, read, write, type InvokeBuilder, type Sampling, type Step } from "@tracewire/client";
+import { invoke, read, v1, write, type InvokeBuilder, type Sampling, type Step } from "@tracewire/client";
 
 /** The read's name in every step's values. */
 export const TOP = "top";
@@ -91,4 +91,162 @@ export function toStepView(step: Step, forced: Forced, before: readonly StepView
     candidates,
     forced: isForced,
   };
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Module interventions: the logit lens and steering. Both need module hooks, which only an
+ * eager server runs (GetModelInfo's engine_mode); elsewhere the page says why instead.
+ */
+
+/** Whether a feature can run on this server; when not, the sentence the page shows instead. */
+export type Availability = { readonly available: true } | { readonly available: false; readonly reason: string };
+
+/**
+ * The logit lens and the steering control read module outputs: an eager server only (a
+ * compiled one, even with --compiled-steering, refuses module reads with FAILED_PRECONDITION).
+ */
+export function moduleFeature(feature: string, engineMode: v1.EngineMode): Availability {
+  if (engineMode === v1.EngineMode.EAGER) {
+    return { available: true };
+  }
+  // UNSPECIFIED: a server older than engine_mode, which cannot say; assume the worst, say so.
+  const mode = v1.EngineMode[engineMode] ?? String(engineMode);
+  return {
+    available: false,
+    reason:
+      `${feature} needs module reads, which only an eager server runs; this one is ${mode} ` +
+      "(GetModelInfo engine_mode). Start it with --enforce-eager (make serve ENGINE_ARGS=--enforce-eager).",
+  };
+}
+
+/** The lens read's name in every step's values. */
+export const LENS = "lens";
+
+/** Every decoder layer, 0 .. numLayers - 1. */
+export function allLayers(numLayers: number): number[] {
+  return Array.from({ length: numLayers }, (_, i) => i);
+}
+
+/**
+ * The run's trace with the logit lens added: each layer's top-1 next-token guess at every
+ * position ("all": the prompt's positions at step 0, the new token's at each later step).
+ */
+export function withLens(builder: InvokeBuilder, layers: readonly number[]): InvokeBuilder {
+  return builder.read(LENS, read.logitLens(layers, { positions: "all", topK: 1 }));
+}
+
+/** One heatmap cell: layer `layer`'s top guess for the token after `position`. */
+export interface LensCell {
+  readonly layer: number;
+  readonly position: number;
+  readonly tokenId: number;
+  /** Its probability under that layer's lens (exp of the logprob). */
+  readonly prob: number;
+}
+
+/** One heatmap column: a position, its cells by layer (as the read lists the layers). */
+export interface LensColumn {
+  readonly position: number;
+  readonly cells: readonly LensCell[];
+}
+
+/**
+ * A step's lens read ([layers, positions, 1] logprobs and ids, `positions` the sequence
+ * positions) as heatmap columns; none when the step has no lens read.
+ */
+export function lensColumns(step: Step, layers: readonly number[]): LensColumn[] {
+  const lens = step.values[LENS];
+  if (!lens) {
+    return [];
+  }
+  if (!lens.tokenIds || !lens.positions) {
+    throw new Error(`step ${step.step}: the "${LENS}" read came without token ids or positions`);
+  }
+  const [layerCount = 0, positionCount = 0, k = 1] = lens.values.shape;
+  if (layerCount !== layers.length) {
+    throw new Error(`step ${step.step}: the lens has ${layerCount} layers, ${layers.length} were asked for`);
+  }
+  const positions = Array.from(lens.positions.data, Number);
+  return positions.slice(0, positionCount).map((position, p) => ({
+    position,
+    cells: layers.map((layer, l) => {
+      const at = (l * positionCount + p) * k; // top-1: the first of the k
+      return { layer, position, tokenId: Number(lens.tokenIds!.data[at]), prob: Math.exp(Number(lens.values.data[at])) };
+    }),
+  }));
+}
+
+/**
+ * The token each heatmap column reads at its position: the prompt's tokens, then the token
+ * drawn at step s for position promptLength + s (what the model reads to guess the next one).
+ */
+export function inputTokenAt(position: number, promptTokenIds: readonly number[], drawn: readonly number[]): number | undefined {
+  return position < promptTokenIds.length ? promptTokenIds[position] : drawn[position - promptTokenIds.length];
+}
+
+/* Steering ----------------------------------------------------------------------------- */
+
+/** The module a decoder layer's residual stream is read from and steered at. */
+export function layerPath(layer: number): string {
+  return `layers.${layer}`;
+}
+
+/** The read's name for a steering prompt's residual stream. */
+export const RESIDUAL = "residual";
+
+/**
+ * Reads for the vector: each prompt of the pair as its own invoke, layer `layer`'s output
+ * averaged over the prompt's positions (so prompts of different lengths compare), at step 0.
+ */
+export function vectorInvokes(layer: number, a: string, b: string): InvokeBuilder[] {
+  const mean = read.module(layerPath(layer), { positions: "prompt", mean: true });
+  return [invoke(a).read(RESIDUAL, mean, { steps: 0 }), invoke(b).read(RESIDUAL, mean, { steps: 0 })];
+}
+
+/** One generated token is enough: the vector is read at the prefill. */
+export const VECTOR_SAMPLING: Sampling = { temperature: 0, maxTokens: 1 };
+
+/** mean(A) - mean(B) from the two invokes' step-0 reads (invoke 0: A, invoke 1: B). */
+export function steeringVector(steps: readonly Step[]): Float32Array {
+  const residual = (invokeIndex: number): ArrayLike<number> => {
+    const found = steps.find((s) => s.invokeIndex === invokeIndex && s.values[RESIDUAL])?.values[RESIDUAL];
+    if (!found) {
+      throw new Error(`the steering prompt ${invokeIndex === 0 ? "A" : "B"} came without its "${RESIDUAL}" read`);
+    }
+    return found.values.data as ArrayLike<number>;
+  };
+  const a = residual(0);
+  const b = residual(1);
+  if (a.length !== b.length) {
+    throw new Error(`the two residual reads differ in width: ${a.length} vs ${b.length}`);
+  }
+  return Float32Array.from(a, (x, i) => x - Number(b[i]));
+}
+
+/** The Euclidean norm, shown with the vector so its scale is visible next to the coefficient. */
+export function norm(vector: ArrayLike<number>): number {
+  let sum = 0;
+  for (let i = 0; i < vector.length; i++) sum += Number(vector[i]) ** 2;
+  return Math.sqrt(sum);
+}
+
+/** Which side of the comparison an invoke is: 0 runs the prompt as is, 1 steered. */
+export type Side = "plain" | "steered";
+export const SIDES: readonly Side[] = ["plain", "steered"];
+
+/**
+ * The comparison: the prompt as is (invoke 0) and steered (invoke 1, coefficient x vector
+ * added to the layer's output at the new token of every step: the last prompt position at
+ * step 0, then each drawn token), in one trace with the same sampling.
+ */
+export function steeringInvokes(prompt: string, layer: number, vector: ArrayLike<number>, coefficient: number): InvokeBuilder[] {
+  return [invoke(prompt), invoke(prompt).write(write.steer(layerPath(layer), vector, { scale: coefficient }))];
+}
+
+export function sideOf(step: Step): Side {
+  const side = SIDES[step.invokeIndex];
+  if (!side) {
+    throw new Error(`a steering step came from invoke ${step.invokeIndex}; the comparison has 2`);
+  }
+  return side;
 }

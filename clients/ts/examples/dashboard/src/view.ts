@@ -5,13 +5,16 @@
  *
  * Stable hooks for tests and scripts: #status[data-state][data-run], #error[data-status][data-field][data-control],
  * .field-error[data-control] (next to the control a server error names), .step[data-step][data-token-id][data-forced],
- * .candidate[data-step][data-token-id][data-prob][data-chosen], labels' [data-label-for][data-special].
+ * .candidate[data-step][data-token-id][data-prob][data-chosen], labels' [data-label-for][data-special];
+ * the logit lens: #lens-note[data-available], #lens th.lens-input[data-position][data-token-id],
+ * #lens td.lens-cell[data-layer][data-position][data-token-id][data-prob]; steering: #steer-note[data-available],
+ * #steer-status[data-state][data-run][data-norm], #steer-plain / #steer-steered (their text, [data-coefficient]).
  */
 
 import { Code, TracewireError } from "@tracewire/client";
-import { controlForField, controlMessage, formatProb, type ControlId, type TokenLabel } from "./format.js";
+import { controlForField, controlMessage, formatProb, lensColors, type ControlId, type TokenLabel } from "./format.js";
 import type { TokenLabels } from "./labels.js";
-import type { StepView } from "./model.js";
+import type { Availability, LensColumn, Side, StepView } from "./model.js";
 
 /** "checking" / "offline": the load-time server check; the others: runs ("idle" is ready). */
 export type RunState = "checking" | "offline" | "idle" | "running" | "done" | "error";
@@ -29,6 +32,20 @@ export interface Elements {
   readonly text: HTMLElement;
   readonly previous: HTMLElement;
   readonly steps: HTMLElement;
+  readonly lensNote: HTMLElement;
+  readonly lens: HTMLTableElement;
+  readonly steerNote: HTMLElement;
+  readonly steerForm: HTMLFormElement;
+  readonly steerLayer: HTMLSelectElement;
+  readonly steerA: HTMLInputElement;
+  readonly steerB: HTMLInputElement;
+  readonly steerCoef: HTMLInputElement;
+  readonly steerCoefValue: HTMLOutputElement;
+  readonly steerRun: HTMLButtonElement;
+  readonly steerStatus: HTMLElement;
+  readonly steerPlain: HTMLElement;
+  readonly steerSteered: HTMLElement;
+  readonly steerSteeredTitle: HTMLElement;
 }
 
 /** The page's elements by id; a missing one is a bug in index.html. */
@@ -53,6 +70,20 @@ export function findElements(doc: Document): Elements {
     text: get("text", HTMLElement),
     previous: get("previous", HTMLElement),
     steps: get("steps", HTMLElement),
+    lensNote: get("lens-note", HTMLElement),
+    lens: get("lens", HTMLTableElement),
+    steerNote: get("steer-note", HTMLElement),
+    steerForm: get("steer-form", HTMLFormElement),
+    steerLayer: get("steer-layer", HTMLSelectElement),
+    steerA: get("steer-a", HTMLInputElement),
+    steerB: get("steer-b", HTMLInputElement),
+    steerCoef: get("steer-coef", HTMLInputElement),
+    steerCoefValue: get("steer-coef-value", HTMLOutputElement),
+    steerRun: get("steer-run", HTMLButtonElement),
+    steerStatus: get("steer-status", HTMLElement),
+    steerPlain: get("steer-plain", HTMLElement),
+    steerSteered: get("steer-steered", HTMLElement),
+    steerSteeredTitle: get("steer-steered-title", HTMLElement),
   };
 }
 
@@ -195,4 +226,122 @@ function span(className: string, text: string): HTMLSpanElement {
   el.className = className;
   el.textContent = text;
   return el;
+}
+
+/* The logit lens --------------------------------------------------------------------- */
+
+/** Whether the lens runs on this server; when not, the note says why and no table is drawn. */
+export function showLensAvailability(els: Elements, availability: Availability): void {
+  els.lensNote.dataset.available = String(availability.available);
+  if (!availability.available) {
+    els.lensNote.textContent = `Not available: ${availability.reason}`;
+    els.lens.hidden = true;
+  }
+}
+
+/**
+ * A new run's heatmap: one row per layer, the last layer on top (the model's own guess), and
+ * a bottom row of the tokens each column reads; columns are added as the steps stream in.
+ */
+export function startLens(els: Elements, layers: readonly number[]): void {
+  const body = document.createElement("tbody");
+  for (const layer of [...layers].reverse()) {
+    const row = document.createElement("tr");
+    row.dataset.layer = String(layer);
+    const head = document.createElement("th");
+    head.scope = "row";
+    head.textContent = `layer ${layer}`;
+    row.append(head);
+    body.append(row);
+  }
+  const inputs = document.createElement("tr");
+  inputs.className = "lens-inputs";
+  const corner = document.createElement("th");
+  corner.textContent = "reads";
+  inputs.append(corner);
+  body.append(inputs);
+  els.lens.replaceChildren(body);
+  els.lens.hidden = false;
+}
+
+/** A step's columns: a cell per layer (top token, probability as colour), the token read below. */
+export function addLensColumns(
+  els: Elements,
+  labels: TokenLabels,
+  columns: readonly LensColumn[],
+  inputToken: (position: number) => number | undefined,
+): void {
+  for (const column of columns) {
+    for (const cell of column.cells) {
+      const row = els.lens.querySelector<HTMLTableRowElement>(`tr[data-layer='${cell.layer}']`);
+      if (!row) continue;
+      const td = document.createElement("td");
+      td.className = "lens-cell";
+      td.dataset.layer = String(cell.layer);
+      td.dataset.position = String(cell.position);
+      td.dataset.tokenId = String(cell.tokenId);
+      td.dataset.prob = String(cell.prob);
+      const colors = lensColors(cell.prob);
+      td.style.background = colors.background;
+      td.style.color = colors.text;
+      const name = label(labels, cell.tokenId, "lens-token");
+      td.append(name, span("lens-prob", formatProb(cell.prob)));
+      row.append(td);
+    }
+    const inputs = els.lens.querySelector<HTMLTableRowElement>("tr.lens-inputs");
+    const th = document.createElement("th");
+    th.className = "lens-input";
+    th.dataset.position = String(column.position);
+    const tokenId = inputToken(column.position);
+    if (tokenId !== undefined) {
+      th.dataset.tokenId = String(tokenId);
+      th.append(label(labels, tokenId, "lens-token"));
+    }
+    inputs?.append(th);
+  }
+}
+
+/* Steering ------------------------------------------------------------------------------ */
+
+/** The layer choices, and the whole control off (with the reason) when the server cannot run it. */
+export function setUpSteering(els: Elements, layers: readonly number[], availability: Availability): void {
+  els.steerLayer.replaceChildren(
+    ...layers.map((layer) => {
+      const option = document.createElement("option");
+      option.value = String(layer);
+      option.textContent = `layers.${layer}`;
+      return option;
+    }),
+  );
+  // A middle layer: early enough to change what follows, late enough to carry the prompts' meaning.
+  els.steerLayer.value = String(layers[Math.floor((layers.length - 1) / 2)] ?? 0);
+  els.steerNote.dataset.available = String(availability.available);
+  if (!availability.available) {
+    els.steerNote.textContent = `Not available: ${availability.reason}`;
+    for (const control of els.steerForm.elements) (control as HTMLInputElement).disabled = true;
+  }
+}
+
+export function showCoefficient(els: Elements): void {
+  els.steerCoefValue.textContent = els.steerCoef.value;
+}
+
+export function setSteerStatus(els: Elements, state: RunState, run: number, message: string): void {
+  els.steerStatus.dataset.state = state;
+  els.steerStatus.dataset.run = String(run);
+  els.steerStatus.textContent = message;
+}
+
+/** A new comparison: both texts start from the prompt; the steered side names its coefficient. */
+export function startSteering(els: Elements, prompt: string, coefficient: number, vectorNorm: number): void {
+  els.steerStatus.dataset.norm = String(vectorNorm);
+  els.steerSteeredTitle.textContent = `steered (coefficient ${coefficient}, |vector| ${vectorNorm.toFixed(2)})`;
+  for (const side of [els.steerPlain, els.steerSteered]) {
+    side.replaceChildren(span("prompt", prompt));
+    side.dataset.coefficient = String(coefficient);
+  }
+}
+
+export function addSteeringText(els: Elements, side: Side, text: string): void {
+  (side === "plain" ? els.steerPlain : els.steerSteered).append(span("piece", text));
 }
