@@ -9,6 +9,7 @@ import { ConnectError, createClient, type CallOptions as ConnectCallOptions, typ
 import { Code, TracewireError, toTracewireError } from "./errors.js";
 import { TraceRun, rowReads } from "./stream.js";
 import { InvokeBuilder, samplingParams, toPrompt, traceRequest, type PromptInput, type Sampling } from "./trace.js";
+import type { Dictionary } from "./gen/tracewire/v1/dictionary_pb.js";
 import type { RequestOutput } from "./gen/tracewire/v1/output_pb.js";
 import {
   TraceRequestSchema,
@@ -127,6 +128,17 @@ export class TracewireClient {
   /** The served model: vocab size, EOS ids, max length, dtype, layers, modules, and the engine mode (which module interventions it serves). */
   async modelInfo(call?: CallOptions): Promise<GetModelInfoResponse> {
     return this.unary(() => this.service.getModelInfo({}, this.callOptions(call)));
+  }
+
+  /**
+   * The dictionaries (linear probes, SAEs) the server holds, by name: the operator's
+   * (--dictionaries) and uploaded ones, each with its spec (kind, module, labels unless
+   * `omitLabels`), size and device bytes. read.dictionary / write.dictionary name them.
+   */
+  async listDictionaries(options: { omitLabels?: boolean } = {}, call?: CallOptions): Promise<Dictionary[]> {
+    const request = { omitLabels: options.omitLabels ?? false };
+    const response = await this.unary(() => this.service.listDictionaries(request, this.callOptions(call)));
+    return response.dictionaries;
   }
 
   /** Requests in the engine right now. */

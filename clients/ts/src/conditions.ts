@@ -71,3 +71,33 @@ export function not(condition: Condition): Condition {
 function idList(tokenIds: number | readonly number[]): number[] {
   return typeof tokenIds === "number" ? [tokenIds] : [...tokenIds];
 }
+
+/*
+ * Dictionary values (linear probes, SAEs: read.dictionary), at the new token's position of
+ * the dictionary's module: closed-loop control inside the engine. Which step's value a
+ * condition sees: on reads and stops at step s, the value step s's forward pass computed
+ * (what read.dictionary at the new token returns at step s); on writes, decided before
+ * step s's forward pass, step s - 1's (one step late; at step 0 there is none and the
+ * condition is false, its not() true).
+ */
+
+/** A probe output (after its activation) or an SAE feature activation compares to a threshold. */
+export function dictionaryValue(dictionary: string, feature: number, op: Comparator, value: number): Condition {
+  const threshold = { comparison: COMPARISONS[op], value };
+  return create(ConditionSchema, { kind: { case: "dictionaryValue", value: { dictionary, feature, threshold } } });
+}
+
+/** Probe `dictionary`'s output `output` (default 0) is above the threshold. */
+export function probeAbove(dictionary: string, threshold: number, output = 0): Condition {
+  return dictionaryValue(dictionary, output, ">", threshold);
+}
+
+/** Probe `dictionary`'s output `output` (default 0) is below the threshold. */
+export function probeBelow(dictionary: string, threshold: number, output = 0): Condition {
+  return dictionaryValue(dictionary, output, "<", threshold);
+}
+
+/** SAE `dictionary`'s feature has an activation above the threshold (default 0: active). */
+export function featureActive(dictionary: string, feature: number, threshold = 0): Condition {
+  return dictionaryValue(dictionary, feature, ">", threshold);
+}

@@ -14,6 +14,8 @@ export {
   toPrompt,
   traceRequest,
   write,
+  type DictionaryReadOptions,
+  type DictionaryWriteOptions,
   type LogitsStageName,
   type PositionsInput,
   type PromptInput,
@@ -31,8 +33,12 @@ export {
   allOf,
   anyOf,
   argmaxIn,
+  dictionaryValue,
   entropy,
+  featureActive,
   not,
+  probeAbove,
+  probeBelow,
   sampledIn,
   textContains,
   textMatches,
@@ -42,5 +48,12 @@ export {
 } from "./conditions.js";
 export { Dtype, decodeTensor, float32Tensor, type DecodedTensor, type DtypeArrays, type TensorArray } from "./tensors.js";
 export { Code, TracewireError, statusName, toTracewireError } from "./errors.js";
+export {
+  DictionaryKind,
+  ProbeActivation,
+  SaeActivation,
+  type Dictionary,
+  type DictionarySpec,
+} from "./gen/tracewire/v1/dictionary_pb.js";
 /** The generated tracewire.v1 messages and service, for anything the typed layer does not cover. */
 export * as v1 from "./v1.js";

@@ -68,12 +68,18 @@ export type OpenTrace = (signal: AbortSignal) => AsyncIterable<TraceResponse>;
 /** Per invoke, the names of its module reads over positions: [positions, hidden] at every step. */
 export type RowReads = ReadonlyMap<number, ReadonlySet<string>>;
 
-/** The request's module reads over positions other than the new token, without mean. */
+/** The request's module (and dictionary) reads over positions other than the new token, without mean. */
 export function rowReads(request: TraceRequest): RowReads {
   const found = new Map<number, Set<string>>();
   request.invokes.forEach((inv, index) => {
     for (const iv of inv.interventions) {
       const action = iv.action;
+      if (action.case === "readDictionary") {
+        // per position like a module read (a dictionary read has no mean)
+        const kind = action.value.positions?.kind.case;
+        if (kind !== undefined && kind !== "newToken") found.set(index, (found.get(index) ?? new Set<string>()).add(iv.name));
+        continue;
+      }
       if (action.case !== "readModule" || action.value.reduction === Reduction.MEAN) continue;
       const kind = action.value.positions?.kind.case;
       if (kind === undefined || kind === "newToken") continue;
@@ -206,6 +212,8 @@ function toReadResult(value: ReadValue): ReadResult {
  * top-k neurons [k] with their ids); reads of prompt positions only end at step 0. */
 function asRows(read: ReadResult, step: number): ReadResult {
   if (step === 0) return read;
+  // values that name their prompt positions are rows already
+  if (read.positions) return read;
   const tokenIds = read.tokenIds ? { tokenIds: { ...read.tokenIds, shape: [1, ...read.tokenIds.shape] } } : {};
   return { ...read, values: { ...read.values, shape: [1, ...read.values.shape] }, ...tokenIds };
 }

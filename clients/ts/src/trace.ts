@@ -64,8 +64,15 @@ export interface Where {
 }
 
 type ActionInit = NonNullable<MessageInitShape<typeof InterventionSchema>["action"]>;
-type ReadCase = "readLogits" | "readSample" | "readLogprobs" | "readModule" | "readLogitLens" | "readAttentionPattern";
-type WriteCase = "forceSample" | "writeLogits" | "writeModule";
+type ReadCase =
+  | "readLogits"
+  | "readSample"
+  | "readLogprobs"
+  | "readModule"
+  | "readLogitLens"
+  | "readAttentionPattern"
+  | "readDictionary";
+type WriteCase = "forceSample" | "writeLogits" | "writeModule" | "writeDictionary";
 
 /** A read action, from the `read` helpers. */
 export type ReadAction = Extract<ActionInit, { case: ReadCase }>;
@@ -173,7 +180,57 @@ export const read = {
       },
     };
   },
+
+  /**
+   * A dictionary (a linear probe or an SAE the server holds: listDictionaries) on the output
+   * of the module it reads, per position: every value ([k] probe outputs after the probe's
+   * activation, [d] SAE features), the `topK` largest with their ids in tokenIds (largest
+   * first), the values of chosen `features` (probe outputs or feature ids, in order), or
+   * (SAEs) `reconstructionError`, the norm ||x - reconstruction|| ([1]). Per step [values]
+   * at the new token, [positions, values] at any other positions. `module`: optional, the
+   * module you mean (the server checks it is the dictionary's). Needs --enforce-eager.
+   */
+  dictionary(name: string, options: DictionaryReadOptions = {}): ReadAction {
+    return {
+      case: "readDictionary",
+      value: {
+        dictionary: name,
+        module: options.module ?? "",
+        positions: positions(options.positions),
+        selection: dictionarySelection(name, options),
+      },
+    };
+  },
 } as const;
+
+type DictionarySelection = Extract<ReadAction, { case: "readDictionary" }>["value"]["selection"];
+
+function dictionarySelection(name: string, options: DictionaryReadOptions): DictionarySelection {
+  const chosen = [options.topK !== undefined, options.features !== undefined, options.reconstructionError === true];
+  if (chosen.filter(Boolean).length > 1) {
+    throw new TracewireError(
+      `read.dictionary("${name}"): give one of topK, features, reconstructionError`,
+      Code.InvalidArgument,
+    );
+  }
+  if (options.topK !== undefined) return { case: "topK", value: { k: options.topK } };
+  if (options.features !== undefined) return { case: "features", value: { ids: featureList(name, options.features) } };
+  if (options.reconstructionError === true) return { case: "reconstructionError", value: {} };
+  return undefined;
+}
+
+/** What `read.dictionary` returns per position (at most one of topK, features, reconstructionError). */
+export interface DictionaryReadOptions {
+  /** The module you mean, e.g. "layers.2" (optional; it must be the dictionary's own). */
+  readonly module?: string;
+  readonly positions?: PositionsInput;
+  /** The k largest values and their ids, largest first. */
+  readonly topK?: number;
+  /** These probe outputs / SAE features, in this order. */
+  readonly features?: number | readonly number[];
+  /** SAEs: ||x - reconstruction||_2, [1] per position. */
+  readonly reconstructionError?: boolean;
+}
 
 /** What to change; the sampler then draws from the result. */
 export const write = {
@@ -261,7 +318,72 @@ export const write = {
       },
     };
   },
+
+  /**
+   * Change the dictionary's module output along its directions at the positions: `steer`
+   * adds steer * direction for each feature (SAE: W_dec[f]; probe: W[f], unnormalised);
+   * `clamp` (SAEs) sets each feature's activation to that value, keeping the reconstruction
+   * error (x + sum_f (clamp - a_f(x)) * W_dec[f]); `ablate` (SAEs) clamps them to 0. Exactly
+   * one of the three. Needs --enforce-eager.
+   */
+  dictionary(name: string, features: number | readonly number[], options: DictionaryWriteOptions): WriteAction {
+    const ops = [options.steer !== undefined, options.clamp !== undefined, options.ablate === true];
+    if (ops.filter(Boolean).length !== 1) {
+      throw new TracewireError(
+        `write.dictionary("${name}"): give exactly one of steer, clamp, ablate`,
+        Code.InvalidArgument,
+      );
+    }
+    const op =
+      options.steer !== undefined
+        ? { case: "steer" as const, value: finite(name, "steer", options.steer) }
+        : options.clamp !== undefined
+          ? { case: "clamp" as const, value: finite(name, "clamp", options.clamp) }
+          : { case: "ablate" as const, value: {} };
+    return {
+      case: "writeDictionary",
+      value: {
+        dictionary: name,
+        module: options.module ?? "",
+        positions: positions(options.positions),
+        features: featureList(name, features),
+        op,
+      },
+    };
+  },
 } as const;
+
+/** How `write.dictionary` acts: exactly one of steer, clamp, ablate. */
+export interface DictionaryWriteOptions {
+  /** Add steer * direction of each feature. */
+  readonly steer?: number;
+  /** SAEs: set each feature's activation to this value. */
+  readonly clamp?: number;
+  /** SAEs: set each feature's activation to 0. */
+  readonly ablate?: boolean;
+  /** The module you mean (optional; it must be the dictionary's own). */
+  readonly module?: string;
+  readonly positions?: PositionsInput;
+}
+
+/** Feature ids as the wire takes them: integers, not empty, no duplicates (the range is the server's to check). */
+function featureList(name: string, features: number | readonly number[]): number[] {
+  const list = typeof features === "number" ? [features] : [...features];
+  if (list.length === 0 || list.some((f) => !Number.isInteger(f)) || new Set(list).size !== list.length) {
+    throw new TracewireError(
+      `dictionary "${name}": features must be integer ids, not empty, without duplicates; got [${list.join(", ")}]`,
+      Code.InvalidArgument,
+    );
+  }
+  return list;
+}
+
+function finite(name: string, field: string, value: number): number {
+  if (!Number.isFinite(value)) {
+    throw new TracewireError(`write.dictionary("${name}"): ${field} must be finite, got ${value}`, Code.InvalidArgument);
+  }
+  return value;
+}
 
 /**
  * Unit writes: `units` chooses attention heads of "layers.i.self_attn.heads" or neurons of

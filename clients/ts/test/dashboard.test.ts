@@ -16,7 +16,7 @@ import { extname, join, normalize, sep } from "node:path";
 import { after, before, test } from "node:test";
 import { chromium, type Browser, type Page } from "playwright-core";
 import { formatProb, tokenLabel } from "../examples/dashboard/src/format.js";
-import { createNodeClient, invoke, read, write, type TracewireClient } from "../src/node.js";
+import { createNodeClient, DictionaryKind, invoke, read, write, type Dictionary, type TracewireClient } from "../src/node.js";
 import { REPO } from "./server.js";
 
 const HTTP_URL = process.env.TRACEWIRE_TEST_HTTP_URL;
@@ -322,6 +322,71 @@ test("dashboard: steering from a prompt pair: equal to the plain continuation at
     throw error;
   } finally {
     await steerPage.close();
+  }
+});
+
+test("dashboard: the feature strip shows each step's top SAE features with their labels", { timeout: 300_000 }, async () => {
+  const strip = await openReady({ width: 1100, height: 1000 });
+  try {
+    // run.ts starts the server with the shipped dictionaries: the picker offers the SAEs, the first chosen.
+    const listed = await client.listDictionaries();
+    const saes = listed.filter((d) => d.spec?.kind === DictionaryKind.SAE);
+    assert.ok(saes.length > 0, "the test server lists no SAE (run.ts passes --dictionaries)");
+    const sae = saes[0] as Dictionary;
+    await strip.waitForSelector("#features-panel:not([hidden])");
+    assert.deepEqual(await strip.$$eval("#dictionary option", (os) => os.map((o) => (o as HTMLOptionElement).value)), saes.map((d) => d.name));
+    assert.equal(await strip.inputValue("#dictionary"), sae.name);
+
+    const steps = 6;
+    await strip.fill("#prompt", FRANCE);
+    await strip.fill("#max-tokens", String(steps));
+    await strip.check("#ignore-eos");
+    await strip.click("#run");
+    await waitRun(strip, 1);
+    // The same read through the client: the strip is its active features, largest first, labelled.
+    const reference = await client
+      .trace(invoke(FRANCE).read("f", read.dictionary(sae.name, { topK: 5 })), {
+        temperature: 0,
+        maxTokens: steps,
+        ignoreEos: true,
+      })
+      .collect();
+    const shown = await strip.$$eval(".features", (rows) =>
+      rows.map((row) => ({
+        step: Number((row as HTMLElement).dataset.step),
+        dictionary: (row as HTMLElement).dataset.dictionary,
+        chips: Array.from(row.querySelectorAll<HTMLElement>(".feature"), (c) => ({
+          feature: Number(c.dataset.feature),
+          value: Number(c.dataset.value),
+          label: c.querySelector(".feature-label")?.textContent ?? "",
+        })),
+      })),
+    );
+    assert.equal(shown.length, steps);
+    const labels = sae.spec?.labels ?? [];
+    let labelled = 0;
+    for (const [s, row] of shown.entries()) {
+      assert.equal(row.step, s);
+      assert.equal(row.dictionary, sae.name);
+      const read = reference.steps[s]?.values.f;
+      const ids = Array.from(read?.tokenIds?.data ?? [], Number);
+      const values = Array.from(read?.values.data ?? [], Number);
+      const active = ids.filter((_, i) => (values[i] ?? 0) > 0);
+      assert.ok(active.length > 0, `step ${s}: no active feature to show`);
+      assert.deepEqual(row.chips.map((c) => c.feature), active, `step ${s}`);
+      for (const chip of row.chips) {
+        assert.equal(chip.label, labels[chip.feature] || `#${chip.feature}`);
+        if (labels[chip.feature]) labelled++;
+      }
+    }
+    assert.ok(labelled > 0, "no chip showed a label: the shipped SAE has labels");
+    await strip.screenshot({ path: screenshotPath("dashboard-features.png"), fullPage: true });
+    assert.deepEqual(pageErrors, []);
+  } catch (error) {
+    await strip.screenshot({ path: screenshotPath("dashboard-features-failure.png"), fullPage: true }).catch(() => undefined);
+    throw error;
+  } finally {
+    await strip.close();
   }
 });
 

@@ -9,10 +9,10 @@
  */
 
 import { spawn } from "node:child_process";
-import { readdirSync } from "node:fs";
+import { existsSync, readdirSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
-import { startServer } from "./server.js";
+import { REPO, startServer } from "./server.js";
 
 const here = dirname(fileURLToPath(import.meta.url));
 const only = process.argv.slice(2);
@@ -24,7 +24,11 @@ const files = readdirSync(here)
 const started = Date.now();
 const shared = files.some((f) => !f.endsWith(".standalone.test.js"));
 // Eager: the module hooks (reads, writes, heads, patterns, patching) need it.
-const server = shared ? await startServer({ extraArgs: ["--enforce-eager"] }) : undefined;
+// The dictionaries shipped with the default model (a probe, an SAE): dictionaries.test.ts and
+// the dashboard's feature strip (TRACEWIRE_TEST_DICTIONARIES: another directory).
+const dictionaries = process.env.TRACEWIRE_TEST_DICTIONARIES ?? join(REPO, "models/tracewire-tiny/dictionaries");
+const shipped = existsSync(dictionaries) ? ["--dictionaries", dictionaries] : []; // (another model's: none)
+const server = shared ? await startServer({ extraArgs: ["--enforce-eager", ...shipped] }) : undefined;
 if (server) {
   console.log(`tracewire server at ${server.url}, HTTP port ${server.httpUrl} (up in ${((Date.now() - started) / 1000).toFixed(1)} s, log ${server.logPath})`);
 }

@@ -16,7 +16,19 @@ __path__ = extend_path(__path__, __name__)
 
 from .aio import AsyncClient, AsyncTracer
 from .client import Client
-from .conditions import Condition, argmax_in, entropy, prob, sampled_in, text_contains, text_matches
+from .conditions import (
+    Condition,
+    argmax_in,
+    dictionary_value,
+    entropy,
+    feature_active,
+    prob,
+    probe_above,
+    probe_below,
+    sampled_in,
+    text_contains,
+    text_matches,
+)
 from .dictionaries import Dictionary
 from .errors import (
     AlreadyExists,
@@ -61,8 +73,12 @@ __all__ = [
     "TraceWarning",
     "Tracer",
     "argmax_in",
+    "dictionary_value",
     "entropy",
+    "feature_active",
     "prob",
+    "probe_above",
+    "probe_below",
     "sampled_in",
     "text_contains",
     "text_matches",

@@ -8,6 +8,8 @@
     tw.prob() < 0.1                          # the drawn token's probability
     tw.prob(paris_id) > 0.5                  # a given token's probability
     tw.entropy() > 2.5                       # entropy (nats) of the distribution
+    tw.probe_above("refusal", 0.9)           # a probe's output 0 (dictionaries; see below)
+    tw.feature_active("res-l3", 1234)        # an SAE feature's activation > 0
     (a & b), (a | b), ~a                     # combinators
 
 Writes act before the draw, so their conditions cannot look at the drawn token, and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .dictionary_ops import check_name, feature_ids, finite
 from .v1 import intervention_pb2 as ipb
 
 
@@ -110,3 +113,61 @@ def prob(token_id: int | None = None) -> _Measure:
 def entropy() -> _Measure:
     """The entropy, in nats, of the sampler's distribution."""
     return _Measure(None, entropy=True)
+
+
+# -- dictionaries (linear probes, SAEs): closed-loop control inside the engine ------------
+#
+# A dictionary value is taken at the new token's position of the dictionary's module. Reads
+# and stops at step s see the value step s's forward pass computed (at the last prompt
+# position for s = 0, else at the token drawn at step s - 1): what a `.probe()` /
+# `.features(ids=...)` read at "new" positions returns at step s. Writes are decided before
+# step s's forward pass, so they see step s - 1's value, one step late; at step 0 there is
+# none and the condition is false (its `~` true).
+
+
+def _dictionary_threshold(dictionary: str, feature: int, comparison: ipb.Comparison, value: float) -> Condition:
+    check_name(dictionary, "dictionary")
+    (index,) = feature_ids(feature, f"dictionary {dictionary!r}: feature")
+    threshold = ipb.Threshold(comparison=comparison, value=finite(value, f"dictionary {dictionary!r}: threshold"))
+    return Condition(ipb.Condition(dictionary_value=ipb.DictionaryThreshold(
+        dictionary=dictionary, feature=index, threshold=threshold)))
+
+
+def probe_above(dictionary: str, threshold: float, output: int = 0) -> Condition:
+    """Probe `dictionary`'s output `output` (after its activation) is > threshold."""
+    return _dictionary_threshold(dictionary, output, ipb.COMPARISON_GREATER, threshold)
+
+
+def probe_below(dictionary: str, threshold: float, output: int = 0) -> Condition:
+    """Probe `dictionary`'s output `output` (after its activation) is < threshold."""
+    return _dictionary_threshold(dictionary, output, ipb.COMPARISON_LESS, threshold)
+
+
+def feature_active(dictionary: str, feature: int, threshold: float = 0.0) -> Condition:
+    """SAE `dictionary`'s feature `feature` has an activation > threshold."""
+    return _dictionary_threshold(dictionary, feature, ipb.COMPARISON_GREATER, threshold)
+
+
+class _DictionaryMeasure:
+    """A dictionary value compared to a threshold: `dictionary_value("res-l3", 12) >= 2.0`."""
+
+    def __init__(self, dictionary: str, feature: int) -> None:
+        self._dictionary, self._feature = dictionary, feature
+
+    def __gt__(self, value: float) -> Condition:
+        return _dictionary_threshold(self._dictionary, self._feature, ipb.COMPARISON_GREATER, value)
+
+    def __ge__(self, value: float) -> Condition:
+        return _dictionary_threshold(self._dictionary, self._feature, ipb.COMPARISON_GREATER_EQUAL, value)
+
+    def __lt__(self, value: float) -> Condition:
+        return _dictionary_threshold(self._dictionary, self._feature, ipb.COMPARISON_LESS, value)
+
+    def __le__(self, value: float) -> Condition:
+        return _dictionary_threshold(self._dictionary, self._feature, ipb.COMPARISON_LESS_EQUAL, value)
+
+
+def dictionary_value(dictionary: str, feature: int) -> _DictionaryMeasure:
+    """A probe output (after its activation) or an SAE feature activation, to compare with
+    >, >=, <, <= (probe_above / probe_below / feature_active are the common cases)."""
+    return _DictionaryMeasure(dictionary, feature)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import dictionary_ops
 from .conditions import Condition
 from .errors import InvalidArgument
 from .outputs import RequestOutput, request_output
@@ -545,6 +546,68 @@ class ModuleRef(_Read):
     def add_read(self, source: Saved, scale: float = 1.0, positions: Sequence[int] | None = None) -> None:
         """Add scale * another invoke's saved module read (as `.patch()` takes it)."""
         self._edit(add_read=_read_ref(source, positions), scale=float(scale))
+
+    # -- dictionaries (linear probes, SAEs) on this module's output ---------------
+
+    def probe(self, dictionary: str, outputs: int | Sequence[int] | None = None) -> _Read:
+        """A linear probe on this module's output (after its activation): per step the
+        [k] outputs (or the `outputs` chosen, in order) at "new" positions, [positions, k]
+        at any other positions (as `.select()` reads neurons). The dictionary must read
+        this module (the server checks; ListDictionaries says which it reads)."""
+        return self._dictionary_read(dictionary_ops.read_dictionary(
+            dictionary, *self._dictionary_target("probe"), ids=outputs))
+
+    def features(self, dictionary: str, *, top_k: int | None = None, ids: int | Sequence[int] | None = None) -> _Read:
+        """An SAE's feature activations on this module's output: `top_k=20` the 20 largest
+        per position, a `TopK(values, ids)` ([k] at "new" positions, [positions, k] at
+        others, largest first); `ids=[...]` those features' values, in order; neither:
+        all d of them (counted against the read budget)."""
+        return self._dictionary_read(dictionary_ops.read_dictionary(
+            dictionary, *self._dictionary_target("features"), top_k=top_k, ids=ids))
+
+    def reconstruction_error(self, dictionary: str) -> _Read:
+        """||x - SAE(x)||_2 of this module's output x: [1] per step at "new" positions,
+        [positions, 1] at others."""
+        return self._dictionary_read(dictionary_ops.read_dictionary(
+            dictionary, *self._dictionary_target("reconstruction_error"), error=True))
+
+    def steer_feature(self, dictionary: str, features: int | Sequence[int], alpha: float) -> None:
+        """Add alpha * W_dec[f] for each SAE feature f at these positions and steps."""
+        self._view._write(write_dictionary=dictionary_ops.steer(
+            dictionary, *self._dictionary_target("steer_feature"), features, alpha))
+
+    def clamp_feature(self, dictionary: str, features: int | Sequence[int], value: float) -> None:
+        """Set SAE features' activations to `value`, keeping the reconstruction error:
+        x + sum_f (value - a_f(x)) * W_dec[f]."""
+        self._view._write(write_dictionary=dictionary_ops.clamp(
+            dictionary, *self._dictionary_target("clamp_feature"), features, value))
+
+    def ablate_feature(self, dictionary: str, features: int | Sequence[int]) -> None:
+        """Clamp SAE features to 0 (x - sum_f a_f(x) * W_dec[f])."""
+        self._view._write(write_dictionary=dictionary_ops.ablate(
+            dictionary, *self._dictionary_target("ablate_feature"), features))
+
+    def steer_probe(self, dictionary: str, output: int = 0, alpha: float = 1.0) -> None:
+        """Add alpha * W[output], the probe output's (unnormalised) direction."""
+        self._view._write(write_dictionary=dictionary_ops.steer(
+            dictionary, *self._dictionary_target("steer_probe"), output, alpha))
+
+    def _dictionary_target(self, method: str) -> tuple[str, ipb.Positions]:
+        """The module and positions a dictionary op acts on: the whole output, per position."""
+        if self._mean:
+            raise InvalidArgument(f".{method}(): dictionaries read every position; drop mean=True")
+        if self._units is not None:
+            raise InvalidArgument(f".{method}(): dictionaries act on the whole module output, not .select()ed units")
+        return self._path, self._selected
+
+    def _dictionary_read(self, message: ipb.ReadDictionary) -> _Read:
+        def build(iv: ipb.Intervention) -> None:
+            iv.read_dictionary.CopyFrom(message)
+
+        one_row = self._selected.WhichOneof("kind") == "new_token"
+        if dictionary_ops.selection(message) == "top_k":
+            return _Read(self._view, build, _Decode.unit_top_k if one_row else _Decode.unit_top_k_rows)
+        return _Read(self._view, build, _Decode.logits if one_row else _Decode.unit_rows)
 
 
 def _read_ref(source: Saved, positions: Sequence[int] | None) -> ipb.ReadRef:

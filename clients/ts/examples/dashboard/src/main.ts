@@ -7,12 +7,21 @@
  * A server started with --auth-tokens needs `#token=TOKEN` (see readToken).
  */
 
-import { Code, createWebClient, TracewireError, type TracewireClient, type WebProtocol } from "@tracewire/client";
+import {
+  Code,
+  createWebClient,
+  TracewireError,
+  type Dictionary,
+  type Step,
+  type TracewireClient,
+  type WebProtocol,
+} from "@tracewire/client";
 import { NO_SPECIAL_TOKENS, type SpecialTokens } from "./format.js";
 import { TokenLabels } from "./labels.js";
 import {
   allLayers,
   buildInvoke,
+  featureStrip,
   forceAt,
   inputTokenAt,
   lensColumns,
@@ -22,9 +31,12 @@ import {
   sideOf,
   steeringInvokes,
   steeringVector,
+  stripChoices,
+  stripDictionary,
   toStepView,
   vectorInvokes,
   VECTOR_SAMPLING,
+  withFeatures,
   withLens,
   type Availability,
   type Forced,
@@ -32,15 +44,18 @@ import {
   type StepView,
 } from "./model.js";
 import {
+  addFeatureStrip,
   addLensColumns,
   addSteeringText,
   addStep,
   clearError,
   findElements,
+  findFeatureElements,
   setStatus,
   setSteerStatus,
   setUpSteering,
   showCoefficient,
+  showDictionaries,
   showError,
   showLensAvailability,
   startLens,
@@ -138,6 +153,9 @@ class Dashboard {
   private steerAbort: AbortController | undefined;
   /** Steering vectors read so far, by layer and prompt pair. */
   private readonly vectors = new Map<string, Float32Array>();
+  /** The feature strip's picker, and the SAEs it offers (none: no strip). */
+  private readonly strip = findFeatureElements(document);
+  private stripChoices: Dictionary[] = [];
 
   constructor(
     private readonly els: Elements,
@@ -168,6 +186,7 @@ class Dashboard {
         };
         showLensAvailability(this.els, this.features.lens);
         setUpSteering(this.els, this.features.layers, this.features.steering);
+        void this.loadDictionaries(info.engineMode);
         if (this.runId === 0) {
           clearError(this.els);
           setStatus(this.els, "idle", 0, `ready: ${info.model} (${info.architecture}, ${info.dtype}), vLLM ${info.vllmVersion}`);
@@ -232,11 +251,12 @@ class Dashboard {
     setStatus(this.els, "running", id, `${what}…`);
     const started = performance.now();
     const lens = this.features?.lens.available ? this.features.layers : undefined;
+    const dictionary = stripDictionary(this.stripChoices, this.strip.dictionary.value);
     try {
       // The lens's bottom row names the token each column reads: the prompt's, then the drawn ones.
       const promptIds = lens ? await this.promptTokenIds(settings.prompt) : [];
       if (lens) startLens(this.els, lens);
-      const builder = buildInvoke(settings, forced);
+      const builder = withFeatures(buildInvoke(settings, forced), dictionary);
       const trace = this.client.trace(lens ? withLens(builder, lens) : builder, sampling(settings), {
         signal: abort.signal,
         timeoutMs: TIMEOUT_MS,
@@ -252,6 +272,7 @@ class Dashboard {
           const drawn = steps.map((s) => s.tokenId);
           addLensColumns(this.els, this.labels, lensColumns(step, lens), (p) => inputTokenAt(p, promptIds, drawn));
         }
+        this.drawFeatures(step, dictionary);
         setStatus(this.els, "running", id, `${what}: step ${view.step}`);
       }
       const seconds = ((performance.now() - started) / 1000).toFixed(2);
@@ -314,6 +335,24 @@ class Dashboard {
         setSteerStatus(this.els, "error", id, "steering failed");
       }
     }
+  }
+
+  /**
+   * The feature strip's dictionaries (ListDictionaries): its SAEs, the first chosen. A server
+   * without dictionaries (or without the RPC, or not eager) keeps the strip hidden.
+   */
+  private async loadDictionaries(engineMode: Parameters<typeof stripChoices>[1]): Promise<void> {
+    try {
+      this.stripChoices = stripChoices(await this.client.listDictionaries({}, { timeoutMs: CHECK_TIMEOUT_MS }), engineMode);
+    } catch {
+      this.stripChoices = [];
+    }
+    showDictionaries(this.strip, this.stripChoices, stripDictionary(this.stripChoices)?.name);
+  }
+
+  private drawFeatures(step: Step, dictionary: Dictionary | undefined): void {
+    const chips = dictionary ? featureStrip(step, dictionary) : undefined;
+    if (dictionary && chips) addFeatureStrip(this.els, step.step, dictionary.name, chips);
   }
 }
 

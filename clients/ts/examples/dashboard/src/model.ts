@@ -12,7 +12,17 @@
  * step (same prefix, same distribution), so those steps keep the previous candidates.
  */
 
-import { invoke, read, v1, write, type InvokeBuilder, type Sampling, type Step } from "@tracewire/client";
+import {
+  DictionaryKind,
+  invoke,
+  read,
+  v1,
+  write,
+  type Dictionary,
+  type InvokeBuilder,
+  type Sampling,
+  type Step,
+} from "@tracewire/client";
 
 /** The read's name in every step's values. */
 export const TOP = "top";
@@ -249,4 +259,60 @@ export function sideOf(step: Step): Side {
     throw new Error(`a steering step came from invoke ${step.invokeIndex}; the comparison has 2`);
   }
   return side;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * The feature strip: per step, the top features of a dictionary (an SAE the server holds,
+ * ListDictionaries) with their labels. Read at the new token like the candidates: step s's
+ * features are those of the forward pass that drew step s's token (at the position before
+ * it), so a row's features and its candidates come from the same pass.
+ */
+
+/** The feature read's name in every step's values. */
+export const FEATURES = "features";
+
+/** How many features a step's strip shows at most (only active ones: value > 0). */
+export const FEATURE_TOP_K = 5;
+
+/**
+ * The dictionaries the strip can show: the SAEs the server lists, in its order. None when
+ * the server cannot run module reads (not eager: dictionary reads need module hooks).
+ */
+export function stripChoices(dictionaries: readonly Dictionary[], engineMode: v1.EngineMode): Dictionary[] {
+  if (engineMode !== v1.EngineMode.EAGER) return [];
+  return dictionaries.filter((d) => d.spec?.kind === DictionaryKind.SAE);
+}
+
+/** The dictionary to read: `chosen` when it is one of the choices, else the first (none: no strip). */
+export function stripDictionary(choices: readonly Dictionary[], chosen?: string): Dictionary | undefined {
+  return choices.find((d) => d.name === chosen) ?? choices[0];
+}
+
+/** The run's trace with the strip's read added (unchanged without a dictionary). */
+export function withFeatures(builder: InvokeBuilder, dictionary: Dictionary | undefined, k = FEATURE_TOP_K): InvokeBuilder {
+  if (!dictionary) return builder;
+  return builder.read(FEATURES, read.dictionary(dictionary.name, { topK: Math.min(k, dictionary.size) }));
+}
+
+/** One feature of a step's strip. */
+export interface FeatureChip {
+  readonly feature: number;
+  readonly value: number;
+  /** The dictionary's label for it, else "#id". */
+  readonly label: string;
+}
+
+/**
+ * A step's strip: its top features with their labels, largest first, active ones only
+ * (an SAE's top-k can include features at 0). Undefined when the step has no feature read.
+ */
+export function featureStrip(step: Step, dictionary: Dictionary): FeatureChip[] | undefined {
+  const top = step.values[FEATURES];
+  if (!top?.tokenIds) return undefined;
+  const values = Array.from(top.values.data, Number);
+  const ids = Array.from(top.tokenIds.data, Number);
+  const labels = dictionary.spec?.labels ?? [];
+  return ids
+    .map((feature, i) => ({ feature, value: values[i] ?? 0, label: labels[feature] || `#${feature}` }))
+    .filter((chip) => chip.value > 0);
 }

@@ -11,10 +11,10 @@
  * #steer-status[data-state][data-run][data-norm], #steer-plain / #steer-steered (their text, [data-coefficient]).
  */
 
-import { Code, TracewireError } from "@tracewire/client";
+import { Code, TracewireError, type Dictionary } from "@tracewire/client";
 import { controlForField, controlMessage, formatProb, lensColors, type ControlId, type TokenLabel } from "./format.js";
 import type { TokenLabels } from "./labels.js";
-import type { Availability, LensColumn, Side, StepView } from "./model.js";
+import type { Availability, FeatureChip, LensColumn, Side, StepView } from "./model.js";
 
 /** "checking" / "offline": the load-time server check; the others: runs ("idle" is ready). */
 export type RunState = "checking" | "offline" | "idle" | "running" | "done" | "error";
@@ -344,4 +344,67 @@ export function startSteering(els: Elements, prompt: string, coefficient: number
 
 export function addSteeringText(els: Elements, side: Side, text: string): void {
   (side === "plain" ? els.steerPlain : els.steerSteered).append(span("piece", text));
+}
+
+/* ---------------------------------------------------------------------------------------
+ * The feature strip (model.ts: stripChoices, featureStrip): under each step's row, the top
+ * features of the chosen dictionary with their labels. The panel with the dictionary picker
+ * stays hidden while the server lists no SAE (or cannot read modules).
+ * Hooks: #features-panel[hidden], #dictionary (a select of names),
+ * .features[data-step][data-dictionary], .feature[data-feature][data-value].
+ */
+
+export interface FeatureElements {
+  readonly panel: HTMLElement;
+  readonly dictionary: HTMLSelectElement;
+}
+
+export function findFeatureElements(doc: Document): FeatureElements {
+  const panel = doc.getElementById("features-panel");
+  const dictionary = doc.getElementById("dictionary");
+  if (!(panel instanceof HTMLElement) || !(dictionary instanceof HTMLSelectElement)) {
+    throw new Error("index.html lacks #features-panel / #dictionary (select)");
+  }
+  return { panel, dictionary };
+}
+
+/** The picker's options (name, size, module, description as the tooltip); hidden when there are none. */
+export function showDictionaries(els: FeatureElements, choices: readonly Dictionary[], selected?: string): void {
+  els.dictionary.replaceChildren(
+    ...choices.map((d) => {
+      const option = document.createElement("option");
+      option.value = d.name;
+      option.textContent = `${d.name} (${d.size} features, ${d.spec?.module ?? "?"})`;
+      option.title = d.spec?.description ?? "";
+      option.selected = d.name === selected;
+      return option;
+    }),
+  );
+  els.panel.hidden = choices.length === 0;
+}
+
+/** A step's features under its row (the row addStep drew for it). */
+export function addFeatureStrip(els: Elements, step: number, dictionary: string, chips: readonly FeatureChip[]): void {
+  const row = els.steps.querySelector<HTMLElement>(`.step[data-step="${step}"]`);
+  if (!row) return;
+  const strip = document.createElement("div");
+  strip.className = "features";
+  strip.dataset.step = String(step);
+  strip.dataset.dictionary = dictionary;
+  strip.title = `${dictionary}: the top features of the pass that drew this token`;
+  const top = chips[0]?.value ?? 0;
+  strip.append(
+    ...chips.map((chip) => {
+      const el = span("feature", "");
+      el.dataset.feature = String(chip.feature);
+      el.dataset.value = String(chip.value);
+      el.title = `feature ${chip.feature}: ${chip.value.toFixed(3)}`;
+      // the chip's shade: its activation against the step's largest
+      el.style.setProperty("--strength", String(top > 0 ? Math.min(chip.value / top, 1) : 0));
+      el.append(span("feature-label", chip.label), span("feature-value", chip.value.toFixed(2)));
+      return el;
+    }),
+  );
+  if (chips.length === 0) strip.append(span("feature-none", "no active features"));
+  row.append(strip);
 }
