@@ -1,4 +1,4 @@
-"""Dictionary reads and writes as the wire carries them (ReadDictionary, WriteDictionary).
+"""Dictionary reads and writes in traces as the wire carries them (ReadDictionary, WriteDictionary).
 
 A dictionary is a linear probe or a sparse autoencoder the server holds by name
 (`--dictionaries DIR` or an upload), on the output of one module. The trace API reaches
