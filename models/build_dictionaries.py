@@ -151,7 +151,8 @@ def feature_labels(x: torch.Tensor, sae: dict[str, torch.Tensor], tokens: list[i
     with torch.no_grad():
         acts = torch.relu((x - sae["b_dec"]) @ sae["W_enc"] + sae["b_enc"])
         best, where = acts.max(0)
-    return [f"top token {strings[tokens[i]]!r}" if v > 0 else "dead" for v, i in zip(best.tolist(), where.tolist(), strict=True)]
+    return [f"top token {strings[tokens[i]]!r}" if v > 0 else "dead"
+            for v, i in zip(best.tolist(), where.tolist(), strict=True)]
 
 
 def write(out: Path, name: str, tensors: dict[str, torch.Tensor], spec: dict[str, object]) -> None:
