@@ -125,7 +125,7 @@ function readSettings(els: Elements): RunSettings {
 }
 
 /** What the server's model info allows: the decoder layers, and whether the lens / steering run. */
-interface Features {
+interface ModuleViews {
   readonly layers: readonly number[];
   readonly lens: Availability;
   readonly steering: Availability;
@@ -147,7 +147,7 @@ class Dashboard {
   private resolveSpecials: (specials: SpecialTokens) => void = () => undefined;
 
   /** Set once the server check answers; until then runs go without the lens. */
-  private features: Features | undefined;
+  private moduleViews: ModuleViews | undefined;
   /** Bumped by every steering comparison; a superseded one stops drawing. */
   private steerRunId = 0;
   private steerAbort: AbortController | undefined;
@@ -179,13 +179,13 @@ class Dashboard {
       try {
         const info = await this.client.modelInfo({ timeoutMs: CHECK_TIMEOUT_MS });
         this.resolveSpecials({ eos: info.eosTokenIds, bos: info.bosTokenId });
-        this.features = {
+        this.moduleViews = {
           layers: allLayers(info.numLayers),
           lens: moduleFeature("The logit lens", info.engineMode),
           steering: moduleFeature("Steering (its vector is read from the residual stream)", info.engineMode),
         };
-        showLensAvailability(this.els, this.features.lens);
-        setUpSteering(this.els, this.features.layers, this.features.steering);
+        showLensAvailability(this.els, this.moduleViews.lens);
+        setUpSteering(this.els, this.moduleViews.layers, this.moduleViews.steering);
         void this.loadDictionaries(info.engineMode);
         if (this.runId === 0) {
           clearError(this.els);
@@ -250,7 +250,7 @@ class Dashboard {
     const what = forced.length > 0 ? `forcing token ${forced.at(-1)} at step ${forced.length - 1}` : "running";
     setStatus(this.els, "running", id, `${what}…`);
     const started = performance.now();
-    const lens = this.features?.lens.available ? this.features.layers : undefined;
+    const lens = this.moduleViews?.lens.available ? this.moduleViews.layers : undefined;
     const dictionary = stripDictionary(this.stripChoices, this.strip.dictionary.value);
     try {
       // The lens's bottom row names the token each column reads: the prompt's, then the drawn ones.
@@ -299,7 +299,7 @@ class Dashboard {
    * trace with the prompt above as is and steered, both streamed side by side.
    */
   private async steer(): Promise<void> {
-    if (!this.features?.steering.available) {
+    if (!this.moduleViews?.steering.available) {
       return;
     }
     const id = ++this.steerRunId;
