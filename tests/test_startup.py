@@ -122,6 +122,12 @@ def test_other_argument_errors_are_one_line() -> None:
                                  "(run 'python -m tracewire_server --help' for every option)")
 
 
+def test_pipeline_parallel_is_refused_in_one_line() -> None:
+    result = start("--pipeline-parallel-size", "2")
+    assert result.returncode == 2
+    assert last_line(result).startswith("tracewire: --pipeline-parallel-size > 1 is not supported: ")
+
+
 def test_start_says_what_is_served_where(server: ServerProcess) -> None:
     log = server.log()
     port = server.target.rsplit(":", 1)[1]
