@@ -3,7 +3,8 @@
 autoencoder, trained on the model's own residual stream after layer 2 ("layers.2").
 
 Steps (deterministic: fixed seeds, deterministic torch algorithms, fixed thread count,
-CPU; about half a minute on 2 cores):
+CPU; 5-13 minutes measured on the shared 2-core VM at a load average near 20, most of it the
+SAE's steps):
 
 1. Run HF transformers (float32) over every document of models/corpus/tracewire_corpus.txt
    (each as its own sequence, in padded batches) and keep the hidden state after layer 2 at
@@ -151,8 +152,8 @@ def feature_labels(x: torch.Tensor, sae: dict[str, torch.Tensor], tokens: list[i
     with torch.no_grad():
         acts = torch.relu((x - sae["b_dec"]) @ sae["W_enc"] + sae["b_enc"])
         best, where = acts.max(0)
-    return [f"top token {strings[tokens[i]]!r}" if v > 0 else "dead"
-            for v, i in zip(best.tolist(), where.tolist(), strict=True)]
+    peaks = zip(best.tolist(), where.tolist(), strict=True)
+    return [f"top token {strings[tokens[i]]!r}" if v > 0 else "dead" for v, i in peaks]
 
 
 def write(out: Path, name: str, tensors: dict[str, torch.Tensor], spec: dict[str, object]) -> None:

@@ -82,6 +82,10 @@ class ServerProcess:
     health_seen: list[str] = field(default_factory=list)
     # TLS servers (--tls-cert): how the health checks connect.
     credentials: grpc.ChannelCredentials | None = None
+    # the Prometheus endpoint of a server started with --metrics-port; "" without one
+    metrics_url: str = ""
+    # the JSON access log of a server started with --access-log
+    access_log: Path | None = None
 
     @property
     def http_url(self) -> str:
@@ -188,8 +192,38 @@ def _start_server_once(
 
 # The shared server serves the dictionaries shipped with the default model, and takes
 # uploads up to SHARED_MAX_DICTIONARY_BYTES (small, so a test can go over it cheaply).
-DICTIONARIES = MODEL / "dictionaries"
+DICTIONARIES = Path(os.environ.get("TRACEWIRE_TEST_DICTIONARIES", MODEL / "dictionaries"))
 SHARED_MAX_DICTIONARY_BYTES = 8 << 20
+
+
+# Servers told to stop whose exit status no test checks: reaped at the session's end.
+_stopping: list[ServerProcess] = []
+
+
+def stop_soon(server: ServerProcess) -> None:
+    """SIGTERM `server` and go on: its drain and engine shutdown (4-5 s of mostly waiting)
+    overlap the next tests instead of holding them up. For fixtures that do not check the
+    exit status (those that do call `stop()`); the session's end waits for it."""
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+    _stopping.append(server)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reap_stopped_servers() -> Iterator[None]:
+    """Set up before, so torn down after, every other session fixture: waits for the
+    servers `stop_soon` left stopping; one still running after 120 s (where `stop()` times
+    out) is killed and reported, as `stop()` would report it."""
+    yield
+    hung = []
+    for server in _stopping:
+        try:
+            server.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+            hung.append(server.log_path)
+    assert not hung, f"servers still running 120 s after SIGTERM: {hung}"
 
 
 @pytest.fixture(scope="session")
@@ -198,7 +232,35 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = start_server(tmp_path_factory.mktemp("server"), *shipped,
                         "--max-dictionary-bytes", str(SHARED_MAX_DICTIONARY_BYTES))
     yield proc
-    proc.stop()
+    stop_soon(proc)
+
+
+# The eager server's flags: the union of what the files that need module hooks (module
+# reads and writes, heads and neurons, attention patterns, patching, the CLI's lens, the
+# README's snippets) and test_observability asked of a server each of their own: a small
+# --max-num-batched-tokens sends long prompts through chunked prefill (test_hidden_states,
+# test_attention_patterns); the metrics port shows the worker's patch store (test_patching)
+# and the call counters, the access log the request ids, one more allowed Host the
+# allow-list (test_observability). None of them changes a limit or the engine's state for
+# the others, and their counter checks are deltas, so one engine start serves them all. It
+# serves the dictionaries shipped with the default model, as `make serve` does (the README's
+# snippets and the dictionary tests read them; tests that upload delete what they upload).
+EAGER_ARGS = ("--enforce-eager", "--max-num-batched-tokens", "64")
+ALLOWED_HOST = "dash.example.test"
+
+
+@pytest.fixture(scope="session")
+def eager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One eager server (module hooks fire only in eager steps) for the whole session."""
+    tmp = tmp_path_factory.mktemp("eager")
+    metrics_port = free_port()
+    shipped = ["--dictionaries", str(DICTIONARIES)] if DICTIONARIES.is_dir() else []  # (as `make serve`)
+    proc = start_server(tmp, *EAGER_ARGS, "--metrics-port", str(metrics_port), "--access-log",
+                        str(tmp / "access.log"), "--allowed-host", ALLOWED_HOST, *shipped)
+    proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    proc.access_log = tmp / "access.log"
+    yield proc
+    stop_soon(proc)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """Attention-pattern reads against transformers' `output_attentions=True` (eager attention)
-on the same weights, through the SDK, on a real eager server.
+on the same weights, through the SDK, on the session's eager server (conftest's `eager`).
 
 The tiny model has 4 query heads and 2 KV heads (GQA: heads 0, 1 read KV head 0; heads 2,
-3 KV head 1). The server is started with a small --max-num-batched-tokens, so a long
+3 KV head 1). The server runs with a small --max-num-batched-tokens (64), so a long
 prompt runs through chunked prefill. Both sides compute in float32: tolerance 1e-5
 absolute on the weights (probabilities in [0, 1]).
 """
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import tracewire as tw
-from conftest import MODEL, start_server
+from conftest import MODEL
 from trace_requests import invoke, iv, run, trace
 from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2_grpc
@@ -26,13 +26,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 STEPS = 4
 # Longer than the server's --max-num-batched-tokens (64): its prefill runs in chunks.
 LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 14)
-
-
-@pytest.fixture(scope="module")
-def eager(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("patterns"), "--enforce-eager", "--max-num-batched-tokens", "64")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-from conftest import start_server
 from tracewire.cli import _Cell, _table
 
 PROMPT = "The capital of France is"
@@ -22,13 +20,6 @@ def cli(target: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
     return subprocess.run([sys.executable, "-m", "tracewire.cli", "--target", target, *args],
                           capture_output=True, text=True, timeout=120, env=env)
-
-
-@pytest.fixture(scope="module")
-def eager(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("cli-eager"), "--enforce-eager")
-    yield server
-    server.stop()
 
 
 def test_generate_is_greedy_by_default(server, client):

@@ -16,7 +16,7 @@ import prefix_cache
 import pytest
 import torch
 import tracewire as tw
-from conftest import start_server
+from conftest import start_server, stop_soon
 from test_hidden_states import GREEDY, PROMPT, hf_steered, steer
 from trace_requests import f32, invoke, iv, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
@@ -47,7 +47,7 @@ def steerable(tmp_path_factory):
     # tables on the layers the tests write (the tiny model has 4): layers.3 has none
     server = start_server(tmp_path_factory.mktemp("steerable"), "--compiled-steering", "0,1,2")
     yield server
-    server.stop()
+    stop_soon(server)
 
 
 @pytest.fixture(scope="module")

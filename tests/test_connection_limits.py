@@ -13,7 +13,7 @@ from contextlib import ExitStack
 
 import grpc
 import pytest
-from conftest import ServerProcess, start_server
+from conftest import ServerProcess, start_server, stop_soon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
@@ -36,7 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "--max-concurrent-calls", str(MAX_CALLS),
     )
     yield proc
-    proc.stop()
+    stop_soon(proc)
 
 
 def http_address(server: ServerProcess) -> tuple[str, int]:

@@ -14,7 +14,6 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import start_server
 from safetensors.numpy import save as save_safetensors
 from trace_requests import cmp, invoke, iv, run, trace
 from tracewire.v1 import dictionary_pb2 as D
@@ -86,19 +85,16 @@ def error_np(name: str, x: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def eager(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("dictionaries"), "--enforce-eager")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def estub(eager):
+    """The session's eager server (conftest), with this file's dictionaries uploaded, and
+    deleted again at the end (other files list the server's dictionaries)."""
     with grpc.insecure_channel(eager.target) as channel:
         stub = service_pb2_grpc.TraceServiceStub(channel)
         for name, (spec, tensors) in WEIGHTS.items():
             register(stub, name, spec, tensors)
         yield stub
+        for name in WEIGHTS:
+            stub.DeleteDictionary(D.DeleteDictionaryRequest(name=name), timeout=30)
 
 
 def hf_streams(hf, ids, edits=()):

@@ -74,6 +74,17 @@ def test_register_list_replace_delete(client) -> None:
     assert "test-probe" in str(e.value)
 
 
+def test_async_client_registers_lists_and_deletes(server) -> None:
+    async def run() -> tuple[tracewire.Dictionary, set[str], int]:
+        async with tracewire.AsyncClient(server.target, timeout=120) as aclient:
+            made = await aclient.register_dictionary("test-async", PROBE_SPEC, probe(seed=2))
+            names = {d.name for d in await aclient.list_dictionaries()}
+            return made, names, await aclient.delete_dictionary("test-async")
+
+    made, names, freed = asyncio.run(run())
+    assert made.size == 2 and "test-async" in names and freed == made.device_bytes == 2 * 256 * 4 + 2 * 4
+
+
 def _bad_shape() -> dict[str, np.ndarray]:
     return {"W": np.ones((2, 255), np.float32)}
 
@@ -91,7 +102,8 @@ def _nan() -> dict[str, np.ndarray]:
     ("test-bad", {**PROBE_SPEC, "labels": ["one"]}, probe(), "header.spec.labels"),
     ("test-bad", {**PROBE_SPEC, "labels": []}, _bad_shape(), "tensors.W"),
     ("test-bad", PROBE_SPEC, _nan(), "tensors.W"),
-    ("test-bad", PROBE_SPEC, b"not a safetensors file", "file"),
+    ("test-bad", PROBE_SPEC, b"not a safetensors file", "chunk[0]"),
+    ("test-bad", PROBE_SPEC, b"\x02\0\0\0\0\0\0\0{x", "file"),
 ])
 def test_bad_upload_is_invalid_argument_naming_the_field(client, name, spec, tensors, field) -> None:
     with pytest.raises(tracewire.InvalidArgument) as e:

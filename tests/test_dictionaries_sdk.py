@@ -13,21 +13,18 @@ write 2e-3, greedy tokens exactly.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import tracewire as tw
-from conftest import MODEL, start_server
+from conftest import DICTIONARIES
 from google.protobuf import json_format
 from safetensors.numpy import load_file
 from tracewire.v1 import dictionary_pb2 as dpb
 
-DICTIONARIES = Path(os.environ.get("TRACEWIRE_TEST_DICTIONARIES", MODEL / "dictionaries"))
 PROMPT = "The capital of France is"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 STEPS = 6
@@ -102,14 +99,10 @@ def sae() -> Reference:
 
 
 @pytest.fixture(scope="module")
-def sdk(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("dictionaries"), "--enforce-eager", "--dictionaries",
-                          str(DICTIONARIES))
-    try:
-        with tw.Client(server.target, timeout=300) as client:
-            yield client
-    finally:
-        server.stop()
+def sdk(eager):
+    """The session's eager server (conftest), which serves the shipped dictionaries."""
+    with tw.Client(eager.target, timeout=300) as client:
+        yield client
 
 
 def hf_layer(hf, ids, layer, edit=None):

@@ -2,7 +2,7 @@
 transformers' forward PRE-hooks on the same weights: HF's o_proj input is the heads'
 output, its down_proj input the neurons'.
 
-An eager server (module hooks fire only in eager steps), the real SDK for reads and
+The session's eager server (conftest's `eager`: module hooks fire only in eager steps), the real SDK for reads and
 writes, the raw stubs for the statuses. Tolerances: reads 1e-4 absolute (float32 on
 both sides, as tests/test_hidden_states.py); logits under a write 2e-3 absolute (a
 forward pass of float32 kernels that differ between vLLM's CPU build and torch), and
@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 import tracewire as tw
-from conftest import start_server
 from trace_requests import f32, invoke, iv, run, trace
 from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2_grpc
@@ -27,13 +26,6 @@ LOGITS_ATOL = 2e-3
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 STEPS = 5
 HEADS, HEAD_DIM, NEURONS = 4, 64, 640  # models/tracewire-tiny (GQA: 2 KV heads)
-
-
-@pytest.fixture(scope="module")
-def eager(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("units"), "--enforce-eager")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

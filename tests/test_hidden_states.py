@@ -1,8 +1,8 @@
 """Module reads against transformers' forward hooks on the same weights.
 
-Module hooks only fire in eager engine steps, so these tests start a second server
-with --enforce-eager (and a small --max-num-batched-tokens, forcing long prompts
-through chunked prefill). Tolerance: 1e-4 absolute (float32 on both sides).
+Module hooks only fire in eager engine steps, so these tests use the session's eager
+server (conftest's `eager`: --enforce-eager and a small --max-num-batched-tokens, forcing
+long prompts through chunked prefill). Tolerance: 1e-4 absolute (float32 on both sides).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import prefix_cache
 import pytest
 import torch
 import tracewire as tw
-from conftest import start_server
 from trace_requests import invoke, iv, run, trace
 from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2_grpc
@@ -21,13 +20,6 @@ from tracewire.v1 import service_pb2_grpc
 PROMPT = "The capital of France is"
 ATOL = 1e-4
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def eager(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("eager"), "--enforce-eager", "--max-num-batched-tokens", "64")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Metrics (--metrics-port), the JSON access log with request ids (--access-log), and the
-HTTP port's Host allow-list (--allowed-host), on one real server of this module's own.
+HTTP port's Host allow-list (--allowed-host), on the session's eager server (conftest's
+`eager`, which has all three).
 
 Counters are compared before and after each call (deltas), so the checks hold whatever
 ran earlier on this server.
@@ -17,11 +18,11 @@ import grpc
 import httpx
 import pytest
 import trace_requests as T
-from conftest import ServerProcess, free_port, start_server
+from conftest import ALLOWED_HOST, ServerProcess
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 SERVICE = "tracewire.v1.TraceService/"
-ALLOWED_NAME = "dash.example.test"
+ALLOWED_NAME = ALLOWED_HOST
 
 
 class Observed:
@@ -58,16 +59,11 @@ class Observed:
 
 
 @pytest.fixture(scope="module")
-def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
-    tmp = tmp_path_factory.mktemp("observability")
-    metrics_port = free_port()
-    access_log = tmp / "access.log"
-    server = start_server(tmp, "--metrics-port", str(metrics_port), "--access-log", str(access_log),
-                          "--allowed-host", ALLOWED_NAME)
-    obs = Observed(server, f"http://127.0.0.1:{metrics_port}/metrics", access_log)
+def observed(eager: ServerProcess) -> Iterator[Observed]:
+    assert eager.access_log is not None
+    obs = Observed(eager, eager.metrics_url, eager.access_log)
     yield obs
     obs.channel.close()
-    server.stop()
 
 
 def rpcs(method: str, code: str, transport: str = "grpc") -> str:

@@ -1,8 +1,8 @@
 """Activation patching across invokes, against transformers doing the same copy with a
 forward hook on the same weights (models/tracewire-tiny: Qwen3, 4 layers, GQA).
 
-One eager server (module hooks) with a metrics port: the worker's patch store is
-observed through `tracewire_patch_*` after each trace. Tolerance: logits within
+The session's eager server (conftest's `eager`: module hooks, a metrics port): the
+worker's patch store is observed through `tracewire_patch_*` after each trace. Tolerance: logits within
 2e-3 absolute + 1e-4 relative (float32 on both sides, as test_trace.py).
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 import tracewire as tw
 import tracewire.patching
-from conftest import free_port, start_server, wait_for_unfinished
+from conftest import wait_for_unfinished
 from trace_requests import invoke, iv, logits, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2_grpc
@@ -39,11 +39,8 @@ class Patched:
 
 
 @pytest.fixture(scope="module")
-def patched(tmp_path_factory):
-    port = free_port()
-    server = start_server(tmp_path_factory.mktemp("patching"), "--enforce-eager", "--metrics-port", str(port))
-    yield Patched(server, f"http://127.0.0.1:{port}/metrics")
-    server.stop()
+def patched(eager):
+    return Patched(eager, eager.metrics_url)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import tracewire as tw
-from conftest import ServerProcess, start_server
+from conftest import ServerProcess, start_server, stop_soon
 
 PROMPTS = ["Once upon a time"] + [f"Story number {i} begins" for i in range(1, 6)]
 SMALL_KV = ("--num-gpu-blocks-override", "6", "--max-num-seqs", "6")
@@ -38,14 +38,14 @@ def server_with_small_kv(tmp_path_factory: pytest.TempPathFactory, name: str, *f
 def eager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     server = server_with_small_kv(tmp_path_factory, "preemption-eager", "--enforce-eager")
     yield server
-    server.stop()
+    stop_soon(server)
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     server = server_with_small_kv(tmp_path_factory, "preemption-compiled", "--compiled-steering", "1")
     yield server
-    server.stop()
+    stop_soon(server)
 
 
 def top_logits_alone_and_together(server: ServerProcess, write) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:

@@ -1,9 +1,10 @@
 """Every runnable snippet of README.md and clients/python/README.md runs as written against
 a real server and does what its text says.
 
-One `--enforce-eager` server serves them all (the hidden-states snippets need it; it serves
-everything a compiled one does). Python blocks run in order in one session, TraceWarnings
-as errors, each `print(...)  # claim` checked against what it printed (tests/snippets.py).
+The session's `--enforce-eager` server (conftest's `eager`) serves them all (the
+hidden-states snippets need it; it serves everything a compiled one does). Python blocks
+run in order in one session, TraceWarnings as errors, each `print(...)  # claim` checked
+against what it printed (tests/snippets.py).
 Shell blocks run with bash, the documented ports pointed at the test server's; blocks that
 start servers or build things (`make ...`, `python -m tracewire_server`, bench/) are the
 other tests' business. The TypeScript blocks run in clients/ts/test/readme.test.ts.
@@ -18,8 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from conftest import DICTIONARIES, ROOT, start_server
+from conftest import ROOT
 from snippets import Block, blocks, claim_holds, print_claims, run_python
 
 README = ROOT / "README.md"
@@ -29,14 +29,6 @@ BUF = ROOT / "clients" / "ts" / "node_modules" / ".bin" / "buf"
 NOT_CLIENT_SIDE = ("python -m tracewire_server", "bash bench/", "make proto")
 # Lines that set up what the tests already have (a running server, the installed SDK).
 SET_UP = ("make ", "pip install ")
-
-
-@pytest.fixture(scope="module")
-def eager(tmp_path_factory):
-    # (with the dictionaries `make serve` loads)
-    server = start_server(tmp_path_factory.mktemp("readme"), "--enforce-eager", "--dictionaries", str(DICTIONARIES))
-    yield server
-    server.stop()
 
 
 def replacements(server) -> dict[str, str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import tracewire
-from conftest import ServerProcess, start_server
+from conftest import ServerProcess, start_server, stop_soon
 
 PROMPT = "Once upon a time"
 # Long enough that the replica being stopped still has traces in flight for a while.
@@ -40,7 +40,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerPr
         yield servers
     finally:
         for server in servers:
-            server.stop()
+            stop_soon(server)
 
 
 def traces_by_code(server: ServerProcess) -> dict[str, int]:

@@ -27,7 +27,7 @@ import tracewire.collect
 import tracewire.patching
 import tracewire.plot
 import tracewire.steering_sweep
-from conftest import ROOT, free_port, start_server
+from conftest import ROOT, free_port
 from tracewire import cli
 from tracewire.prompt_sources import read_prompts
 
@@ -36,13 +36,6 @@ NOTEBOOK = ROOT / "clients" / "python" / "examples" / "workflow.ipynb"
 PROMPTS = ["The capital of France is", "The capital of Japan is", "Once upon a time", "1, 2, 3,",
            "The capital of Italy is", "Hello, my name is", "The sky is"]
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def eager(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("workflow"), "--enforce-eager")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

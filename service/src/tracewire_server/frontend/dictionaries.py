@@ -7,8 +7,8 @@ cache as it happens. With --frontends N the others change the worker too: a fron
 that is `shared` refreshes its cache from the worker (one collective_rpc, coalesced
 between concurrent callers) before it answers a list, changes a name, or compiles a
 trace naming a dictionary it has not cached or has not refreshed for REFRESH_AFTER_S. A
-trace compiled against a stale generation fails in the worker (FAILED_PRECONDITION),
-never reads another dictionary.
+trace compiled against a stale generation fails in the worker, naming the dictionary,
+never reads another one.
 
 Registering and deleting are serialized per frontend (one lock), so the room left
 under --max-dictionary-bytes is exact here; the operator's dictionaries
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 # How long a shared frontend trusts its cache of a name a trace mentions.
 REFRESH_AFTER_S = 1.0
-# A load reads the file and copies it to the device between engine steps.
+# A load reads the file and copies it to the device (on the workers' loader threads).
 WORKER_TIMEOUT_S = 120.0
+LOAD_POLL_S = 0.05
 DEFAULT_MAX_BYTES = 1 << 30
 
 
@@ -64,11 +65,23 @@ class EngineDictionaries:
         return list(await asyncio.wait_for(asyncio.shield(call), WORKER_TIMEOUT_S))
 
     async def load(self, info: DictionaryInfo, path: Path) -> DictionaryInfo | tuple[str, str]:
-        answers = await self._call("tracewire_dictionary_load", encode_info(info), str(path))
-        for data, field, message in answers:
-            if not data:
-                return field, message
-        return decode_info(answers[0][0])
+        """Start the load on every worker (each reads and copies on a thread of its own, never
+        on the engine's: worker/dictionaries.py's Loads), then poll until each has finished."""
+        await self._call("tracewire_dictionary_load", encode_info(info), str(path))
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        pending: dict[int, tuple[bytes, str, str]] = {}
+        while time.monotonic() < deadline:
+            await asyncio.sleep(LOAD_POLL_S)
+            answers = await self._call("tracewire_dictionary_loaded", info.name, info.generation)
+            for rank, (done, data, field, message) in enumerate(answers):
+                if done:
+                    pending[rank] = (data, field, message)
+            if len(pending) == len(answers):
+                for data, field, message in pending.values():
+                    if not data:
+                        return field, message
+                return decode_info(pending[0][0])
+        raise TimeoutError(f"the engine did not load dictionary {info.name!r} within {WORKER_TIMEOUT_S:.0f} s")
 
     async def delete(self, name: str) -> int:
         return int((await self._call("tracewire_dictionary_delete", name))[0])

@@ -9,11 +9,15 @@ the forward pass (module_hooks.py). The arithmetic is dictionary.proto's, in one
 
 from __future__ import annotations
 
+import threading
+from typing import NamedTuple
+
 import torch
 
 from ..shared import plan as P
-from ..shared.dictionary_spec import DictionaryError, DictionaryInfo, check_tensors
+from ..shared.dictionary_spec import DictionaryError, DictionaryInfo, check_tensors, encode_info
 from .host import on_device
+from .runner import RunnerView
 
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -87,7 +91,8 @@ class Dictionary:
 
 def load(info: DictionaryInfo, path: str, device: torch.device, hidden_size: int) -> Dictionary:
     """The safetensors file at `path` as dictionary `info` on `device`, checked: shapes
-    against the model (check_tensors), every value finite. DictionaryError otherwise."""
+    against the model (check_tensors), every value finite. DictionaryError otherwise.
+    Runs on a loader thread (Loads), never on the engine's."""
     from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
@@ -106,7 +111,71 @@ def load(info: DictionaryInfo, path: str, device: torch.device, hidden_size: int
     for name, t in tensors.items():
         if not torch.isfinite(t).all():
             raise DictionaryError(f"tensors.{name}", "contains NaN or infinite values")
-    return Dictionary(info, {name: t.to(device) for name, t in tensors.items()})
+    return Dictionary(info, _to_device(tensors, device))
+
+
+def _to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Copies of `tensors` on `device`, made without stalling the engine's stream: on a GPU
+    the memory is taken on the default stream (so freeing it later is ordered with the
+    forward passes that use it), the copies run on a side stream that first waits for the
+    work queued so far (which may still use memory just freed to the allocator), and only
+    this thread waits for them."""
+    if device.type != "cuda":
+        return {name: t.to(device) for name, t in tensors.items()}
+    torch.cuda.set_device(device)
+    on_device_ = {name: torch.empty(t.shape, dtype=t.dtype, device=device) for name, t in tensors.items()}
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.default_stream(device))
+    with torch.cuda.stream(side):
+        for name, t in tensors.items():
+            on_device_[name].copy_(t.pin_memory(), non_blocking=True)
+    side.synchronize()
+    return on_device_
+
+
+class LoadResult(NamedTuple):
+    """A finished load: the completed info (encode_info), or the field and message of a bad
+    file (info empty)."""
+
+    info: bytes
+    field: str
+    message: str
+
+
+class Loads:
+    """Dictionary loads, each on a thread of its own: reading a file and copying it to the
+    device take up to seconds for a large SAE, and on the engine's thread (collective_rpc
+    runs there) they would stall every request for as long. The frontend starts a load,
+    then polls for its result; the dictionary joins `dictionaries` when it is ready."""
+
+    def __init__(self, dictionaries: Dictionaries, runner: RunnerView) -> None:
+        self.dictionaries = dictionaries
+        self.runner = runner  # (its device and hidden size, read when a load starts)
+        self._done: dict[tuple[str, int], LoadResult] = {}
+        self._lock = threading.Lock()
+
+    def start(self, info: DictionaryInfo, path: str) -> None:
+        where = (self.runner.device, self.runner.hidden_size)
+        threading.Thread(target=self._load, args=(info, path, *where), name=f"tracewire-load-{info.name}",
+                         daemon=True).start()
+
+    def result(self, name: str, generation: int) -> LoadResult | None:
+        """The load's result once it is finished (then forgotten), None while it runs."""
+        with self._lock:
+            return self._done.pop((name, generation), None)
+
+    def _load(self, info: DictionaryInfo, path: str, device: torch.device, hidden_size: int) -> None:
+        try:
+            dictionary = load(info, path, device, hidden_size)
+        except DictionaryError as e:
+            result = LoadResult(b"", e.field, e.message)
+        except Exception as e:  # noqa: BLE001 - a failed load is the caller's answer, not the worker's end
+            result = LoadResult(b"", "file", f"{type(e).__name__}: {e}")
+        else:
+            self.dictionaries.put(dictionary)  # (one dict assignment: the engine thread reads it)
+            result = LoadResult(encode_info(dictionary.info), "", "")
+        with self._lock:
+            self._done[(info.name, info.generation)] = result
 
 
 class Dictionaries:

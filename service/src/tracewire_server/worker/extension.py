@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..shared.dictionary_spec import DictionaryError, decode_info, encode_info
-from .dictionaries import load
+from ..shared.dictionary_spec import decode_info, encode_info
 from .hooks import PlanHooks
 from .runner import RunnerView, check_supported
 from .sender import Sender
@@ -56,18 +55,20 @@ class TracewireWorkerExtension:
 
     # -- dictionaries (probes, SAEs): the frontend's registry asks every worker --------
 
-    def tracewire_dictionary_load(self, info: bytes, path: str) -> tuple[bytes, str, str]:
-        """Load the safetensors file at `path` as dictionary `info` (replacing one of that
-        name): (the completed info, "", "") or (b"", field, message) for a bad file."""
-        hooks = self._hooks()
-        try:
-            dictionary = load(decode_info(info), path, hooks.runner.device, hooks.runner.hidden_size)
-        except DictionaryError as e:
-            return b"", e.field, e.message
-        hooks.dictionaries.put(dictionary)
-        log.info("dictionary %s loaded (%s, %d bytes)", dictionary.info.name, dictionary.info.kind,
-                 dictionary.info.device_bytes)
-        return encode_info(dictionary.info), "", ""
+    def tracewire_dictionary_load(self, info: bytes, path: str) -> bool:
+        """Start loading the safetensors file at `path` as dictionary `info` (replacing one
+        of that name), off the engine's thread; tracewire_dictionary_loaded answers."""
+        self._hooks().loads.start(decode_info(info), path)
+        return True
+
+    def tracewire_dictionary_loaded(self, name: str, generation: int) -> tuple[bool, bytes, str, str]:
+        """(done, then the completed info or the bad file's field and message)."""
+        result = self._hooks().loads.result(name, generation)
+        if result is None:
+            return False, b"", "", ""
+        if result.info:
+            log.info("dictionary %s (generation %d) loaded", name, generation)
+        return True, result.info, result.field, result.message
 
     def tracewire_dictionary_delete(self, name: str) -> int:
         """Forget dictionary `name`: the device bytes freed (0: none held)."""

@@ -63,7 +63,7 @@ from ..shared import steering
 from .batch import Block, Row, Step, StepWork
 from .collector import StepCollector
 from .conditions import Context, holds, remember_condition_values
-from .dictionaries import Dictionaries
+from .dictionaries import Dictionaries, Loads
 from .host import SAMPLE, to_host
 from .logits_reads import BEFORE_WRITES, PROCESSED, RAW, UNWRITTEN, launch_batched, launch_logprobs
 from .logits_writes import write_and_capture
@@ -101,6 +101,7 @@ class PlanHooks:
         self.patches = PatchStore()
         # Probes and SAEs the frontends loaded (reads, writes and conditions use them).
         self.dictionaries = Dictionaries()
+        self.loads = Loads(self.dictionaries, runner)
         # Off the engine's thread only where the device runs ahead of the host.
         self.collector: StepCollector[StepWork] = StepCollector(self._finish, threaded=runner.device_runs_ahead)
         period = float(os.environ.get(HOOK_TIMES_ENV) or 0)
