@@ -326,29 +326,26 @@ test("dashboard: steering from a prompt pair: equal to the plain continuation at
 });
 
 test("dashboard: the feature strip shows each step's top SAE features with their labels", { timeout: 300_000 }, async () => {
-  const strip = await browser.newPage({ viewport: { width: 1100, height: 1000 } });
-  strip.setDefaultTimeout(TIMEOUT_MS);
-  strip.on("pageerror", (error) => pageErrors.push(String(error)));
+  const strip = await openReady({ width: 1100, height: 1000 });
   try {
     // run.ts starts the server with the shipped dictionaries: the picker offers the SAEs, the first chosen.
     const listed = await client.listDictionaries();
     const saes = listed.filter((d) => d.spec?.kind === DictionaryKind.SAE);
     assert.ok(saes.length > 0, "the test server lists no SAE (run.ts passes --dictionaries)");
     const sae = saes[0] as Dictionary;
-    await strip.goto(`${siteUrl}/?server=${encodeURIComponent(HTTP_URL ?? "")}`);
     await strip.waitForSelector("#features-panel:not([hidden])");
     assert.deepEqual(await strip.$$eval("#dictionary option", (os) => os.map((o) => (o as HTMLOptionElement).value)), saes.map((d) => d.name));
     assert.equal(await strip.inputValue("#dictionary"), sae.name);
 
     const steps = 6;
-    await strip.fill("#prompt", "The capital of France is");
+    await strip.fill("#prompt", FRANCE);
     await strip.fill("#max-tokens", String(steps));
     await strip.check("#ignore-eos");
     await strip.click("#run");
     await waitRun(strip, 1);
     // The same read through the client: the strip is its active features, largest first, labelled.
     const reference = await client
-      .trace(invoke("The capital of France is").read("f", read.dictionary(sae.name, { topK: 5 })), {
+      .trace(invoke(FRANCE).read("f", read.dictionary(sae.name, { topK: 5 })), {
         temperature: 0,
         maxTokens: steps,
         ignoreEos: true,

@@ -8,6 +8,9 @@ weights as a mapping of arrays (numpy or torch: "W", "b" for a probe; "W_enc", "
 "W_dec", "b_dec", "threshold" for an SAE), safetensors bytes, or the path of a
 .safetensors file. Arrays are written as safetensors here (float64 ones as float32), so
 neither numpy, torch nor safetensors is needed for the rest of the SDK.
+
+Reading and writing a dictionary inside a trace (probe / features reads, steer / clamp /
+ablate writes) is dictionary_ops.py.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ it from that module's reference (tracing.py's ModuleRef):
 This module builds and checks the messages (the arguments a client can get wrong
 without asking the server: names, feature lists, finite numbers); which dictionary,
 module and feature range are valid is the server's to say (INVALID_ARGUMENT naming
-the field).
+the field). The registry side (the Dictionary type, what register_dictionary uploads) is
+dictionaries.py.
 """
 
 from __future__ import annotations

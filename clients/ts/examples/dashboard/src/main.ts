@@ -7,7 +7,15 @@
  * A server started with --auth-tokens needs `#token=TOKEN` (see readToken).
  */
 
-import { Code, createWebClient, TracewireError, type TracewireClient, type WebProtocol } from "@tracewire/client";
+import {
+  Code,
+  createWebClient,
+  TracewireError,
+  type Dictionary,
+  type Step,
+  type TracewireClient,
+  type WebProtocol,
+} from "@tracewire/client";
 import { NO_SPECIAL_TOKENS, type SpecialTokens } from "./format.js";
 import { TokenLabels } from "./labels.js";
 import {
@@ -55,7 +63,6 @@ import {
   startSteering,
   type Elements,
 } from "./view.js";
-import type { Dictionary, Step } from "@tracewire/client";
 import "./style.css";
 
 const DEFAULT_SERVER = "http://127.0.0.1:8080";
@@ -118,7 +125,7 @@ function readSettings(els: Elements): RunSettings {
 }
 
 /** What the server's model info allows: the decoder layers, and whether the lens / steering run. */
-interface Features {
+interface ModuleViews {
   readonly layers: readonly number[];
   readonly lens: Availability;
   readonly steering: Availability;
@@ -140,7 +147,7 @@ class Dashboard {
   private resolveSpecials: (specials: SpecialTokens) => void = () => undefined;
 
   /** Set once the server check answers; until then runs go without the lens. */
-  private features: Features | undefined;
+  private moduleViews: ModuleViews | undefined;
   /** Bumped by every steering comparison; a superseded one stops drawing. */
   private steerRunId = 0;
   private steerAbort: AbortController | undefined;
@@ -172,13 +179,13 @@ class Dashboard {
       try {
         const info = await this.client.modelInfo({ timeoutMs: CHECK_TIMEOUT_MS });
         this.resolveSpecials({ eos: info.eosTokenIds, bos: info.bosTokenId });
-        this.features = {
+        this.moduleViews = {
           layers: allLayers(info.numLayers),
           lens: moduleFeature("The logit lens", info.engineMode),
           steering: moduleFeature("Steering (its vector is read from the residual stream)", info.engineMode),
         };
-        showLensAvailability(this.els, this.features.lens);
-        setUpSteering(this.els, this.features.layers, this.features.steering);
+        showLensAvailability(this.els, this.moduleViews.lens);
+        setUpSteering(this.els, this.moduleViews.layers, this.moduleViews.steering);
         void this.loadDictionaries(info.engineMode);
         if (this.runId === 0) {
           clearError(this.els);
@@ -243,7 +250,7 @@ class Dashboard {
     const what = forced.length > 0 ? `forcing token ${forced.at(-1)} at step ${forced.length - 1}` : "running";
     setStatus(this.els, "running", id, `${what}…`);
     const started = performance.now();
-    const lens = this.features?.lens.available ? this.features.layers : undefined;
+    const lens = this.moduleViews?.lens.available ? this.moduleViews.layers : undefined;
     const dictionary = stripDictionary(this.stripChoices, this.strip.dictionary.value);
     try {
       // The lens's bottom row names the token each column reads: the prompt's, then the drawn ones.
@@ -261,11 +268,11 @@ class Dashboard {
         const view = toStepView(step, forced, before);
         steps.push(view);
         addStep(this.els, this.labels, view);
-        this.drawFeatures(step, dictionary);
         if (lens) {
           const drawn = steps.map((s) => s.tokenId);
           addLensColumns(this.els, this.labels, lensColumns(step, lens), (p) => inputTokenAt(p, promptIds, drawn));
         }
+        this.drawFeatures(step, dictionary);
         setStatus(this.els, "running", id, `${what}: step ${view.step}`);
       }
       const seconds = ((performance.now() - started) / 1000).toFixed(2);
@@ -276,24 +283,6 @@ class Dashboard {
         setStatus(this.els, "error", id, "failed");
       }
     }
-  }
-
-  /**
-   * The feature strip's dictionaries (ListDictionaries): its SAEs, the first chosen. A server
-   * without dictionaries (or without the RPC, or not eager) keeps the strip hidden.
-   */
-  private async loadDictionaries(engineMode: Parameters<typeof stripChoices>[1]): Promise<void> {
-    try {
-      this.stripChoices = stripChoices(await this.client.listDictionaries({}, { timeoutMs: CHECK_TIMEOUT_MS }), engineMode);
-    } catch {
-      this.stripChoices = [];
-    }
-    showDictionaries(this.strip, this.stripChoices, stripDictionary(this.stripChoices)?.name);
-  }
-
-  private drawFeatures(step: Step, dictionary: Dictionary | undefined): void {
-    const chips = dictionary ? featureStrip(step, dictionary) : undefined;
-    if (dictionary && chips) addFeatureStrip(this.els, step.step, dictionary.name, chips);
   }
 
   /** The prompt's token ids (the lens's column labels); none when Tokenize fails (the run reports errors). */
@@ -310,7 +299,7 @@ class Dashboard {
    * trace with the prompt above as is and steered, both streamed side by side.
    */
   private async steer(): Promise<void> {
-    if (!this.features?.steering.available) {
+    if (!this.moduleViews?.steering.available) {
       return;
     }
     const id = ++this.steerRunId;
@@ -346,6 +335,24 @@ class Dashboard {
         setSteerStatus(this.els, "error", id, "steering failed");
       }
     }
+  }
+
+  /**
+   * The feature strip's dictionaries (ListDictionaries): its SAEs, the first chosen. A server
+   * without dictionaries (or without the RPC, or not eager) keeps the strip hidden.
+   */
+  private async loadDictionaries(engineMode: Parameters<typeof stripChoices>[1]): Promise<void> {
+    try {
+      this.stripChoices = stripChoices(await this.client.listDictionaries({}, { timeoutMs: CHECK_TIMEOUT_MS }), engineMode);
+    } catch {
+      this.stripChoices = [];
+    }
+    showDictionaries(this.strip, this.stripChoices, stripDictionary(this.stripChoices)?.name);
+  }
+
+  private drawFeatures(step: Step, dictionary: Dictionary | undefined): void {
+    const chips = dictionary ? featureStrip(step, dictionary) : undefined;
+    if (dictionary && chips) addFeatureStrip(this.els, step.step, dictionary.name, chips);
   }
 }
 

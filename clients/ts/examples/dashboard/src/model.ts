@@ -12,7 +12,17 @@
  * step (same prefix, same distribution), so those steps keep the previous candidates.
  */
 
-import { invoke, read, v1, write, type InvokeBuilder, type Sampling, type Step } from "@tracewire/client";
+import {
+  DictionaryKind,
+  invoke,
+  read,
+  v1,
+  write,
+  type Dictionary,
+  type InvokeBuilder,
+  type Sampling,
+  type Step,
+} from "@tracewire/client";
 
 /** The read's name in every step's values. */
 export const TOP = "top";
@@ -257,8 +267,6 @@ export function sideOf(step: Step): Side {
  * features are those of the forward pass that drew step s's token (at the position before
  * it), so a row's features and its candidates come from the same pass.
  */
-
-import { DictionaryKind, type Dictionary } from "@tracewire/client";
 
 /** The feature read's name in every step's values. */
 export const FEATURES = "features";
