@@ -1244,8 +1244,9 @@ export const DictionaryThresholdSchema: GenMessage<DictionaryThreshold> = /*@__P
  * against the read budget); top_k: the k largest with their ids in
  * ReadValue.token_ids; features: those values in that order;
  * reconstruction_error (SAEs): [1], the L2 norm of x - reconstruction.
- * Module hooks: the engine must run eager (--enforce-eager) with tensor
- * parallel size 1, else FAILED_PRECONDITION.
+ * Module hooks: the engine must run eager (--enforce-eager), else
+ * FAILED_PRECONDITION. Under tensor parallelism every rank holds the module's
+ * whole output and the whole dictionary, and computes the same values.
  *
  * @generated from message tracewire.v1.ReadDictionary
  */
