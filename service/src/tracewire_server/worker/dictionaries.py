@@ -101,8 +101,6 @@ def load(info: DictionaryInfo, path: str, device: torch.device, hidden_size: int
             names = list(f.keys())
             for name in names:
                 tensors[name] = f.get_tensor(name)
-    except DictionaryError:
-        raise
     except Exception as e:  # noqa: BLE001 - a malformed file is the uploader's error
         raise DictionaryError("chunk", f"not a readable safetensors file: {e}") from None
     shapes = {name: (_TORCH_DTYPES.get(t.dtype, str(t.dtype).removeprefix("torch.")), tuple(t.shape))

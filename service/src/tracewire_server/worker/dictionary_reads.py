@@ -32,15 +32,14 @@ class DictionaryWant(NamedTuple):
 
 def launch_dictionary_reads(wants: list[DictionaryWant], dictionaries: Dictionaries) -> None:
     """Compute and launch every dictionary read of the step, a batch per dictionary."""
-    by_dictionary: dict[str, list[DictionaryWant]] = {}
+    # By name and generation: a trace still running against a replaced generation fails
+    # alone, not the traces reading the current one in the same step.
+    by_dictionary: dict[P.DictRef, list[DictionaryWant]] = {}
     for want in wants:
-        by_dictionary.setdefault(want.read.dictionary.name, []).append(want)
-    for group in by_dictionary.values():
+        by_dictionary.setdefault(want.read.dictionary, []).append(want)
+    for ref, group in by_dictionary.items():
         try:
-            dictionary = dictionaries.get(group[0].read.dictionary)
-            for want in group[1:]:
-                dictionaries.get(want.read.dictionary)  # (every read's generation, not just the first's)
-            _launch(group, dictionary)
+            _launch(group, dictionaries.get(ref))
         except Exception as e:  # noqa: BLE001 - fails the traces reading it, only those
             for want in group:
                 want.row.error = want.row.error or f"{type(e).__name__}: {e}"
