@@ -7,8 +7,9 @@
  *   server (no policy: its own error at once, as before);
  * - calls spread round-robin over the replicas;
  * - a call refused with UNAVAILABLE before any response (a replica draining after SIGTERM
- *   refuses before it sends anything; one that is down refuses the connection; one that has
- *   just exited closed the connection under it: gRPC's UNAVAILABLE too) is retried on
+ *   refuses before it sends anything, or resets a stream that raced its GOAWAY with
+ *   REFUSED_STREAM; one that is down refuses the connection; one that has just exited closed
+ *   the connection under it: gRPC's UNAVAILABLE too) is retried on
  *   the next replica: up to 4 retries, 50 ms to 1 s apart with jitter (gRPC's backoff). A
  *   stream is retried only while its `transport.stream()` has not resolved, which happens once
  *   the response's headers arrive: a trace is never replayed after it began streaming. A unary
@@ -204,8 +205,17 @@ class ReplicaTransport implements Transport {
 const CONNECTION_LOST = new Set(["ERR_HTTP2_SESSION_ERROR", "ERR_HTTP2_GOAWAY_SESSION", "ECONNRESET"]);
 
 /**
- * UNAVAILABLE, or the connection lost, before any response: the replica did not take the
- * call (the caller only asks about errors that came before the response).
+ * A stream reset with REFUSED_STREAM: the server did not process it (RFC 9113 8.7). A draining
+ * gRPC server answers this to a call that raced its GOAWAY; gRPC retries it transparently.
+ * Node reports it as ERR_HTTP2_STREAM_ERROR naming the code; Connect-node as INTERNAL.
+ */
+function isRefusedStream(cause: Error): boolean {
+  return (cause as { code?: unknown }).code === "ERR_HTTP2_STREAM_ERROR" && cause.message.includes("NGHTTP2_REFUSED_STREAM");
+}
+
+/**
+ * UNAVAILABLE, the stream refused, or the connection lost, before any response: the replica
+ * did not take the call (the caller only asks about errors that came before the response).
  */
 function isRefusal(error: unknown): boolean {
   if (!(error instanceof ConnectError)) {
@@ -216,7 +226,7 @@ function isRefusal(error: unknown): boolean {
   }
   for (let cause: unknown = error.cause, depth = 0; cause instanceof Error && depth < 8; cause = cause.cause, depth++) {
     const code = (cause as { code?: unknown }).code;
-    if (typeof code === "string" && CONNECTION_LOST.has(code)) return true;
+    if ((typeof code === "string" && CONNECTION_LOST.has(code)) || isRefusedStream(cause)) return true;
   }
   return false;
 }
