@@ -249,6 +249,22 @@ EAGER_ARGS = ("--enforce-eager", "--max-num-batched-tokens", "64")
 ALLOWED_HOST = "dash.example.test"
 
 
+# The compiled server with graph hooks: steering tables and read buffers on layers 0-2
+# (layers.3 has neither: what it refuses is tested), the shipped dictionaries (on
+# layers.2), and 64-token passes, so long prompts are read through chunked prefill.
+GRAPH_ARGS = ("--compiled-steering", "0,1,2", "--compiled-reads", "0,1,2", "--max-num-batched-tokens", "64")
+
+
+@pytest.fixture(scope="session")
+def graph(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One compiled server with steering tables and read buffers (test_compiled_steering,
+    test_compiled_reads)."""
+    shipped = ["--dictionaries", str(DICTIONARIES)] if DICTIONARIES.is_dir() else []
+    proc = start_server(tmp_path_factory.mktemp("graph"), *GRAPH_ARGS, *shipped)
+    yield proc
+    stop_soon(proc)
+
+
 @pytest.fixture(scope="session")
 def eager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One eager server (module hooks fire only in eager steps) for the whole session."""

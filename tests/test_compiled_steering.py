@@ -16,7 +16,6 @@ import prefix_cache
 import pytest
 import torch
 import tracewire as tw
-from conftest import start_server, stop_soon
 from test_hidden_states import GREEDY, PROMPT, hf_steered, steer
 from trace_requests import f32, invoke, iv, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
@@ -43,11 +42,10 @@ def hf_greedy_adding(hf, ids, n, vector, positions):
 
 
 @pytest.fixture(scope="module")
-def steerable(tmp_path_factory):
-    # tables on the layers the tests write (the tiny model has 4): layers.3 has none
-    server = start_server(tmp_path_factory.mktemp("steerable"), "--compiled-steering", "0,1,2")
-    yield server
-    stop_soon(server)
+def steerable(graph):
+    # conftest's compiled server: tables on the layers the tests write (the tiny model
+    # has 4): layers.3 has none
+    return graph
 
 
 @pytest.fixture(scope="module")
@@ -144,14 +142,11 @@ def test_steering_from_a_later_step_only(sstub, hf):
 
 def test_what_the_compiled_tables_cannot_do_is_refused(sstub, stub):
     zero = np.zeros(256, np.float32)
-    cases = [
-        # the engine runs compiled: module hooks would never fire
-        (iv("h", read_module=I.ReadModule(module="layers.0")), "read_module", "runs its engine compiled"),
+    cases = [  # (what the read buffers cannot read: test_compiled_reads.py)
         (iv(write_module=steer(zero, module="layers.1.mlp")), "write_module.module", "layers.N"),
         (iv(write_module=steer(zero, module="layers.3")), "write_module.module", "layers 0, 1, 2 only"),
         (iv(write_module=I.WriteModule(module="layers.1", positions=I.Positions(all_prompt=I.AllPrompt()),
                                        mean=I.MeanAblation())), "write_module.op", "'mean'"),
-        (iv("l", read_logit_lens=I.ReadLogitLens(layers=[1])), "read_logit_lens", "--enforce-eager"),
     ]
     for intervention, field, says in cases:
         with pytest.raises(grpc.RpcError) as info:

@@ -26,7 +26,7 @@ _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-ti
 
 
 def parse_args(argv: list[str]) -> ServerConfig:
-    from .frontend.engine import default_cpu_environment, use_compiled_steering
+    from .frontend.engine import default_cpu_environment, use_compiled_reads, use_compiled_steering
     from .frontend.vllm_compat import AsyncEngineArgs, FlexibleArgumentParser
 
     default_cpu_environment()
@@ -113,6 +113,16 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "compiled engine refuses module interventions (--enforce-eager serves them all)",
     )
     group.add_argument(
+        "--compiled-reads",
+        nargs="?",
+        const="all",
+        metavar="LAYERS",
+        help="serve decoder-layer reads (read_module of layers.N, the logit lens, probe and SAE "
+        "reads) on a compiled, CUDA-graph engine: the graph copies each readable layer's residual "
+        "stream into a buffer in every forward pass (max-num-batched-tokens x hidden values a "
+        "layer). LAYERS: 'all' (the default) or the layer numbers, e.g. 12,16,20",
+    )
+    group.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -160,7 +170,9 @@ def parse_args(argv: list[str]) -> ServerConfig:
                      "and lm_head in each worker (tensor parallelism is: --tensor-parallel-size)")
     engine_args = AsyncEngineArgs.from_cli_args(args)
     if args.compiled_steering:
-        use_compiled_steering(engine_args, _layer_list(parser, args.compiled_steering))
+        use_compiled_steering(engine_args, _layer_list(parser, "--compiled-steering", args.compiled_steering))
+    if args.compiled_reads:
+        use_compiled_reads(engine_args, _layer_list(parser, "--compiled-reads", args.compiled_reads))
     try:
         tls = ServerTls.load(args.tls_cert, args.tls_key, args.tls_client_ca)
         tokens = TokenTable.load(Path(args.auth_tokens)) if args.auth_tokens else None
@@ -291,15 +303,15 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _layer_list(parser: argparse.ArgumentParser, value: str) -> list[int] | None:
+def _layer_list(parser: argparse.ArgumentParser, flag: str, value: str) -> list[int] | None:
     if value == "all":
         return None
     try:
         layers = sorted({int(part) for part in value.split(",")})
     except ValueError:
-        parser.error(f"--compiled-steering: 'all' or layer numbers like 12,16,20, not {value!r}")
+        parser.error(f"{flag}: 'all' or layer numbers like 12,16,20, not {value!r}")
     if layers[0] < 0:
-        parser.error(f"--compiled-steering: layer numbers count from 0, not {layers[0]}")
+        parser.error(f"{flag}: layer numbers count from 0, not {layers[0]}")
     return layers
 
 

@@ -69,8 +69,10 @@ class ModelInfo:
     vllm_version: str
     server_version: str
     # How the engine runs: "eager" serves every module read / write and the logit lens;
-    # "compiled" none of them; "compiled_steering" add / replace / zero writes on the
-    # decoder layers in `steerable_layers` only ("unspecified": an older server).
+    # "compiled" no module writes; "compiled_steering" add / replace / zero writes on the
+    # decoder layers in `steerable_layers` only ("unspecified": an older server). A
+    # compiled engine reads the decoder layers in `readable_layers` (module reads of the
+    # layer, the logit lens, probes and SAEs on it) and no other module.
     engine_mode: EngineMode = "unspecified"
     steerable_layers: list[int] = field(default_factory=list)
     # The units of layers.L.self_attn.heads (query heads of head_dim) and
@@ -81,6 +83,7 @@ class ModelInfo:
     intermediate_size: int = 0
     # Why attention-pattern reads are refused here ("": they are served).
     attention_patterns_refusal: str = ""
+    readable_layers: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,7 @@ def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
         head_dim=r.head_dim,
         intermediate_size=r.intermediate_size,
         attention_patterns_refusal=r.attention_patterns_refusal,
+        readable_layers=list(r.readable_layers),
     )
 
 

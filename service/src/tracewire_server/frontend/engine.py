@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..shared import detokenize, steering
+from ..shared import detokenize, read_buffers, steering
 from ..shared import plan as P
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
 from ..shared.limits import ModelLimits
@@ -151,6 +151,7 @@ class Engine:
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
             steerable_layers=steerable_layers(engine_args, description.num_layers),
+            readable_layers=readable_layers(engine_args, description.num_layers),
             num_attention_heads=description.num_attention_heads,
             head_dim=description.head_dim,
             intermediate_size=description.intermediate_size,
@@ -264,17 +265,39 @@ def use_compiled_steering(engine_args: Any, layers: list[int] | None = None) -> 
     (wrapping the configured load format), which attaches the graph's tables before
     vLLM compiles the model. Eager engines need none of it: their module hooks serve
     every write."""
-    if engine_args.enforce_eager or engine_args.load_format == steering.LOAD_FORMAT:
+    _graph_hooks(engine_args, steering.LAYERS, layers)
+
+
+def use_compiled_reads(engine_args: Any, layers: list[int] | None = None) -> None:
+    """`--compiled-reads [LAYERS]`: keep decoder layers' residual streams in buffers the
+    compiled graph fills (read_buffers.py), on `layers` (None: all), through the same
+    loader as the steering tables. Eager engines read through their module hooks."""
+    _graph_hooks(engine_args, read_buffers.LAYERS, layers)
+
+
+def _graph_hooks(engine_args: Any, key: str, layers: list[int] | None) -> None:
+    """Load through steering.py's loader, which attaches what additional_config's `key` lists."""
+    if engine_args.enforce_eager:
         return
-    engine_args.load_format, engine_args.model_loader_extra_config = steering.wrap_load_format(
-        engine_args.load_format, engine_args.model_loader_extra_config
-    )
-    engine_args.additional_config = {**(engine_args.additional_config or {}), steering.LAYERS: layers or "all"}
+    if engine_args.load_format != steering.LOAD_FORMAT:
+        engine_args.load_format, engine_args.model_loader_extra_config = steering.wrap_load_format(
+            engine_args.load_format, engine_args.model_loader_extra_config
+        )
+    engine_args.additional_config = {**(engine_args.additional_config or {}), key: layers or "all"}
 
 
 def steerable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
     """The decoder layers a compiled engine has steering tables on."""
-    layers = steering.layers_of(engine_args.additional_config)
+    return _hooked_layers(engine_args, steering.LAYERS, num_layers)
+
+
+def readable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
+    """The decoder layers a compiled engine has read buffers on."""
+    return _hooked_layers(engine_args, read_buffers.LAYERS, num_layers)
+
+
+def _hooked_layers(engine_args: Any, key: str, num_layers: int) -> frozenset[int]:
+    layers = (engine_args.additional_config or {}).get(key)
     if engine_args.load_format != steering.LOAD_FORMAT or layers is None:
         return frozenset()
     return frozenset(range(num_layers) if layers == "all" else layers)

@@ -183,6 +183,28 @@ class InterventionCompiler:
                 "runs its engine compiled. Start it with --enforce-eager to serve module interventions"
                 + ("" if self.limits.steerable_layers else
                    " (or --compiled-steering for add / replace / zero writes on decoder layers)")
+                + ("" if self.limits.readable_layers else
+                   " (or --compiled-reads for reads of decoder layers)")
+            )
+
+    def require_readable(self, module: str, field: str) -> None:
+        """Eager engines read any module; compiled ones with --compiled-reads the decoder
+        layers their graph keeps (`field` names the module or layer)."""
+        if self.limits.module_interventions:
+            return
+        readable = self.limits.readable_layers
+        if not readable:
+            self.require_eager(field)
+        if not P.is_decoder_layer(module):
+            raise FailedPrecondition(
+                f"{field}: this server's compiled engine reads decoder layers (layers.N) only, "
+                f"not {module!r}; start it with --enforce-eager to read other modules"
+            )
+        if P.layer_number(module) not in readable:
+            layers = ", ".join(map(str, sorted(readable)))
+            raise FailedPrecondition(
+                f"{field}: this server keeps read buffers on layers {layers} only, not on "
+                f"{module!r} (--compiled-reads LAYERS)"
             )
 
     def require_writable(self, module: str, edit: str | None, field: str) -> None:
@@ -210,7 +232,8 @@ class InterventionCompiler:
             )
 
     def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:
-        self.require_eager(field)
+        if not self.limits.module_interventions and not self.limits.readable_layers:
+            self.require_eager(field)
         if self.limits.tensor_parallel_size > 1:
             # Each rank holds a slice of the vocab-parallel lm_head: a rank's lens would be
             # the log-softmax over its slice alone (other values, other top ids).
@@ -225,6 +248,7 @@ class InterventionCompiler:
         for k, layer in enumerate(r.layers):
             if not -num_layers <= layer < num_layers:
                 raise InvalidArgument(f"{field}.layers[{k}]", f"layer {layer} is outside [0, {num_layers})")
+            self.require_readable(f"layers.{layer % num_layers}", f"{field}.layers[{k}]")
             layers.append(layer % num_layers)
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
         top_k = self.top_k(r.top_k, f"{field}.top_k", allow_zero=True)
@@ -336,8 +360,10 @@ class InterventionCompiler:
             raise InvalidArgument(field, f"unknown module {path!r}; GetModelInfo lists them ({known}, ...)")
 
     def read_module(self, r: ipb.ReadModule, field: str) -> P.Action:
-        self.require_eager(field)
+        if not self.limits.module_interventions and not self.limits.readable_layers:
+            self.require_eager(field)
         self.module_path(r.module, f"{field}.module")
+        self.require_readable(r.module, f"{field}.module")
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
         units = read_units(self.limits, r, field)
         require_units(self.limits, r.module, f"{field}.module")
@@ -438,9 +464,11 @@ class InterventionCompiler:
 
     # -- dictionaries (probes, SAEs) ---------------------------------------------------
 
-    def dictionary(self, name: str, module: str, field: str) -> DictionaryInfo:
-        """The dictionary an intervention names, checked against the module it gave."""
-        self.require_eager(field)  # (computed in module hooks)
+    def dictionary(self, name: str, module: str, field: str, reads: bool = True) -> DictionaryInfo:
+        """The dictionary an intervention names, checked against the module it gave
+        (`reads`: and that this server reads that module; writes check their own)."""
+        if not self.limits.module_interventions and not self.limits.readable_layers:
+            self.require_eager(field)  # (computed from module outputs)
         if not name:
             raise InvalidArgument(f"{field}.dictionary", "name a dictionary (ListDictionaries lists them)")
         info = self.dictionaries(name)
@@ -449,6 +477,8 @@ class InterventionCompiler:
                                   "the server's")
         if module and module != info.module:
             raise InvalidArgument(f"{field}.module", f"dictionary {name!r} reads {info.module!r}, not {module!r}")
+        if reads:
+            self.require_readable(info.module, f"{field}.dictionary")
         return info
 
     def feature(self, info: DictionaryInfo, feature: int, field: str) -> int:
@@ -489,7 +519,7 @@ class InterventionCompiler:
         return P.ReadDictionary(ref, positions)
 
     def write_dictionary(self, w: ipb.WriteDictionary, field: str) -> P.Action:
-        info = self.dictionary(w.dictionary, w.module, field)
+        info = self.dictionary(w.dictionary, w.module, field, reads=False)
         op = w.WhichOneof("op")
         if op is None:
             raise InvalidArgument(f"{field}.op", "set steer, clamp or ablate")

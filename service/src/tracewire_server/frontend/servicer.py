@@ -435,6 +435,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             tensor_parallel_size=d.tensor_parallel_size,
             engine_mode=_ENGINE_MODES[engine.limits.engine_mode],
             steerable_layers=sorted(engine.limits.steerable_layers),
+            readable_layers=sorted(engine.limits.readable_layers),
             num_attention_heads=d.num_attention_heads,
             num_key_value_heads=d.num_key_value_heads,
             head_dim=d.head_dim,

@@ -22,6 +22,9 @@ class ModelLimits:
     # A compiled engine started with --compiled-steering serves the writes its graph
     # tables can express: add / replace / zero on these decoder layers (steering.py).
     steerable_layers: frozenset[int] = frozenset()
+    # A compiled engine started with --compiled-reads keeps these decoder layers'
+    # residual streams in graph buffers (read_buffers.py): reads of them are served.
+    readable_layers: frozenset[int] = frozenset()
     # Units of the unit-addressed modules (plan.unit_kind): attention query heads of
     # head_dim each (o_proj's input), MLP neurons (down_proj's input).
     num_attention_heads: int = 0

@@ -14,8 +14,8 @@ zero (0, 0). The graph reads the tables; the host only changes their contents
 between forward passes (`SlotPlanner`), so graph replay picks up each step's
 writes with no recapture.
 
-The tables are attached while the model loads: `--compiled-steering` swaps the
-engine's load format for this module's loader, which loads the model with the
+The tables are attached while the model loads: `--compiled-steering` (and
+`--compiled-reads`: read_buffers.py) swaps the engine's load format for this module's loader, which loads the model with the
 configured format and then registers one forward hook per steerable decoder layer
 (all, or those `--compiled-steering LAYERS` names). Dynamo traces those hooks into
 the compiled graph on the first (profiling) forward pass.
@@ -32,6 +32,7 @@ from vllm.model_executor.model_loader import get_model_loader, register_model_lo
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from . import plan as P
+from . import read_buffers
 
 LOAD_FORMAT = "tracewire_steering"
 # model_loader_extra_config keys: the format (and its own extra config) that loads the weights.
@@ -81,10 +82,18 @@ class SteeringTables(torch.nn.Module):
         return (hidden * a + (a - 1) * residual + b, *output[1:])
 
 
-def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables:
+def max_tokens(vllm_config: Any) -> int:
+    """The most flat token rows a forward pass runs (the largest batch, or CUDA graph)."""
+    sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or [0]
+    return max(int(vllm_config.scheduler_config.max_num_batched_tokens), max(sizes))
+
+
+def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
     """Register the tables on `model`'s decoder layers, all or those the config lists
-    (before its first forward pass compiles it)."""
+    (before its first forward pass compiles it); None when it lists none."""
     listed = layers_of(vllm_config.additional_config)
+    if listed is None:
+        return None
     only = listed if isinstance(listed, list) else None
     inner = getattr(model, "model", None)
     if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
@@ -96,13 +105,11 @@ def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables:
         raise ValueError(f"--compiled-steering lists layers {missing}; the model has layers 0-{len(inner.layers) - 1}")
     layers = [layer for layer in range(start, end) if only is None or layer in only]
     sched = vllm_config.scheduler_config
-    sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or [0]
-    max_tokens = max(int(sched.max_num_batched_tokens), max(sizes))
     weight = next(model.parameters())
     # Slot 0, and two per request the scheduler may hold (running, or preempted and
     # waiting with its slots kept; a request uses more than one only for writes that
     # differ between its rows in one pass).
-    tables = SteeringTables(layers, slots=2 * int(sched.max_num_seqs) + 1, max_tokens=max_tokens,
+    tables = SteeringTables(layers, slots=2 * int(sched.max_num_seqs) + 1, max_tokens=max_tokens(vllm_config),
                             hidden=int(vllm_config.model_config.get_hidden_size()),
                             dtype=weight.dtype, device=weight.device)
     inner.tracewire_steering = tables
@@ -119,7 +126,9 @@ def find(model: Any) -> SteeringTables | None:
 
 @register_model_loader(LOAD_FORMAT)
 class SteerableLoader(BaseModelLoader):
-    """Loads with the configured format, then attaches the steering tables."""
+    """Loads with the configured format, then attaches the steering tables and the read
+    buffers (read_buffers.py) the config asks for: the tables' hooks first, so that a
+    read sees its layer's writes."""
 
     def __init__(self, load_config: Any) -> None:
         super().__init__(load_config)
@@ -138,6 +147,7 @@ class SteerableLoader(BaseModelLoader):
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
         model = self.inner.load_model(vllm_config, model_config, prefix=prefix)
         attach(model, vllm_config)
+        read_buffers.attach(model, vllm_config, max_tokens(vllm_config))
         return model
 
 

@@ -87,13 +87,16 @@ class TracewireWorkerExtension:
 
 def install(runner: Any, fault_injection: bool) -> PlanHooks:
     """Wrap vLLM model runner `runner`'s sampler (and, eager, its modules; compiled with
-    steering tables, its forward pass's host side)."""
+    steering tables or read buffers, its forward pass's host side)."""
     check_supported(runner)
     view = RunnerView(runner)
     hooks = PlanHooks(view, fault_injection)
     hooks.install(view.sampler)
     if view.eager:  # hooks cannot fire inside compiled graphs
         hooks.install_module_hooks()
-    elif (tables := view.steering_tables()) is not None:
+        return hooks
+    if (tables := view.steering_tables()) is not None:
         hooks.install_compiled_steering(tables)
+    if (buffers := view.read_buffers()) is not None:
+        hooks.install_compiled_reads(buffers)
     return hooks

@@ -59,7 +59,7 @@ from typing import Any, cast
 import torch
 
 from ..shared import plan as P
-from ..shared import steering
+from ..shared import read_buffers, steering
 from .batch import Block, Row, Step, StepWork
 from .collector import StepCollector
 from .conditions import Context, holds, remember_condition_values
@@ -95,7 +95,7 @@ class PlanHooks:
         self.fault_injection = fault_injection
         self.sequences = Sequences(runner)
         self._step: Step | None = None
-        self.modules: ModuleHooks | None = None  # eager engines
+        self.modules: ModuleHooks | None = None  # eager engines, and compiled ones with read buffers
         self.steering: SteeringSlots | None = None  # compiled engines with --compiled-steering
         # Activation patching: patch sources' values, per trace, until the trace ends.
         self.patches = PatchStore()
@@ -172,6 +172,12 @@ class PlanHooks:
         """Forward hooks on every addressable module (eager engines)."""
         self.modules = ModuleHooks(self.runner, self.sequences, self.collector.drain, self.patches,
                                    self.dictionaries)
+        self.modules.install()
+
+    def install_compiled_reads(self, buffers: read_buffers.ReadBuffers) -> None:
+        """Take module reads' rows from the compiled graph's read buffers after each forward pass."""
+        self.modules = ModuleHooks(self.runner, self.sequences, self.collector.drain, self.patches,
+                                   self.dictionaries, buffers=buffers)
         self.modules.install()
 
     def install_compiled_steering(self, tables: steering.SteeringTables) -> None:

@@ -1,10 +1,14 @@
 """Module hooks: module writes and the copies module reads take, in the forward pass.
 
-Eager engines only (compiled engines steer through shared/steering.py's tables,
-planned by steering_slots.py). A pre-hook maps the pass's flat [tokens, hidden] rows
-to requests (query starts, computed tokens: a Span each); each addressable module's
-forward hook then applies that pass's writes in place and copies out the rows its
-reads select (module_reads.py turns them into values at the step's sample).
+On eager engines a pre-hook maps the pass's flat [tokens, hidden] rows to requests
+(query starts, computed tokens: a Span each); each addressable module's forward hook
+then applies that pass's writes in place and copies out the rows its reads select
+(module_reads.py turns them into values at the step's sample).
+
+Compiled engines run no Python hooks in the pass: they steer through
+shared/steering.py's tables (planned by steering_slots.py), and with read buffers
+(shared/read_buffers.py) the same plan is made on the host before the pass and its
+decoder-layer reads take their rows from the buffers after it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..shared import plan as P
+from ..shared.read_buffers import ReadBuffers
 from . import recompute
 from .attention_patterns import AttentionPatterns
 from .conditions import holds_before_forward
@@ -147,8 +152,11 @@ class ModuleHooks:
     pass has module reads or writes."""
 
     def __init__(self, runner: RunnerView, sequences: Sequences, drain: Callable[[], None],
-                 store: PatchStore | None = None, dictionaries: Dictionaries | None = None) -> None:
+                 store: PatchStore | None = None, dictionaries: Dictionaries | None = None,
+                 buffers: ReadBuffers | None = None) -> None:
         self.runner = runner
+        # A compiled engine's read buffers: its reads only (the compiler refuses the rest).
+        self.buffers = buffers
         self.dictionaries = dictionaries if dictionaries is not None else Dictionaries()
         self.store = store if store is not None else PatchStore()  # patch sources' values
         self.sequences = sequences
@@ -159,6 +167,10 @@ class ModuleHooks:
         self._edits: dict[str, list[Edit]] = {}
 
     def install(self) -> None:
+        if self.buffers is not None:  # compiled: planned and read on the host around the pass
+            self.runner.before_model_forward(self._plan_safely)
+            self.runner.after_model_forward(self._take_buffered)
+            return
         self.runner.on_forward(self._plan_safely)
         self.patterns.install()
         for path, module in self.runner.modules().items():
@@ -187,6 +199,7 @@ class ModuleHooks:
         req_ids = self.runner.req_ids
         starts = self.runner.query_starts(len(req_ids))
         computed = self.runner.computed_tokens(len(req_ids))
+        compiled = self.buffers is not None  # (its writes: steering_slots.py)
         for i, req_id in enumerate(req_ids):
             seq = self.sequences.get(req_id)
             if seq is None or seq.error is not None:
@@ -199,7 +212,7 @@ class ModuleHooks:
                            int(starts[i]), int(starts[i + 1]), int(computed[i]))
             if seq.reads_patterns:  # (their keys at every pass, selected or not)
                 self.patterns.plan(req_id, seq, span)
-            for replay in span.replays(seq):  # a recomputed request: its writes there again
+            for replay in [] if compiled else span.replays(seq):  # a recomputed request: its writes there again
                 assert isinstance(replay.op.action, P.WriteModule)
                 self._edit(seq, replay.op.action, replay.step, replay.rows, replay.positions)
             for k, op in ops:
@@ -211,7 +224,7 @@ class ModuleHooks:
                 if not rows:
                     continue
                 if isinstance(action, P.WriteModule):
-                    if holds_before_forward(op.condition, seq, self.drain):
+                    if not compiled and holds_before_forward(op.condition, seq, self.drain):
                         self._edit(seq, action, seq.step, rows, wanted)
                         seq.applied.add((seq.step, k))
                     continue
@@ -259,6 +272,22 @@ class ModuleHooks:
                 _keep(wants, taken)
         except Exception as e:  # noqa: BLE001
             _fail(path, e, wants, edits)
+
+    def _take_buffered(self) -> None:
+        """After a compiled pass: each read layer's rows from its read buffer, as `_hook`
+        takes them from the output on an eager engine. Never raises into vLLM's step."""
+        wants, self._wants = self._wants, {}
+        if not wants:
+            return
+        assert self.buffers is not None
+        tokens = self.runner.pass_tokens(len(self.runner.req_ids))
+        for path, path_wants in wants.items():
+            try:
+                value = self.buffers.stream(P.layer_number(path), tokens)
+                index = [r for want in path_wants for r in want.rows]
+                _keep(path_wants, value.index_select(0, on_device(index, value.device, torch.long)).to(torch.float32))
+            except Exception as e:  # noqa: BLE001
+                _fail(path, e, path_wants, None)
 
     def _unit_hook(self, path: str, value: torch.Tensor, unit_width: int) -> None:
         """A pre-hook on o_proj / down_proj: unit writes and reads on their input

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..shared import plan as P
-from ..shared import steering
+from ..shared import read_buffers, steering
 
 
 def check_supported(runner: Any) -> None:
@@ -169,6 +169,26 @@ class RunnerView:
             return original(*args, **kw)
 
         self._runner._model_forward = model_forward
+
+    def after_model_forward(self, hook: Callable[[], None]) -> None:
+        """Call `hook` on the host after each forward pass is launched (a compiled graph
+        replayed; on a GPU it may still run: kernels `hook` launches queue after it)."""
+        original = self._runner._model_forward
+
+        def model_forward(*args: Any, **kw: Any) -> Any:
+            output = original(*args, **kw)
+            hook()
+            return output
+
+        self._runner._model_forward = model_forward
+
+    def read_buffers(self) -> read_buffers.ReadBuffers | None:
+        """The compiled graph's read buffers (--compiled-reads), if it has them."""
+        return read_buffers.find(self._runner.get_model())
+
+    def pass_tokens(self, rows: int) -> int:
+        """The flat token rows of this forward pass's requests (a CUDA graph may pad more)."""
+        return int(self.query_starts(rows)[-1])
 
     @functools.cached_property
     def tokenizer(self) -> Any:
