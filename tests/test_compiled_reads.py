@@ -75,8 +75,8 @@ def test_logit_lens_top_k_at_every_step(gstub, hf):
     ids = hf.encode(PROMPT)
     lens = I.ReadLogitLens(layers=[0, 2], top_k=5)
     prompt_lens = I.ReadLogitLens(layers=[1], positions=I.Positions(all_prompt=I.AllPrompt()), top_k=3)
-    result = run(gstub, trace(invoke(PROMPT, iv("lens", read_logit_lens=lens), iv("prompt", read_logit_lens=prompt_lens)),
-                              max_tokens=3, **GREEDY))
+    reads = [iv("lens", read_logit_lens=lens), iv("prompt", read_logit_lens=prompt_lens)]
+    result = run(gstub, trace(invoke(PROMPT, *reads), max_tokens=3, **GREEDY))
     tokens = result.tokens()
     (prompt_values,), (prompt_ids,) = result.values("prompt"), result.ids("prompt")
     ref = hf_lens(hf, hf_module_outputs(hf, ids)["layers.1"])  # [positions, vocab]

@@ -15,10 +15,11 @@ between forward passes (`SlotPlanner`), so graph replay picks up each step's
 writes with no recapture.
 
 The tables are attached while the model loads: `--compiled-steering` (and
-`--compiled-reads`: read_buffers.py) swaps the engine's load format for this module's loader, which loads the model with the
-configured format and then registers one forward hook per steerable decoder layer
-(all, or those `--compiled-steering LAYERS` names). Dynamo traces those hooks into
-the compiled graph on the first (profiling) forward pass.
+`--compiled-reads`: read_buffers.py) swaps the engine's load format for this
+module's loader, which loads the model with the configured format and then
+registers one forward hook per steerable decoder layer (all, or those
+`--compiled-steering LAYERS` names). Dynamo traces those hooks into the compiled
+graph on the first (profiling) forward pass.
 """
 
 from __future__ import annotations
