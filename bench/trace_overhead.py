@@ -217,6 +217,12 @@ DICTIONARY_ROWS = (PROBE_ROW, SAE_ROW)
 # steering tables; layer reads need eager engines, so only the write is measured (and
 # top-20, which the tables cost as they cost every request).
 COMPILED_STEERING_ROWS = ("trace, no interventions", "top-20 logits every step", "steering write every step")
+# --compiled-reads: both engines compiled (CUDA graphs on a GPU), the server with read
+# buffers on every layer (and steering tables: a read of a steered layer is the common
+# research loop); the targets are the layer read and the 4-layer lens.
+LENS_ROW = "logit lens top-5 (4 layers) every step"
+COMPILED_READS_ROWS = ("trace, no interventions", "layer read every step", LENS_ROW, PROBE_ROW, SAE_ROW,
+                       "steering write every step")
 SERVER_FLAGS: list[str] = []  # tracewire's own options for the server (not the raw engine's)
 
 
@@ -269,6 +275,8 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
     )
     ivs = {
         "layer read every step": [I.Intervention(name="h", read_module=I.ReadModule(module="layers.1"))],
+        # four layers spread over the model (negative: from the end), the new token's top-5 each
+        LENS_ROW: [I.Intervention(name="lens", read_logit_lens=I.ReadLogitLens(layers=[1, -12, -6, -2], top_k=5))],
         "steering write every step": [I.Intervention(write_module=steer)],
         # two heads of layers.1 at each step's new token: [2, head_dim] (o_proj's input)
         "head read every step": [I.Intervention(name="heads", read_module=I.ReadModule(
@@ -792,6 +800,9 @@ def main() -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--hidden", action="store_true",
                       help="hidden-state rows (layer read, steering write) on eager engines")
+    mode.add_argument("--compiled-reads", action="store_true",
+                      help="layer reads, the logit lens, probe and SAE reads on compiled engines (CUDA "
+                      "graphs on a GPU): the server runs with --compiled-reads --compiled-steering")
     mode.add_argument("--compiled-steering", action="store_true",
                       help="the steering row on compiled engines (CUDA graphs on a GPU): the server "
                       "runs with --compiled-steering")
@@ -839,6 +850,9 @@ def main() -> int:
     if args.hidden:
         ENGINE["enforce_eager"] = True
         kind, kinds = "hidden", HIDDEN_ROWS
+    elif args.compiled_reads:
+        SERVER_FLAGS.extend(["--compiled-reads", "--compiled-steering"])
+        kind, kinds = "compiled-reads", COMPILED_READS_ROWS
     elif args.compiled_steering:
         SERVER_FLAGS.append("--compiled-steering")
         kind, kinds = "compiled-steering", COMPILED_STEERING_ROWS
