@@ -149,7 +149,8 @@ class ModuleHooks:
     """Forward hooks on every addressable module of an eager engine (they cannot fire
     inside compiled graphs): a pre-hook on the model plans each forward pass, and each
     module's hook then makes its writes and copies out its reads' rows. Idle unless the
-    pass has module reads or writes."""
+    pass has module reads or writes. With a compiled engine's read buffers, no module
+    hooks: the plan is made before the pass and its reads' rows taken after it."""
 
     def __init__(self, runner: RunnerView, sequences: Sequences, drain: Callable[[], None],
                  store: PatchStore | None = None, dictionaries: Dictionaries | None = None,
