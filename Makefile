@@ -189,6 +189,7 @@ bench: setup h2load
 	$(PY) bench/trace_overhead.py
 	$(PY) bench/trace_overhead.py --hidden
 	$(PY) bench/trace_overhead.py --compiled-steering
+	$(PY) bench/trace_overhead.py --compiled-reads
 	$(PY) bench/patching_sweep.py
 
 # Not a test: a load run that ends by itself (SOAK_ARGS="--clients 100 --seconds 180").

@@ -275,8 +275,8 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
     )
     ivs = {
         "layer read every step": [I.Intervention(name="h", read_module=I.ReadModule(module="layers.1"))],
-        # four layers spread over the model (negative: from the end), the new token's top-5 each
-        LENS_ROW: [I.Intervention(name="lens", read_logit_lens=I.ReadLogitLens(layers=[1, -12, -6, -2], top_k=5))],
+        # four layers (negative: from the end; the tiny model has 4), the new token's top-5 each
+        LENS_ROW: [I.Intervention(name="lens", read_logit_lens=I.ReadLogitLens(layers=[0, 1, -2, -1], top_k=5))],
         "steering write every step": [I.Intervention(write_module=steer)],
         # two heads of layers.1 at each step's new token: [2, head_dim] (o_proj's input)
         "head read every step": [I.Intervention(name="heads", read_module=I.ReadModule(
