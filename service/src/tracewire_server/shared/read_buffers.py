@@ -6,7 +6,7 @@ compiled engine cannot copy out the rows a trace reads as the eager one does
 residual stream: a hook traced into the graph copies the layer's output, every row of
 the pass, into a persistent buffer of fixed address,
 
-    streams[table, :tokens] = hidden + residual          after each readable layer
+    stream_L[:tokens] = hidden + residual          after each readable layer L
 
 and after the forward pass the host takes the rows its reads select from there
 (worker/module_hooks.py, CompiledReads), in the same stream order as any later kernel:
@@ -37,15 +37,21 @@ def layers_of(additional_config: dict[str, Any] | None) -> list[int] | str | Non
 
 
 class ReadBuffers(torch.nn.Module):
-    """Each readable layer's residual stream of the last forward pass (a buffer: fixed address)."""
+    """Each readable layer's residual stream of the last forward pass (buffers: fixed addresses).
+
+    A buffer per layer, not one [layers, tokens, hidden] tensor: the compiler turns a
+    slice copy into one buffer into an in-place write of those rows, but several layers'
+    copies into slices of one shared tensor into a copy of the whole tensor per pass
+    (seen in vLLM's compiled code on the CPU build: every layer's max_tokens rows, twice)."""
 
     def __init__(self, layers: list[int], max_tokens: int, hidden: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
         self.layers = layers  # decoder layer numbers on this rank, in buffer order
         self.table_of = {layer: t for t, layer in enumerate(layers)}
-        self.register_buffer("streams", torch.zeros(len(layers), max_tokens, hidden, dtype=dtype, device=device),
-                             persistent=False)
+        self.names = [f"layer_{layer}" for layer in layers]
+        for name in self.names:
+            self.register_buffer(name, torch.zeros(max_tokens, hidden, dtype=dtype, device=device), persistent=False)
 
     def capture(self, table: int, output: Any) -> None:
         """In the graph: keep this layer's stream. vLLM's decoder layers return (hidden,
@@ -55,12 +61,13 @@ class ReadBuffers(torch.nn.Module):
             stream = hidden if residual is None else hidden + residual
         else:
             stream = output
-        self.streams[table, : stream.shape[0]].copy_(stream)
+        getattr(self, self.names[table])[: stream.shape[0]].copy_(stream)
 
     def stream(self, layer: int, tokens: int) -> torch.Tensor:
         """On the host, after the forward pass: layer `layer`'s stream of that pass's
         `tokens` flat rows (a view: the next pass overwrites it)."""
-        return self.streams[self.table_of[layer], :tokens]
+        buffer: torch.Tensor = getattr(self, self.names[self.table_of[layer]])
+        return buffer[:tokens]
 
 
 def attach(model: torch.nn.Module, vllm_config: Any, max_tokens: int) -> ReadBuffers | None:
