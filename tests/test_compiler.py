@@ -35,6 +35,7 @@ EAGER = ModelLimits(vocab_size=VOCAB, max_model_len=512, max_logprobs=20, hidden
                     num_layers=LAYERS, modules=MODULES, module_interventions=True)
 COMPILED = dataclasses.replace(EAGER, module_interventions=False)
 STEERING = dataclasses.replace(COMPILED, steerable_layers=frozenset({0, 1}))
+READING = dataclasses.replace(COMPILED, readable_layers=frozenset({0, 2}))
 
 PROMPT = list(range(10, 18))  # 8 tokens: positions are checked against it
 F = "invokes[0].interventions[0]"
@@ -421,6 +422,27 @@ def test_module_interventions_on_a_compiled_engine_are_a_failed_precondition():
     # an unknown module is the request's error on any engine
     invalid(iv(write_module=I.WriteModule(module="nope", zero=I.ZeroAblation())), f"{F}.write_module.module",
             "unknown module 'nope'", limits=COMPILED)
+
+
+def test_compiled_reads_serve_their_layers_and_name_the_field_they_refuse():
+    r, lens = f"{F}.read_module", f"{F}.read_logit_lens"
+
+    def read(module: str) -> I.Intervention:
+        return iv("r", read_module=I.ReadModule(module=module))
+
+    precondition(read("layers.1"), f"{r}.module", "read buffers on layers 0, 2 only, not on 'layers.1'",
+                 "--compiled-reads LAYERS", limits=READING)
+    precondition(read("layers.0.mlp"), f"{r}.module", "decoder layers (layers.N) only, not 'layers.0.mlp'",
+                 "--enforce-eager", limits=READING)
+    precondition(iv("l", read_logit_lens=I.ReadLogitLens(layers=[0, -3])), f"{lens}.layers[1]",
+                 "not on 'layers.1'", limits=READING)  # (-3 of 4 layers: layers.1)
+    precondition(iv(write_module=I.WriteModule(module="layers.0", zero=I.ZeroAblation())), f"{F}.write_module",
+                 "--enforce-eager", "--compiled-steering", limits=READING)  # buffers serve reads, never writes
+    actions = [op.action for op in ops(read("layers.2"), iv("l", read_logit_lens=I.ReadLogitLens(layers=[0, -2])),
+                                       limits=READING)]
+    assert actions == [P.ReadModule("layers.2", P.Positions()), P.ReadLogitLens((0, 2), P.Positions(), 0)]
+    message = precondition(read("layers.0"), r, "--enforce-eager", limits=COMPILED)
+    assert "--compiled-reads" in message  # a plain compiled engine names the way to serve it
 
 
 def test_compiled_steering_serves_add_replace_zero_on_its_layers():

@@ -187,14 +187,18 @@ class InterventionCompiler:
                    " (or --compiled-reads for reads of decoder layers)")
             )
 
+    def require_reads(self, field: str) -> None:
+        """Module reads at all: an eager engine, or a compiled one with read buffers."""
+        if not self.limits.readable_layers:
+            self.require_eager(field)
+
     def require_readable(self, module: str, field: str) -> None:
         """Eager engines read any module; compiled ones with --compiled-reads the decoder
         layers their graph keeps (`field` names the module or layer)."""
         if self.limits.module_interventions:
             return
+        self.require_reads(field)
         readable = self.limits.readable_layers
-        if not readable:
-            self.require_eager(field)
         if not P.is_decoder_layer(module):
             raise FailedPrecondition(
                 f"{field}: this server's compiled engine reads decoder layers (layers.N) only, "
@@ -232,8 +236,7 @@ class InterventionCompiler:
             )
 
     def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:
-        if not self.limits.module_interventions and not self.limits.readable_layers:
-            self.require_eager(field)
+        self.require_reads(field)
         if self.limits.tensor_parallel_size > 1:
             # Each rank holds a slice of the vocab-parallel lm_head: a rank's lens would be
             # the log-softmax over its slice alone (other values, other top ids).
@@ -360,8 +363,7 @@ class InterventionCompiler:
             raise InvalidArgument(field, f"unknown module {path!r}; GetModelInfo lists them ({known}, ...)")
 
     def read_module(self, r: ipb.ReadModule, field: str) -> P.Action:
-        if not self.limits.module_interventions and not self.limits.readable_layers:
-            self.require_eager(field)
+        self.require_reads(field)
         self.module_path(r.module, f"{field}.module")
         self.require_readable(r.module, f"{field}.module")
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
@@ -467,8 +469,7 @@ class InterventionCompiler:
     def dictionary(self, name: str, module: str, field: str, reads: bool = True) -> DictionaryInfo:
         """The dictionary an intervention names, checked against the module it gave
         (`reads`: and that this server reads that module; writes check their own)."""
-        if not self.limits.module_interventions and not self.limits.readable_layers:
-            self.require_eager(field)  # (computed from module outputs)
+        self.require_reads(field)  # (computed from module outputs)
         if not name:
             raise InvalidArgument(f"{field}.dictionary", "name a dictionary (ListDictionaries lists them)")
         info = self.dictionaries(name)
