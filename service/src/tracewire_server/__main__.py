@@ -14,6 +14,7 @@ from .frontend.auth import TokenFileError, TokenTable
 from .frontend.dictionaries import DEFAULT_MAX_BYTES
 from .frontend.dictionary_directory import read_directory
 from .frontend.model_path import model_problem
+from .frontend.ray_backend import platform_ray_problem
 from .frontend.server import ServerConfig
 from .frontend.servicer import TraceOptions
 from .frontend.tenants import TenantQuotas
@@ -168,6 +169,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
         # worker; pipeline stages hold a slice of them (vLLM's PPMissingLayer elsewhere).
         parser.error("--pipeline-parallel-size > 1 is not supported: tracewire's hooks need every layer "
                      "and lm_head in each worker (tensor parallelism is: --tensor-parallel-size)")
+    if (problem := platform_ray_problem(args.distributed_executor_backend)) is not None:
+        parser.error(problem)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     if args.compiled_steering:
         use_compiled_steering(engine_args, _layer_list(parser, "--compiled-steering", args.compiled_steering))

@@ -327,3 +327,11 @@ def engine_core_in_own_group() -> Iterator[None]:
         yield
     finally:
         EngineCoreProc.run_engine_core = _RUN_ENGINE_CORE
+
+
+def platform_ray_device() -> tuple[str, str]:
+    """(this process's vLLM platform's device name, the Ray resource its Ray executors
+    place workers on: '' where the platform has no Ray support, as on the CPU build)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_name), str(getattr(current_platform, "ray_device_key", ""))

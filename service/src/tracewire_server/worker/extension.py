@@ -14,7 +14,7 @@ from typing import Any
 from ..shared.dictionary_spec import decode_info, encode_info
 from .hooks import PlanHooks
 from .runner import RunnerView, check_supported
-from .sender import Sender
+from .sender import Sender, unreachable
 
 # Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
 # worker processes; a logger of our own would have none there.
@@ -33,6 +33,8 @@ class TracewireWorkerExtension:
             runner = self.model_runner  # type: ignore[attr-defined]
             hooks = self.tracewire_hooks = install(runner, fault_injection)
         if rank == 0:
+            if (problem := unreachable(address)) is not None:
+                raise RuntimeError(problem)
             previous = hooks.senders.get(route)
             hooks.senders[route] = Sender(address)
             if previous is not None:  # the frontend asked again (engine.py)

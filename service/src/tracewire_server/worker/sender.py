@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import socket
+import stat
 from collections.abc import Callable
 
 import zmq
@@ -74,6 +76,30 @@ def _sender_context() -> zmq.Context:  # type: ignore[type-arg]
         except OSError:
             pass  # none of the other CPUs is ours (or the thread is gone): it stays put
     return context
+
+
+def unreachable(address: str) -> str | None:
+    """Why this worker cannot send to the frontend's side channel `address`, or None.
+
+    The frontend binds a local (ipc://) socket on its own machine. A worker on another
+    machine (a Ray cluster's node) would connect to a path that is not there: ZMQ connects
+    lazily and queues what is sent, so every trace would wait forever instead of failing."""
+    path = address.removeprefix("ipc://")
+    if path == address:  # not a local socket
+        return None
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            return None
+    except OSError:
+        pass
+    return (
+        f"tracewire: the worker of rank 0 runs on {socket.gethostname()}, which has no side channel "
+        f"socket {path}: that is a local socket of the machine the server runs on, and rank 0 "
+        "sends every trace's records through it. With --distributed-executor-backend ray, rank 0 "
+        "must run there: start the server on a node whose accelerators are in the Ray cluster "
+        "(vLLM gives rank 0 to a worker on the node it starts on when it has one; "
+        "VLLM_RAY_BUNDLE_INDICES must not place it elsewhere). deploy/README.md: Multi-node with Ray"
+    )
 
 
 class Sender:
