@@ -159,12 +159,16 @@ def test_probe_and_sae_reads_and_a_probe_condition(gstub, hf):
 
 
 def test_concurrent_traces_take_their_own_rows(graph, gstub, hf):
+    """Rows of one pass go to their own traces: the reads, and the logit lens, whose rows
+    all go through one lm_head matmul per top_k (two kinds here: top 3 and top 2)."""
     prompts = [PROMPT, "The capital of Japan is", "Once upon a time", "Monday, Tuesday,"]
     layers = ["layers.0", "layers.1", "layers.2", "layers.1"]
 
     def one(prompt, layer):
-        return run(gstub, trace(invoke(prompt, iv("h", read_module=I.ReadModule(module=layer))), max_tokens=3,
-                                **GREEDY))
+        k = 3 if layer == "layers.1" else 2
+        reads = [iv("h", read_module=I.ReadModule(module=layer)),
+                 iv("lens", read_logit_lens=I.ReadLogitLens(layers=[int(layer[-1])], top_k=k))]
+        return run(gstub, trace(invoke(prompt, *reads), max_tokens=3, **GREEDY))
 
     client = tw.Client(graph.target, timeout=120)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -176,6 +180,9 @@ def test_concurrent_traces_take_their_own_rows(graph, gstub, hf):
         for step, value in enumerate(res.values("h")):
             ref = hf_module_outputs(hf, ids + res.tokens()[:step])[layer][-1]
             np.testing.assert_allclose(value, ref, atol=ATOL, err_msg=f"{prompt} step {step}")
+            want = torch.topk(hf_lens(hf, ref[None]), 3 if layer == "layers.1" else 2, dim=-1)
+            np.testing.assert_array_equal(res.ids("lens")[step][0], want.indices.numpy())
+            np.testing.assert_allclose(res.values("lens")[step][0], want.values.numpy(), atol=ATOL)
     assert all(o.outputs[0].token_ids == hf.greedy(hf.encode("Tuesday, Wednesday,"), 6) for o in outs)
 
 

@@ -32,13 +32,25 @@ class Lens:
         self.vocab_size = vocab_size
 
     @torch.no_grad()
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] logits (float32)."""
+        normed = self.norm.forward(streams.to(device=self.weight.device, dtype=self.weight.dtype))
+        normed = normed[0] if isinstance(normed, tuple) else normed  # (.forward: not through a hook on "norm")
+        return (normed @ self.weight.t())[:, : self.vocab_size].float()
+
+    @torch.no_grad()
     def __call__(self, streams: torch.Tensor) -> torch.Tensor:
-        device, dtype = self.weight.device, self.weight.dtype
-        flat = streams.reshape(-1, streams.shape[-1]).to(device=device, dtype=dtype)
-        normed = self.norm.forward(flat)  # .forward: not through our own hook on "norm"
-        normed = normed[0] if isinstance(normed, tuple) else normed
-        logits = (normed @ self.weight.t())[:, : self.vocab_size].float()
-        return torch.log_softmax(logits, dim=-1).reshape(*streams.shape[:-1], -1)
+        """[..., hidden] -> [..., vocab] log-probabilities."""
+        flat = streams.reshape(-1, streams.shape[-1])
+        return torch.log_softmax(self.logits(flat), dim=-1).reshape(*streams.shape[:-1], -1)
+
+    @torch.no_grad()
+    def top_k(self, streams: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, hidden] -> the k largest log-probabilities per row and their ids (int32),
+        without a [rows, vocab] log-softmax: the top logits less each row's logsumexp."""
+        logits = self.logits(streams)
+        top = torch.topk(logits, k, dim=-1)
+        return top.values - torch.logsumexp(logits, dim=-1, keepdim=True), top.indices.to(torch.int32)
 
 
 def _gathered(row: Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:
@@ -59,17 +71,46 @@ def _gathered(row: Row, key: str, module: str, positions_of: P.Positions) -> tup
     return (chunks[0][1] if len(chunks) == 1 else torch.cat([t for _, t in chunks])), positions
 
 
-def _logit_lens_value(row: Row, name: str, read: P.ReadLogitLens, lens: Lens) -> HostRead:
-    """log_softmax(lm_head(norm(stream))) per layer and position: [layers, positions, k]."""
+class _LensWant(NamedTuple):
+    """A row's logit-lens read: its streams, joined with other rows' into one lm_head matmul."""
+
+    row: Row
+    name: str
+    top_k: int
+    streams: torch.Tensor  # [layers, positions, hidden]
+    positions: list[int]
+
+
+def _lens_want(row: Row, name: str, read: P.ReadLogitLens) -> _LensWant:
     streams, positions = [], []
     for key, path in read.module_reads(name):
         values, positions = _gathered(row, key, path, read.positions)
         streams.append(values)
-    logprobs = lens(torch.stack(streams))  # [layers, positions, vocab]
-    if read.top_k:
-        top = torch.topk(logprobs, read.top_k, dim=-1)
-        return HostRead(HostBatch(to_host(top.values), to_host(top.indices.to(torch.int32))), positions)
-    return HostRead(HostBatch(to_host(logprobs), None), positions)
+    return _LensWant(row, name, read.top_k, torch.stack(streams), positions)
+
+
+def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
+    """log_softmax(lm_head(norm(stream))) per layer and position, [layers, positions, k],
+    for every row: one norm and lm_head matmul per top_k over all rows' streams (a matmul
+    a row would read lm_head's weights once per row)."""
+    by_k: dict[int, list[_LensWant]] = {}
+    for want in wants:
+        by_k.setdefault(want.top_k, []).append(want)
+    for k, group in by_k.items():
+        try:
+            flat = torch.cat([w.streams.reshape(-1, w.streams.shape[-1]) for w in group])
+            values, ids = lens.top_k(flat, k) if k else (lens(flat), None)
+            offset = 0
+            for w in group:
+                n = w.streams.shape[0] * w.streams.shape[1]
+                shape = (w.streams.shape[0], w.streams.shape[1], -1)
+                batch = HostBatch(to_host(values[offset:offset + n].reshape(shape)),
+                                  None if ids is None else to_host(ids[offset:offset + n].reshape(shape)))
+                w.row.reads[w.name] = HostRead(batch, w.positions)
+                offset += n
+        except Exception as e:  # noqa: BLE001 - fails the rows that read it
+            for w in group:
+                w.row.error = f"{type(e).__name__}: {e}"
 
 
 def _export(store: PatchStore, row: Row, name: str, values: torch.Tensor) -> None:
@@ -127,6 +168,7 @@ def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | 
     Reads other invokes patch from (the plan's exports) also go into `store`."""
     new_token: dict[str | tuple[str, P.Units | None], list[_NewToken]] = {}
     dictionary_wants: list[DictionaryWant] = []
+    lens_wants: list[_LensWant] = []
     for row in rows:
         try:
             for op in row.selected.module_reads:
@@ -148,10 +190,13 @@ def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | 
                     new = a.positions.new_token_only(row.seq.step)
                     dictionary_wants.append(DictionaryWant(row, op.name, a, values, None if new else positions))
                 else:
-                    assert isinstance(a, P.ReadLogitLens) and lens is not None
-                    row.reads[op.name] = _logit_lens_value(row, op.name, a, lens)
+                    assert isinstance(a, P.ReadLogitLens)
+                    lens_wants.append(_lens_want(row, op.name, a))
         except Exception as e:  # noqa: BLE001 - fails this request's trace only
             row.error = f"{type(e).__name__}: {e}"
+    if lens_wants:
+        assert lens is not None
+        _launch_lens([w for w in lens_wants if w.row.error is None], lens)
     if dictionary_wants:
         assert dictionaries is not None
         launch_dictionary_reads([w for w in dictionary_wants if w.row.error is None], dictionaries)
