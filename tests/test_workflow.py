@@ -213,9 +213,41 @@ def test_collect_on_a_compiled_server_reads_logits_and_refuses_layers(client, hf
     assert set(manifest.fields) == {"prompt_token_ids", "samples"} and manifest.engine_mode == "compiled"
     samples = tracewire.collect.load(tmp_path / "logits").field("samples")
     assert [s.tolist() for s in samples] == [hf.greedy(hf.encode(p), 3) for p in PROMPTS[:3]]
-    with pytest.raises(tw.FailedPrecondition, match="--enforce-eager") as refused:
+    flags = "--enforce-eager, or a compiled one with --compiled-reads"   # (no read buffers: either serves)
+    with pytest.raises(tw.FailedPrecondition, match=flags) as refused:
         client.collect(PROMPTS[:3], tmp_path / "layers", layers=[1])
     assert refused.value.field == "layers" and not (tmp_path / "layers" / "manifest.json").exists()
+
+
+def test_collect_and_the_cli_lens_on_a_compiled_server_with_read_buffers(graph, hf, tmp_path, capsys):
+    """conftest's `graph` server: compiled, --compiled-reads 0,1,2. collect reads those
+    layers (transformers' hidden states); a plan naming layer 3 too is refused before any
+    prompt runs, naming layer 3 and the flag; the CLI's lens reads the readable layers by
+    default (transformers' final norm + lm_head on them)."""
+    with tw.Client(graph.target, timeout=300) as gclient:
+        manifest = gclient.collect(PROMPTS[:3], tmp_path / "acts", layers=[0, 2], positions="prompt")
+        assert manifest.engine_mode == "compiled_steering" and manifest.complete
+        with pytest.raises(tw.FailedPrecondition, match=r"layers \[3\] are not readable.*layers \[0, 1, 2\] only "
+                           r"\(--compiled-reads LAYERS\)") as refused:
+            gclient.collect(PROMPTS[:3], tmp_path / "more", layers=[1, 3])
+        assert refused.value.field == "layers" and not (tmp_path / "more" / "manifest.json").exists()
+    acts = tracewire.collect.load(tmp_path / "acts")
+    for k, prompt in enumerate(PROMPTS[:3]):
+        with torch.no_grad():
+            states = hf.model(torch.tensor([hf.encode(prompt)]), output_hidden_states=True).hidden_states
+        np.testing.assert_allclose(acts.field("layers.0")[k], states[1][0].numpy(), atol=1e-4, err_msg=prompt)
+        np.testing.assert_allclose(acts.field("layers.2")[k], states[3][0].numpy(), atol=1e-4, err_msg=prompt)
+
+    assert cli.main(["--target", graph.target, "lens", PROMPTS[0], "--json"]) == 0
+    lens = json.loads(capsys.readouterr().out)
+    assert [row["layer"] for row in lens["layers"]] == [0, 1, 2]
+    with torch.no_grad():
+        states = hf.model(torch.tensor([hf.encode(PROMPTS[0])]), output_hidden_states=True).hidden_states
+        for row in lens["layers"]:
+            probs = torch.softmax(hf.model.lm_head(hf.model.model.norm(states[row["layer"] + 1][0])), -1)
+            top = probs.max(-1)
+            assert [cell["token"] for cell in row["top"]] == [hf.tokenizer.decode([int(i)]) for i in top.indices]
+            np.testing.assert_allclose([cell["p"] for cell in row["top"]], top.values.numpy(), atol=1e-4)
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch):

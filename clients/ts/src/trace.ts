@@ -126,7 +126,9 @@ export const read = {
   },
 
   /**
-   * A module's output (decoder layers "layers.i": the residual stream). Needs --enforce-eager.
+   * A module's output (decoder layers "layers.i": the residual stream). Needs --enforce-eager,
+   * except whole rows of "layers.i" on a compiled server started with --compiled-reads that
+   * keeps that layer (GetModelInfo readableLayers; the rest it refuses, FAILED_PRECONDITION).
    * `units` / `topK`: attention heads of "layers.i.self_attn.heads" ([heads, headDim] per
    * position) or neurons of "layers.i.mlp.act" ([neurons]): these ids, in this order, or the
    * topK largest neurons (values, their ids in tokenIds).
@@ -148,7 +150,10 @@ export const read = {
     return { case: "readModule", value: { module: path, positions: positions(options.positions), reduction, units } };
   },
 
-  /** Final norm + lm_head on these layers: [layers, positions, k] top-k logprobs (topK 0: full rows). */
+  /**
+   * Final norm + lm_head on these layers: [layers, positions, k] top-k logprobs (topK 0: full
+   * rows). An eager server reads every layer; a compiled one (--compiled-reads) its readableLayers.
+   */
   logitLens(layers: number | readonly number[], options: { positions?: PositionsInput; topK?: number } = {}): ReadAction {
     const layerList = typeof layers === "number" ? [layers] : [...layers];
     return {
@@ -188,7 +193,8 @@ export const read = {
    * first), the values of chosen `features` (probe outputs or feature ids, in order), or
    * (SAEs) `reconstructionError`, the norm ||x - reconstruction|| ([1]). Per step [values]
    * at the new token, [positions, values] at any other positions. `module`: optional, the
-   * module you mean (the server checks it is the dictionary's). Needs --enforce-eager.
+   * module you mean (the server checks it is the dictionary's). Needs --enforce-eager, or a
+   * compiled server with --compiled-reads on the dictionary's layer (readableLayers).
    */
   dictionary(name: string, options: DictionaryReadOptions = {}): ReadAction {
     return {
@@ -262,7 +268,8 @@ export const write = {
   },
 
   /**
-   * Add scale * vector ([hidden]) to a module's output: a steering vector. Needs --enforce-eager.
+   * Add scale * vector ([hidden]) to a module's output: a steering vector. Needs --enforce-eager,
+   * except whole rows of "layers.i" on a compiled server with --compiled-steering (steerableLayers).
    * With `units` (heads / neurons, see unitWrite): a [headDim] or [units, headDim] vector
    * (`shape`) for heads, a value per neuron.
    */
@@ -274,7 +281,10 @@ export const write = {
     return unitWrite(path, { case: "add", value: float32Tensor(vector, options.shape) }, options, options.scale);
   },
 
-  /** Zero a module's output at the positions (with `units`: those heads / neurons only). Needs --enforce-eager. */
+  /**
+   * Zero a module's output at the positions (with `units`: those heads / neurons only). Needs
+   * --enforce-eager, except whole rows of "layers.i" with --compiled-steering (steerableLayers).
+   */
   zero(path: string, options: { positions?: PositionsInput } & UnitOptions = {}): WriteAction {
     return unitWrite(path, { case: "zero", value: {} }, options);
   },

@@ -29,12 +29,24 @@ function step(values: Record<string, ReadResult>): Step {
   return { invokeIndex: 0, sequenceIndex: 0, step: 2, tokenId: 7, text: "x", stopped: false, values, engineTime: undefined };
 }
 
-test("the strip offers the server's SAEs, in its order, on an eager server only", () => {
-  const listed = [PROBE, SAE, SMALL];
-  assert.deepEqual(stripChoices(listed, v1.EngineMode.EAGER).map((d) => d.name), ["res-l2", "tiny-sae"]);
-  assert.deepEqual(stripChoices(listed, v1.EngineMode.COMPILED), []);
-  assert.deepEqual(stripChoices([PROBE], v1.EngineMode.EAGER), []);
-  const choices = stripChoices(listed, v1.EngineMode.EAGER);
+/** GetModelInfo's fields stripChoices reads, for a 4-layer model. */
+function info(engineMode: v1.EngineMode, readableLayers: number[] = []) {
+  return { engineMode, numLayers: 4, readableLayers, steerableLayers: [] };
+}
+
+test("the strip offers the server's SAEs it can read, in its order: eager, or on a compiled server's readable layers", () => {
+  const EMBED = create(v1.DictionarySchema, { name: "emb-sae", size: 4, spec: { kind: DictionaryKind.SAE, module: "embed_tokens" } });
+  const L1 = create(v1.DictionarySchema, { name: "res-l1", size: 4, spec: { kind: DictionaryKind.SAE, module: "layers.1" } });
+  const listed = [PROBE, SAE, L1, SMALL, EMBED];
+  const names = (choices: Dictionary[]) => choices.map((d) => d.name);
+  assert.deepEqual(names(stripChoices(listed, info(v1.EngineMode.EAGER))), ["res-l2", "res-l1", "tiny-sae", "emb-sae"]);
+  assert.deepEqual(stripChoices(listed, info(v1.EngineMode.COMPILED)), []);
+  assert.deepEqual(stripChoices(listed, info(v1.EngineMode.COMPILED_STEERING)), []);
+  // --compiled-reads 0,2: the SAEs on layers.2, not layers.1's, nor embed_tokens' (never readable compiled)
+  assert.deepEqual(names(stripChoices(listed, info(v1.EngineMode.COMPILED, [0, 2]))), ["res-l2", "tiny-sae"]);
+  assert.deepEqual(names(stripChoices(listed, info(v1.EngineMode.COMPILED_STEERING, [1]))), ["res-l1"]);
+  assert.deepEqual(stripChoices([PROBE], info(v1.EngineMode.EAGER)), []);
+  const choices = stripChoices(listed, info(v1.EngineMode.EAGER));
   assert.equal(stripDictionary(choices)?.name, "res-l2");
   assert.equal(stripDictionary(choices, "tiny-sae")?.name, "tiny-sae");
   assert.equal(stripDictionary(choices, "gone")?.name, "res-l2");

@@ -14,6 +14,7 @@ import {
   lensColumns,
   moduleFeature,
   norm,
+  readableLayers,
   RESIDUAL,
   sideOf,
   steeringInvokes,
@@ -31,18 +32,57 @@ function tensor(shape: number[], data: number[], dtype = Dtype.FLOAT32) {
   return { dtype, shape, data: dtype === Dtype.INT32 ? Int32Array.from(data) : Float32Array.from(data) };
 }
 
-test("moduleFeature: eager runs the lens and steering; any other mode says why and how to get it", () => {
-  assert.deepEqual(moduleFeature("The logit lens", v1.EngineMode.EAGER), { available: true });
+/** GetModelInfo's fields the views read, for a 4-layer model. */
+function info(engineMode: v1.EngineMode, readableLayers: number[] = [], steerableLayers: number[] = []) {
+  return { engineMode, numLayers: 4, readableLayers, steerableLayers };
+}
+
+function reasonOf(found: ReturnType<typeof moduleFeature>): string {
+  assert.equal(found.available, false, JSON.stringify(found));
+  return found.available ? "" : found.reason;
+}
+
+test("moduleFeature: eager runs the lens and steering on every layer; without read buffers it says why and which flag", () => {
+  assert.deepEqual(moduleFeature("The logit lens", info(v1.EngineMode.EAGER)), { available: true, layers: [0, 1, 2, 3] });
+  assert.deepEqual(moduleFeature("Steering", info(v1.EngineMode.EAGER), true), { available: true, layers: [0, 1, 2, 3] });
   for (const [mode, name] of [
     [v1.EngineMode.COMPILED, "COMPILED"],
     [v1.EngineMode.COMPILED_STEERING, "COMPILED_STEERING"],
     [v1.EngineMode.UNSPECIFIED, "UNSPECIFIED"],
   ] as const) {
-    const found = moduleFeature("The logit lens", mode);
-    assert.equal(found.available, false);
-    assert.ok(!found.available && found.reason.startsWith("The logit lens needs module reads"), JSON.stringify(found));
-    assert.ok(!found.available && found.reason.includes(`this one is ${name}`) && found.reason.includes("--enforce-eager"));
+    const reason = reasonOf(moduleFeature("The logit lens", info(mode, [], [0, 1])));
+    assert.ok(reason.startsWith("The logit lens needs module reads;"), reason);
+    assert.ok(reason.includes(`this server is ${name}, reading no layers`), reason);
+    assert.ok(reason.includes('Start it with --compiled-reads (make serve ENGINE_ARGS="--compiled-reads")'), reason);
+    assert.ok(reason.includes("--enforce-eager"), reason);
   }
+  // steering on a plain compiled server: both flags missing
+  const both = reasonOf(moduleFeature("Steering", info(v1.EngineMode.COMPILED), true));
+  assert.ok(both.includes("needs module reads and writes") && both.includes("Start it with --compiled-reads --compiled-steering"), both);
+});
+
+test("moduleFeature on compiled servers: the lens on the readable layers, steering on those it also writes", () => {
+  // --compiled-reads 2,0 (as listed, in any order): the lens reads those, ascending, and only those
+  const reads = info(v1.EngineMode.COMPILED, [2, 0]);
+  assert.deepEqual(moduleFeature("The logit lens", reads), { available: true, layers: [0, 2] });
+  assert.deepEqual(readableLayers(reads), [0, 2]);
+  assert.deepEqual(readableLayers(info(v1.EngineMode.EAGER, [1])), [0, 1, 2, 3]);
+  // reads without writes: steering names the missing --compiled-steering and what is read
+  const noWrites = reasonOf(moduleFeature("Steering", reads, true));
+  assert.ok(noWrites.includes("reading layers 0, 2 (GetModelInfo readable_layers) and writing no layers"), noWrites);
+  assert.ok(noWrites.includes("Start it with --compiled-steering (") && !noWrites.includes("with --compiled-reads"), noWrites);
+  // writes without reads (--compiled-steering alone): the lens and steering name --compiled-reads
+  const writesOnly = info(v1.EngineMode.COMPILED_STEERING, [], [1, 2]);
+  assert.ok(reasonOf(moduleFeature("Steering", writesOnly, true)).includes("Start it with --compiled-reads ("));
+  // both flags: steering offers the layers in both lists
+  const graph = info(v1.EngineMode.COMPILED_STEERING, [0, 1, 2], [1, 2, 3]);
+  assert.deepEqual(moduleFeature("Steering", graph, true), { available: true, layers: [1, 2] });
+  assert.deepEqual(moduleFeature("The logit lens", graph), { available: true, layers: [0, 1, 2] });
+  // both, but no layer in common
+  const apart = reasonOf(moduleFeature("Steering", info(v1.EngineMode.COMPILED_STEERING, [0, 1], [2, 3]), true));
+  assert.ok(apart.includes("needs a read and a write of the same layer"), apart);
+  assert.ok(apart.includes("reading layers 0, 1") && apart.includes("writing layers 2, 3"), apart);
+  assert.ok(apart.includes("Give --compiled-reads and --compiled-steering a common layer") && apart.includes("--enforce-eager"), apart);
 });
 
 test("lensColumns: [layers, positions, 1] logprobs and ids as one column per position, cells by layer", () => {

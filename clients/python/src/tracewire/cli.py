@@ -3,7 +3,7 @@
     tracewire generate "The capital of France is" --max-tokens 8
     tracewire trace "The capital of France is" --top-k 5 --max-tokens 16
     tracewire trace "..." --json            # one JSON object per step, then the result
-    tracewire lens "The capital of France is"        # logit lens table (server: --enforce-eager)
+    tracewire lens "The capital of France is"        # logit lens table (server: --enforce-eager or --compiled-reads)
     tracewire lens "The capital of France is" --plot lens.png   # ... and as a heatmap (tracewire[plot])
     tracewire collect prompts.jsonl acts/ --layers 1,2 --positions last   # activations to Parquet shards
     tracewire tokenize " Berlin"
@@ -30,6 +30,7 @@ from typing import Any
 
 from .client import Client
 from .errors import TracewireError
+from .rpcs import ModelInfo
 from .tls import Tls
 
 # The server applies vLLM's defaults (temperature 1), not the model's generation config, and
@@ -102,7 +103,7 @@ def _trace(client: Client, args: argparse.Namespace) -> None:
 def _lens(client: Client, args: argparse.Namespace) -> None:
     """The logit lens at every prompt position: each layer's top guess for the next token."""
     info = client.model_info()
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else list(range(info.num_layers))
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else _lens_layers(info)
     with client.trace(args.prompt, max_tokens=1, temperature=0.0) as tracer:
         lens = tracer.iter[0].logit_lens(layers, positions="prompt", top_k=1).save("lens")
     top = lens.value
@@ -127,6 +128,15 @@ def _lens(client: Client, args: argparse.Namespace) -> None:
     ]
     for line in _table(header, rows, colour=_colour_wanted()):
         print(line)
+
+
+def _lens_layers(info: ModelInfo) -> list[int]:
+    """The lens's default layers: all of them, except on a compiled server that reads only
+    some (--compiled-reads LAYERS: readable_layers). One without read buffers gets all, and
+    refuses them itself, naming the flags that would serve them."""
+    if info.engine_mode not in ("eager", "unspecified") and info.readable_layers:
+        return sorted(info.readable_layers)
+    return list(range(info.num_layers))
 
 
 def _save_lens_plot(path: str, top: Any, layers: list[int], tokens: list[str], decode: _TokenText) -> None:
@@ -255,16 +265,19 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("prompt")
     t.add_argument("--top-k", type=int, default=5, dest="top_k", help="alternatives shown per step")
     sampling_flags(t)
-    lens = sub.add_parser("lens", help="the logit lens at every prompt position (server needs --enforce-eager)")
+    lens = sub.add_parser("lens", help="the logit lens at every prompt position "
+                          "(server needs --enforce-eager or --compiled-reads)")
     lens.add_argument("prompt")
-    lens.add_argument("--layers", help="comma-separated layer indices (default: all)")
+    lens.add_argument("--layers", help="comma-separated layer indices (default: all the server reads: every "
+                      "layer on an eager server, its readable_layers on a compiled one)")
     lens.add_argument("--json", action="store_true")
     lens.add_argument("--plot", metavar="FILE", help="also save a heatmap (.png, .svg, .pdf; needs tracewire[plot])")
     c = sub.add_parser("collect", help="a dataset's activations into Parquet / safetensors shards, resumable")
     c.add_argument("prompts", help="a .jsonl, .txt, .parquet or .csv file of prompts")
     c.add_argument("output", help="the collection's folder (run again to resume)")
     c.add_argument("--column", help="the prompt column / JSON field (default: prompt, else text)")
-    c.add_argument("--layers", help="comma-separated decoder layers to read (server needs --enforce-eager)")
+    c.add_argument("--layers", help="comma-separated decoder layers to read (server needs --enforce-eager, "
+                   "or --compiled-reads on these layers)")
     c.add_argument("--positions", default="last",
                    help="prompt | last | new | comma-separated prompt positions (default last)")
     c.add_argument("--mean", action="store_true", help="average the prompt positions on the server")

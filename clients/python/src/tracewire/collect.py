@@ -79,11 +79,31 @@ class CollectPlan:
             raise InvalidArgument(f"layers {bad} out of range: the model has {info.num_layers}", field="layers")
         if self.logits_top_k < 0 or self.max_tokens < 1:
             raise InvalidArgument("logits_top_k must be >= 0 and max_tokens >= 1", field="logits_top_k")
-        if self.layers and info.engine_mode not in ("eager", "unspecified"):
+        self.check_readable(info)
+
+    def check_readable(self, info: ModelInfo) -> None:
+        """Refuse, before any prompt runs, layers the server cannot read: an eager server
+        reads every layer; a compiled one those it keeps read buffers on (--compiled-reads:
+        `readable_layers`). "unspecified" (a server older than engine_mode) is let through:
+        it cannot say, and refuses what it cannot serve itself."""
+        if not self.layers or info.engine_mode in ("eager", "unspecified"):
+            return
+        unreadable = sorted(set(self.layers) - set(info.readable_layers))
+        if not unreadable:
+            return
+        if not info.readable_layers:
             raise FailedPrecondition(
-                f"layer reads need a server started with --enforce-eager; this one is {info.engine_mode}",
+                f"layer reads need a server started with --enforce-eager, or a compiled one with "
+                f"--compiled-reads (on layers {unreadable} at least); this one is {info.engine_mode} "
+                "without read buffers (model_info().readable_layers is empty)",
                 field="layers",
             )
+        raise FailedPrecondition(
+            f"layers {unreadable} are not readable on this {info.engine_mode} server: it keeps read buffers "
+            f"on layers {sorted(info.readable_layers)} only (--compiled-reads LAYERS); read those, or start "
+            "it with --compiled-reads naming these layers too, or with --enforce-eager",
+            field="layers",
+        )
 
     def build(self, tracer: Tracer) -> dict[str, Saved]:
         """Add the plan's reads to one prompt's trace."""

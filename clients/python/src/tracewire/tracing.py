@@ -388,8 +388,11 @@ class StepView:
         Shapes of a saved read, one rule per read: "new" gives [hidden] per step; any other
         positions give [positions, hidden] at every step ("all": [prompt_len, hidden] at
         step 0, then [1, hidden]); mean=True gives [hidden].
-        Needs a server started with --enforce-eager (module writes on decoder layers also
-        serve on --compiled-steering; `client.model_info().engine_mode` says which).
+        Needs a server started with --enforce-eager, except on decoder layers `layers.N`
+        (whole rows: not heads or neurons): a compiled server reads those started with
+        --compiled-reads (the layers `client.model_info().readable_layers` lists) and
+        writes them (add / replace / zero) with --compiled-steering (`steerable_layers`);
+        `engine_mode` says which server this is. The rest it refuses with FailedPrecondition.
         """
         return ModuleRef(self, path, _positions(positions), mean)
 
@@ -404,7 +407,9 @@ class StepView:
         """Final norm + lm_head on these layers' residual streams, as logprobs: per step
         always a `TopK`, values and ids of shape [layers, positions, k], positions 1 for
         "new" (and for "all" after step 0). top_k=0 gives the full rows, k = vocab, with
-        ids a read-only broadcast of arange(vocab)."""
+        ids a read-only broadcast of arange(vocab). Served by an eager server on every
+        layer, and by a compiled one started with --compiled-reads on the layers
+        `client.model_info().readable_layers` lists."""
         selected = _positions(positions)
         layer_list = [layers] if isinstance(layers, int) else [int(x) for x in layers]
 

@@ -38,8 +38,8 @@ import {
   VECTOR_SAMPLING,
   withFeatures,
   withLens,
-  type Availability,
   type Forced,
+  type LayerFeature,
   type RunSettings,
   type StepView,
 } from "./model.js";
@@ -124,11 +124,10 @@ function readSettings(els: Elements): RunSettings {
   };
 }
 
-/** What the server's model info allows: the decoder layers, and whether the lens / steering run. */
+/** What the server's model info allows: the lens's and steering's layers, or why they cannot run. */
 interface ModuleViews {
-  readonly layers: readonly number[];
-  readonly lens: Availability;
-  readonly steering: Availability;
+  readonly lens: LayerFeature;
+  readonly steering: LayerFeature;
 }
 
 class Dashboard {
@@ -179,14 +178,12 @@ class Dashboard {
       try {
         const info = await this.client.modelInfo({ timeoutMs: CHECK_TIMEOUT_MS });
         this.resolveSpecials({ eos: info.eosTokenIds, bos: info.bosTokenId });
-        this.moduleViews = {
-          layers: allLayers(info.numLayers),
-          lens: moduleFeature("The logit lens", info.engineMode),
-          steering: moduleFeature("Steering (its vector is read from the residual stream)", info.engineMode),
-        };
+        const steering = moduleFeature("Steering (its vector is read from the layer it steers)", info, true);
+        this.moduleViews = { lens: moduleFeature("The logit lens", info), steering };
         showLensAvailability(this.els, this.moduleViews.lens);
-        setUpSteering(this.els, this.moduleViews.layers, this.moduleViews.steering);
-        void this.loadDictionaries(info.engineMode);
+        // Unavailable: every layer listed, the controls disabled, the note saying why.
+        setUpSteering(this.els, steering.available ? steering.layers : allLayers(info.numLayers), steering);
+        void this.loadDictionaries(info);
         if (this.runId === 0) {
           clearError(this.els);
           setStatus(this.els, "idle", 0, `ready: ${info.model} (${info.architecture}, ${info.dtype}), vLLM ${info.vllmVersion}`);
@@ -250,7 +247,7 @@ class Dashboard {
     const what = forced.length > 0 ? `forcing token ${forced.at(-1)} at step ${forced.length - 1}` : "running";
     setStatus(this.els, "running", id, `${what}…`);
     const started = performance.now();
-    const lens = this.moduleViews?.lens.available ? this.moduleViews.layers : undefined;
+    const lens = this.moduleViews?.lens.available ? this.moduleViews.lens.layers : undefined;
     const dictionary = stripDictionary(this.stripChoices, this.strip.dictionary.value);
     try {
       // The lens's bottom row names the token each column reads: the prompt's, then the drawn ones.
@@ -338,12 +335,13 @@ class Dashboard {
   }
 
   /**
-   * The feature strip's dictionaries (ListDictionaries): its SAEs, the first chosen. A server
-   * without dictionaries (or without the RPC, or not eager) keeps the strip hidden.
+   * The feature strip's dictionaries (ListDictionaries): the SAEs it can read, the first chosen.
+   * A server without such dictionaries (or without the RPC, or compiled without read buffers
+   * on their layers) keeps the strip hidden.
    */
-  private async loadDictionaries(engineMode: Parameters<typeof stripChoices>[1]): Promise<void> {
+  private async loadDictionaries(info: Parameters<typeof stripChoices>[1]): Promise<void> {
     try {
-      this.stripChoices = stripChoices(await this.client.listDictionaries({}, { timeoutMs: CHECK_TIMEOUT_MS }), engineMode);
+      this.stripChoices = stripChoices(await this.client.listDictionaries({}, { timeoutMs: CHECK_TIMEOUT_MS }), info);
     } catch {
       this.stripChoices = [];
     }

@@ -104,38 +104,79 @@ export function toStepView(step: Step, forced: Forced, before: readonly StepView
 }
 
 /* ---------------------------------------------------------------------------------------
- * Module interventions: the logit lens and steering. Both need module hooks, which only an
- * eager server runs (GetModelInfo's engine_mode); elsewhere the page says why instead.
+ * Module interventions: the logit lens and steering. An eager server reads and writes every
+ * module; a compiled one reads the decoder layers it keeps read buffers on (--compiled-reads:
+ * GetModelInfo readable_layers) and writes those it has steering tables on
+ * (--compiled-steering: steerable_layers), and refuses the rest with FAILED_PRECONDITION. The
+ * views offer only what the server serves; where that is nothing, the page says why instead.
  */
 
 /** Whether a feature can run on this server; when not, the sentence the page shows instead. */
 export type Availability = { readonly available: true } | { readonly available: false; readonly reason: string };
 
-/**
- * The logit lens and the steering control read module outputs: an eager server only (a
- * compiled one, even with --compiled-steering, refuses module reads with FAILED_PRECONDITION).
- */
-export function moduleFeature(feature: string, engineMode: v1.EngineMode): Availability {
-  if (engineMode === v1.EngineMode.EAGER) {
-    return { available: true };
-  }
-  // UNSPECIFIED: a server older than engine_mode, which cannot say; assume the worst, say so.
-  const mode = v1.EngineMode[engineMode] ?? String(engineMode);
-  return {
-    available: false,
-    reason:
-      `${feature} needs module reads, which only an eager server runs; this one is ${mode} ` +
-      "(GetModelInfo engine_mode). Start it with --enforce-eager (make serve ENGINE_ARGS=--enforce-eager).",
-  };
-}
+/** A feature on decoder layers: the layers it can use on this server, or why it cannot run. */
+export type LayerFeature =
+  | { readonly available: true; readonly layers: readonly number[] }
+  | { readonly available: false; readonly reason: string };
 
-/** The lens read's name in every step's values. */
-export const LENS = "lens";
+/** What GetModelInfo says about module reads and writes (its response has these fields). */
+export interface ModuleAccess {
+  readonly engineMode: v1.EngineMode;
+  readonly numLayers: number;
+  /** Decoder layers a compiled engine reads (--compiled-reads); empty on an eager one. */
+  readonly readableLayers: readonly number[];
+  /** Decoder layers a compiled engine writes (--compiled-steering); empty on an eager one. */
+  readonly steerableLayers: readonly number[];
+}
 
 /** Every decoder layer, 0 .. numLayers - 1. */
 export function allLayers(numLayers: number): number[] {
   return Array.from({ length: numLayers }, (_, i) => i);
 }
+
+function listLayers(layers: readonly number[]): string {
+  return layers.length === 0 ? "no layers" : `layers ${layers.join(", ")}`;
+}
+
+/** The decoder layers this server reads: all on an eager server, else its readable layers, ascending. */
+export function readableLayers(info: ModuleAccess): number[] {
+  if (info.engineMode === v1.EngineMode.EAGER) return allLayers(info.numLayers);
+  return [...new Set(info.readableLayers)].sort((a, b) => a - b);
+}
+
+/**
+ * Where a feature reads decoder layers (the logit lens, the feature strip's SAEs) and, with
+ * `writes`, also writes the layer it read (steering: its vector is read from the residual
+ * stream it is added to). Eager: every layer. Compiled: the readable layers (and steerable,
+ * with `writes`); none: the reason names the flag that would serve it.
+ */
+export function moduleFeature(feature: string, info: ModuleAccess, writes = false): LayerFeature {
+  const readable = readableLayers(info);
+  if (info.engineMode === v1.EngineMode.EAGER) return { available: true, layers: readable };
+  const steerable = new Set(info.steerableLayers);
+  const layers = writes ? readable.filter((layer) => steerable.has(layer)) : readable;
+  if (layers.length > 0) return { available: true, layers };
+  // UNSPECIFIED: a server older than engine_mode (and readable_layers), which cannot say.
+  const mode = v1.EngineMode[info.engineMode] ?? String(info.engineMode);
+  const eager = "--enforce-eager (make serve ENGINE_ARGS=--enforce-eager) for every module";
+  const missing = [
+    ...(readable.length === 0 ? ["--compiled-reads"] : []),
+    ...(writes && steerable.size === 0 ? ["--compiled-steering"] : []),
+  ];
+  const has =
+    `this server is ${mode}, reading ${listLayers(readable)} (GetModelInfo readable_layers)` +
+    (writes ? ` and writing ${listLayers([...steerable].sort((x, y) => x - y))} (steerable_layers)` : "");
+  const reason =
+    missing.length > 0
+      ? `${feature} needs module ${writes ? "reads and writes" : "reads"}; ${has}. Start it with ${missing.join(" ")} ` +
+        `(make serve ENGINE_ARGS="${missing.join(" ")}") to keep compiled graphs, or ${eager}.`
+      : `${feature} needs a read and a write of the same layer; ${has}: no layer both. Give --compiled-reads ` +
+        `and --compiled-steering a common layer, or start it with ${eager}.`;
+  return { available: false, reason };
+}
+
+/** The lens read's name in every step's values. */
+export const LENS = "lens";
 
 /**
  * The run's trace with the logit lens added: each layer's top-1 next-token guess at every
@@ -275,12 +316,15 @@ export const FEATURES = "features";
 export const FEATURE_TOP_K = 5;
 
 /**
- * The dictionaries the strip can show: the SAEs the server lists, in its order. None when
- * the server cannot run module reads (not eager: dictionary reads need module hooks).
+ * The dictionaries the strip can show: the SAEs the server lists, in its order, that it can
+ * read: any on an eager server; on a compiled one those on its --compiled-reads layers (none
+ * without read buffers).
  */
-export function stripChoices(dictionaries: readonly Dictionary[], engineMode: v1.EngineMode): Dictionary[] {
-  if (engineMode !== v1.EngineMode.EAGER) return [];
-  return dictionaries.filter((d) => d.spec?.kind === DictionaryKind.SAE);
+export function stripChoices(dictionaries: readonly Dictionary[], info: ModuleAccess): Dictionary[] {
+  const saes = dictionaries.filter((d) => d.spec?.kind === DictionaryKind.SAE);
+  if (info.engineMode === v1.EngineMode.EAGER) return saes; // any module, layers.N or not
+  const readable = new Set(readableLayers(info).map(layerPath));
+  return saes.filter((d) => readable.has(d.spec?.module ?? ""));
 }
 
 /** The dictionary to read: `chosen` when it is one of the choices, else the first (none: no strip). */
