@@ -44,14 +44,6 @@ class Lens:
         flat = streams.reshape(-1, streams.shape[-1])
         return torch.log_softmax(self.logits(flat), dim=-1).reshape(*streams.shape[:-1], -1)
 
-    @torch.no_grad()
-    def top_k(self, streams: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[rows, hidden] -> the k largest log-probabilities per row and their ids (int32),
-        without a [rows, vocab] log-softmax: the top logits less each row's logsumexp."""
-        logits = self.logits(streams)
-        top = torch.topk(logits, k, dim=-1)
-        return top.values - torch.logsumexp(logits, dim=-1, keepdim=True), top.indices.to(torch.int32)
-
 
 def _gathered(row: Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:
     """The rows one hidden read gathered over this step's forward passes (a chunked
@@ -99,7 +91,11 @@ def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
     for k, group in by_k.items():
         try:
             flat = torch.cat([w.streams.reshape(-1, w.streams.shape[-1]) for w in group])
-            values, ids = lens.top_k(flat, k) if k else (lens(flat), None)
+            # (top-k of the log-softmax itself: the same values a full-row read returns)
+            values, ids = lens(flat), None
+            if k:
+                top = torch.topk(values, k, dim=-1)
+                values, ids = top.values, top.indices.to(torch.int32)
             offset = 0
             for w in group:
                 n = w.streams.shape[0] * w.streams.shape[1]
