@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .graph_layers import hooked_layers
+
 # vllm_config.additional_config key: the decoder layers that get read buffers, or "all".
 # Part of vLLM's compile-cache key (as steering.LAYERS is).
 LAYERS = "tracewire_read_buffers"
@@ -76,14 +78,7 @@ def attach(model: torch.nn.Module, vllm_config: Any, max_tokens: int) -> ReadBuf
     listed = layers_of(vllm_config.additional_config)
     if listed is None:
         return None
-    inner = getattr(model, "model", None)
-    if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
-        raise RuntimeError(f"--compiled-reads needs a decoder model with model.layers; {type(model).__name__} has none")
-    if isinstance(listed, list) and (missing := sorted(set(listed) - set(range(len(inner.layers))))):
-        raise ValueError(f"--compiled-reads lists layers {missing}; the model has layers 0-{len(inner.layers) - 1}")
-    start = getattr(inner, "start_layer", 0)
-    end = getattr(inner, "end_layer", len(inner.layers))  # pipeline parallel: this rank's layers
-    layers = [layer for layer in range(start, end) if listed == "all" or layer in listed]
+    inner, layers = hooked_layers(model, listed, "--compiled-reads")
     weight = next(model.parameters())
     buffers = ReadBuffers(layers, max_tokens, int(vllm_config.model_config.get_hidden_size()),
                           weight.dtype, weight.device)

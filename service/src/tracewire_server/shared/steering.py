@@ -34,6 +34,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from . import plan as P
 from . import read_buffers
+from .graph_layers import hooked_layers, max_tokens
 
 LOAD_FORMAT = "tracewire_steering"
 # model_loader_extra_config keys: the format (and its own extra config) that loads the weights.
@@ -83,28 +84,13 @@ class SteeringTables(torch.nn.Module):
         return (hidden * a + (a - 1) * residual + b, *output[1:])
 
 
-def max_tokens(vllm_config: Any) -> int:
-    """The most flat token rows a forward pass runs (the largest batch, or CUDA graph)."""
-    sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or [0]
-    return max(int(vllm_config.scheduler_config.max_num_batched_tokens), max(sizes))
-
-
 def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
     """Register the tables on `model`'s decoder layers, all or those the config lists
     (before its first forward pass compiles it); None when it lists none."""
     listed = layers_of(vllm_config.additional_config)
     if listed is None:
         return None
-    only = listed if isinstance(listed, list) else None
-    inner = getattr(model, "model", None)
-    if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
-        raise RuntimeError(f"--compiled-steering needs a decoder model with model.layers; "
-                           f"{type(model).__name__} has none")
-    start = getattr(inner, "start_layer", 0)
-    end = getattr(inner, "end_layer", len(inner.layers))  # pipeline parallel: this rank's layers
-    if only is not None and (missing := sorted(set(only) - set(range(len(inner.layers))))):
-        raise ValueError(f"--compiled-steering lists layers {missing}; the model has layers 0-{len(inner.layers) - 1}")
-    layers = [layer for layer in range(start, end) if only is None or layer in only]
+    inner, layers = hooked_layers(model, listed, "--compiled-steering")
     sched = vllm_config.scheduler_config
     weight = next(model.parameters())
     # Slot 0, and two per request the scheduler may hold (running, or preempted and

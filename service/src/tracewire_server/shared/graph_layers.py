@@ -1,0 +1,31 @@
+"""The decoder layers a compiled graph gets hooks on (--compiled-steering, --compiled-reads).
+
+Both attach their hooks while the model loads, before vLLM compiles it, to the layers
+their flag lists that this rank holds; both size their buffers for the largest pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def hooked_layers(model: torch.nn.Module, listed: list[int] | str, flag: str) -> tuple[torch.nn.Module, list[int]]:
+    """`model`'s decoder stack and the layers `listed` ("all", or numbers) names among
+    those on this rank; a model without one, or a layer it lacks, fails naming `flag`."""
+    inner = getattr(model, "model", None)
+    if inner is None or not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+        raise RuntimeError(f"{flag} needs a decoder model with model.layers; {type(model).__name__} has none")
+    count = len(inner.layers)
+    if isinstance(listed, list) and (missing := sorted(set(listed) - set(range(count)))):
+        raise ValueError(f"{flag} lists layers {missing}; the model has layers 0-{count - 1}")
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", count)  # pipeline parallel: this rank's layers
+    return inner, [layer for layer in range(start, end) if listed == "all" or layer in listed]
+
+
+def max_tokens(vllm_config: Any) -> int:
+    """The most flat token rows a forward pass runs (the largest batch, or CUDA graph)."""
+    sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or [0]
+    return max(int(vllm_config.scheduler_config.max_num_batched_tokens), max(sizes))
