@@ -211,13 +211,6 @@ class InterventionCompiler:
 
     def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:
         self.require_eager(field)
-        if self.limits.tensor_parallel_size > 1:
-            # Each rank holds a slice of the vocab-parallel lm_head: a rank's lens would be
-            # the log-softmax over its slice alone (other values, other top ids).
-            raise FailedPrecondition(
-                f"{field}: the logit lens applies lm_head, which tensor parallelism splits across this "
-                f"server's {self.limits.tensor_parallel_size} ranks (tensor_parallel_size "
-                f"{self.limits.tensor_parallel_size}); it is served with tensor_parallel_size 1")
         num_layers = self.limits.num_layers
         if not r.layers:
             raise InvalidArgument(f"{field}.layers", "name at least one layer")

@@ -153,7 +153,7 @@ class ModuleHooks:
         self.store = store if store is not None else PatchStore()  # patch sources' values
         self.sequences = sequences
         self.drain = drain  # (module_writes' text conditions: every finished step first)
-        self.lens = Lens(*runner.lens_parts(), runner.vocab_size)
+        self.lens = Lens(*runner.lens_parts(), runner.vocab_size, gather=runner.vocab_gather())
         self.patterns = AttentionPatterns(runner.attention_layers())
         self._wants: dict[str, list[Want]] = {}
         self._edits: dict[str, list[Edit]] = {}

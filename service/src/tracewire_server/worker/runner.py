@@ -239,3 +239,16 @@ class RunnerView:
         """The model's final norm and lm_head weight (the logit lens applies them)."""
         model = self._runner.model
         return model.model.norm, model.lm_head.weight
+
+    def vocab_gather(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Under tensor parallelism lm_head is vocab-parallel: each rank holds a slice of
+        its rows (padded), so a rank's `x @ weight.T` is its slice of the logits. This
+        joins the ranks' slices along the last dimension, in vocab order (vLLM's own
+        LogitsProcessor gathers its logits the same way). None: one rank holds it all.
+        A collective: every rank of the group must call it, in the same order (they do:
+        each runs the same hooks on the same batch)."""
+        from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+
+        if get_tensor_model_parallel_world_size() == 1:
+            return None
+        return functools.partial(tensor_model_parallel_all_gather, dim=-1)
