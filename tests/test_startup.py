@@ -122,10 +122,11 @@ def test_other_argument_errors_are_one_line() -> None:
                                  "(run 'python -m tracewire_server --help' for every option)")
 
 
-def test_pipeline_parallel_is_refused_in_one_line() -> None:
-    result = start("--pipeline-parallel-size", "2")
+def test_compiled_steering_under_pipeline_parallel_is_refused_in_one_line() -> None:
+    """Its earlier stages' steering tables would stay empty: the hooks run on the last."""
+    result = start("--pipeline-parallel-size", "2", "--compiled-steering")
     assert result.returncode == 2
-    assert last_line(result).startswith("tracewire: --pipeline-parallel-size > 1 is not supported: ")
+    assert last_line(result).startswith("tracewire: --compiled-steering needs --pipeline-parallel-size 1: ")
 
 
 def test_start_says_what_is_served_where(server: ServerProcess) -> None:

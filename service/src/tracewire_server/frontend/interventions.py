@@ -91,6 +91,7 @@ class InterventionCompiler:
                     "(sampled_in, token_probability without token_id)",
                 )
             steps = self.steps(iv.steps, f"{f}.steps") if iv.HasField("steps") else P.StepSet()
+            self.require_last_stage(action, condition, f"{f}.{iv.WhichOneof('action')}", f"{f}.condition")
             ops.append(P.Op(name or f"#{j}", steps, condition, action))
         # Dictionary conditions' values: reads of their own, computed and never returned.
         return tuple(ops) + P.condition_reads(tuple(ops))
@@ -184,6 +185,27 @@ class InterventionCompiler:
                 + ("" if self.limits.steerable_layers else
                    " (or --compiled-steering for add / replace / zero writes on decoder layers)")
             )
+
+    def require_last_stage(self, action: P.Action, condition: P.Condition | None, field: str,
+                           condition_field: str) -> None:
+        """Under pipeline parallelism the hooks run on the last stage (where the sample is
+        drawn and the records leave): modules of earlier stages are refused, never answered
+        with nothing. Dictionary conditions read their dictionary's module too."""
+        if self.limits.pipeline_parallel_size <= 1:
+            return
+        if isinstance(action, P.HIDDEN_READS):
+            paths = [path.removesuffix(".attn") for _, path in action.module_reads("")]
+        elif isinstance(action, P.WriteModule):
+            paths = [action.module]
+        else:
+            paths = []
+        for path in paths:
+            if why := self.limits.pipeline_stage_refusal(path):
+                raise FailedPrecondition(f"{field}: {why}")
+        for leaf in P.dictionary_values(condition):
+            if why := self.limits.pipeline_stage_refusal(leaf.dictionary.module):
+                raise FailedPrecondition(f"{condition_field}: dictionary {leaf.dictionary.name!r} reads "
+                                         f"{leaf.dictionary.module!r}: {why}")
 
     def require_writable(self, module: str, edit: str | None, field: str) -> None:
         """Eager engines write any module; compiled ones with --compiled-steering only

@@ -34,6 +34,21 @@ class ModelLimits:
     # `attention_patterns_refused` says why this server cannot serve them ("": it can).
     num_key_value_heads: int = 0
     attention_patterns_refused: str = ""
+    # Pipeline parallelism: the stages hold consecutive layers; the hooks run on the last
+    # stage only (it draws the sample), which holds layers from `last_stage_first_layer`.
+    pipeline_parallel_size: int = 1
+    last_stage_first_layer: int = 0
+
+    def pipeline_stage_refusal(self, module: str) -> str:
+        """Why `module` takes no interventions on this server ("": it does): under pipeline
+        parallelism only the last stage's modules do."""
+        if self.pipeline_parallel_size <= 1 or module == "norm":
+            return ""
+        if module.startswith("layers.") and int(module.split(".")[1]) >= self.last_stage_first_layer:
+            return ""
+        return (f"{module!r} runs on an earlier pipeline stage than the sample (pipeline_parallel_size "
+                f"{self.pipeline_parallel_size}); interventions are served on the last stage's modules: "
+                f"layers.{self.last_stage_first_layer} to layers.{self.num_layers - 1} and norm")
 
     def attention_patterns_refusal(self) -> str:
         """Why read_attention_pattern is refused on this server; "" when it is served."""

@@ -32,7 +32,7 @@ class TracewireWorkerExtension:
         if hooks is None:
             runner = self.model_runner  # type: ignore[attr-defined]
             hooks = self.tracewire_hooks = install(runner, fault_injection)
-        if rank == 0:
+        if hooks.runner.sends:
             previous = hooks.senders.get(route)
             hooks.senders[route] = Sender(address)
             if previous is not None:  # the frontend asked again (engine.py)
@@ -87,10 +87,15 @@ class TracewireWorkerExtension:
 
 def install(runner: Any, fault_injection: bool) -> PlanHooks:
     """Wrap vLLM model runner `runner`'s sampler (and, eager, its modules; compiled with
-    steering tables, its forward pass's host side)."""
+    steering tables, its forward pass's host side): on the last pipeline stage only."""
     check_supported(runner)
     view = RunnerView(runner)
-    hooks = PlanHooks(view, fault_injection)
+    view.prepare_pipeline_stage()
+    hooks = PlanHooks(view, fault_injection)  # (on every stage: dictionaries load everywhere)
+    if not view.samples:
+        # An earlier pipeline stage: never draws a sample, and the frontend refuses
+        # interventions on its modules (limits.pipeline_stage_refusal).
+        return hooks
     hooks.install(view.sampler)
     if view.eager:  # hooks cannot fire inside compiled graphs
         hooks.install_module_hooks()
