@@ -5,10 +5,11 @@ One server per setting for the module (eager, vLLM's multiprocessing executor; o
 build each rank is a process pinned to one core through VLLM_CPU_OMP_THREADS_BIND). Every
 kind of read, write, stop and condition is compared with transformers on the same weights,
 not with a TP=1 run of our own: equal within float32 tolerance, and each step's record
-exactly once (one worker sends). What cannot be right is refused with FAILED_PRECONDITION
-naming the field: under tensor parallelism heads, neurons and attention patterns (the heads
-are split across ranks); under pipeline parallelism the modules of the first stage (layers
-0-1 of the tiny model's 4: the hooks run on the last stage, where the sample is drawn).
+exactly once (under pipeline parallelism each stage sends its part: layers 0-1 of the tiny
+model's 4 are on the first stage, 2-3 on the last, which draws). What cannot be right is
+refused with FAILED_PRECONDITION naming the field: under tensor parallelism heads, neurons
+and attention patterns (split across the ranks); under pipeline parallelism what needs the
+last stage (lm_head, the sample) on the first stage's layers.
 """
 
 from __future__ import annotations
@@ -40,23 +41,17 @@ ONE_CORE_EACH = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # (vLLM's CPU backend: a c
 
 class Setting(NamedTuple):
     """A parallel setting and the modules its tests address (under pipeline parallelism
-    the last stage's: layers.2, layers.3, norm)."""
+    the logit lens reads the last stage's layers: layers.2 and layers.3)."""
 
     flags: tuple[str, ...]
-    reads: tuple[str, ...]  # modules read at every prompt position
     lens: tuple[int, ...]  # logit-lens layers at prompt positions
-    new_token: int  # the layer read, and logit-lensed, at each new token
-    steered: int  # the layer a steering vector is added to
-    zeroed: int  # the layer zeroed at prompt positions 1 and 2
+    step_lens: int  # the layer logit-lensed at each new token
 
 
+READS = ("embed_tokens", "layers.0", "layers.1.self_attn", "layers.2.mlp", "layers.3", "norm")  # every position
 SETTINGS = {
-    "tp2": Setting(("--tensor-parallel-size", "2"),
-                   ("embed_tokens", "layers.0", "layers.1.self_attn", "layers.2.mlp", "layers.3", "norm"),
-                   (0, -1), 1, 1, 0),
-    "pp2": Setting(("--pipeline-parallel-size", "2"),
-                   ("layers.2", "layers.2.self_attn", "layers.3.mlp", "layers.3", "norm"),
-                   (2, -1), 2, 2, 2),
+    "tp2": Setting(("--tensor-parallel-size", "2"), (0, -1), 1),
+    "pp2": Setting(("--pipeline-parallel-size", "2"), (2, -1), 2),
 }
 
 
@@ -81,7 +76,7 @@ def par(request, tmp_path_factory):
 
 
 def once_per_step(result, n, invoke=0):
-    """Each step's record arrived exactly once, in order: one worker sends."""
+    """Each step's record arrived exactly once, in order (one worker per stage sends)."""
     assert [s.step for s in result.seq(invoke)] == list(range(n))
 
 
@@ -123,12 +118,13 @@ def dictionary_np(name, x):
 def test_module_reads_logit_lens_and_dictionaries(par, hf):
     n, ids, setting = 3, hf.encode(PROMPT), par.setting
     prompt = I.Positions(all_prompt=I.AllPrompt())
-    new = f"layers.{setting.new_token}"
+    lensed = f"layers.{setting.step_lens}"
     result = run(par.stub, trace(invoke(
-        PROMPT, *[iv(p, read_module=I.ReadModule(module=p, positions=prompt)) for p in setting.reads],
-        iv("new", read_module=I.ReadModule(module=new)),
+        PROMPT, *[iv(p, read_module=I.ReadModule(module=p, positions=prompt)) for p in READS],
+        iv("new0", read_module=I.ReadModule(module="layers.0")),
+        iv("new3", read_module=I.ReadModule(module="layers.3")),
         iv("lens", read_logit_lens=I.ReadLogitLens(layers=list(setting.lens), positions=prompt, top_k=5)),
-        iv("step_lens", read_logit_lens=I.ReadLogitLens(layers=[setting.new_token], top_k=0)),
+        iv("step_lens", read_logit_lens=I.ReadLogitLens(layers=[setting.step_lens], top_k=0)),
         iv("probe", read_dictionary=I.ReadDictionary(dictionary=PROBE)),
         iv("sae_top", read_dictionary=I.ReadDictionary(dictionary=SAE, top_k=I.TopK(k=5))),
         iv("sae_chosen", read_dictionary=I.ReadDictionary(
@@ -139,7 +135,7 @@ def test_module_reads_logit_lens_and_dictionaries(par, hf):
     assert tokens == hf.greedy(ids, n)
     once_per_step(result, n)
     ref = hf_module_outputs(hf, ids)
-    for path in setting.reads:  # prompt positions, at step 0 only
+    for path in READS:  # prompt positions, at step 0 only
         (value,) = result.values(path)
         np.testing.assert_allclose(value, ref[path], atol=ATOL, err_msg=path)
     # the logit lens (under tensor parallelism: every rank's slice of lm_head, gathered)
@@ -153,10 +149,11 @@ def test_module_reads_logit_lens_and_dictionaries(par, hf):
     np.testing.assert_allclose(chosen, dictionary_np(SAE, ref["layers.2"][[0, -1]])[:, [7, 3]], atol=2e-4)
     for step in range(n):  # the new token of each step
         streams = hf_module_outputs(hf, ids + tokens[:step])
-        np.testing.assert_allclose(result.values("new")[step], streams[new][-1], atol=ATOL)
+        np.testing.assert_allclose(result.values("new0")[step], streams["layers.0"][-1], atol=ATOL)
+        np.testing.assert_allclose(result.values("new3")[step], streams["layers.3"][-1], atol=ATOL)
         row = result.values("step_lens")[step]
         assert row.shape == (1, 1, hf.model.config.vocab_size)
-        np.testing.assert_allclose(row[0], hf_lens(hf, streams[new][-1:]).numpy(), atol=1e-3)
+        np.testing.assert_allclose(row[0], hf_lens(hf, streams[lensed][-1:]).numpy(), atol=1e-3)
         x = streams["layers.2"][-1:]
         np.testing.assert_allclose(result.values("probe")[step], dictionary_np(PROBE, x)[0], atol=2e-4)
         every = dictionary_np(SAE, x)[0]
@@ -182,16 +179,16 @@ def hf_zeroed(hf, ids, layer):
 def test_module_and_logits_writes(par, hf):
     """A steering add (every step), a zero ablation at prompt positions, a bias write and a
     forced token: three invokes of one trace, each against its transformers run."""
-    n, ids, setting = 5, hf.encode(PROMPT), par.setting
+    n, ids = 5, hf.encode(PROMPT)
     vector = np.random.default_rng(0).normal(size=hf.model.config.hidden_size).astype(np.float32)
-    zero = I.WriteModule(module=f"layers.{setting.zeroed}", zero=I.ZeroAblation(),
+    zero = I.WriteModule(module="layers.0", zero=I.ZeroAblation(),
                          positions=I.Positions(prompt_list=I.PositionList(positions=[1, 2])))
     plain = hf.next_logits(ids)
     target, berlin = int(torch.topk(plain, 2).indices[1]), hf.encode(" Berlin")[0]
     bias = float(plain.max() - plain[target]) + 5.0
     raw = iv("raw", read_logits=logits(raw=True))
     result = run(par.stub, trace(
-        invoke(PROMPT, iv(write_module=steer(vector, scale=4.0, module=f"layers.{setting.steered}")), raw),
+        invoke(PROMPT, iv(write_module=steer(vector, scale=4.0, module="layers.1")), raw),
         invoke(PROMPT, iv(write_module=zero), raw),
         invoke(PROMPT, iv("seen", sel=steps(at=[0]), read_logits=logits(ids=[target])),
                iv(sel=steps(at=[0]), write_logits=I.WriteLogits(bias=I.TokenBias(bias={target: bias}))),
@@ -203,13 +200,13 @@ def test_module_and_logits_writes(par, hf):
     tokens, seq = result.tokens(0), list(ids)
     assert tokens != hf.greedy(ids, n)  # the vector changes the continuation
     for step in range(n):
-        ref = hf_steered(hf, seq, setting.steered, lambda rows: rows + 4.0 * torch.from_numpy(vector), len(ids) - 1)
+        ref = hf_steered(hf, seq, 1, lambda rows: rows + 4.0 * torch.from_numpy(vector), len(ids) - 1)
         np.testing.assert_allclose(result.values("raw", 0)[step], ref.numpy(), atol=LOGITS_ATOL, rtol=1e-4)
         assert tokens[step] == int(ref.argmax())
         seq.append(tokens[step])
     # zero ablation at prompt positions 1 and 2 (the prefill only)
     zeroed = result.values("raw", 1)[0]
-    np.testing.assert_allclose(zeroed, hf_zeroed(hf, ids, setting.zeroed).numpy(), atol=LOGITS_ATOL, rtol=1e-4)
+    np.testing.assert_allclose(zeroed, hf_zeroed(hf, ids, 0).numpy(), atol=LOGITS_ATOL, rtol=1e-4)
     assert not np.allclose(zeroed, plain.numpy(), atol=1e-2)
     # the bias makes the runner-up win at step 0; step 1 is forced; then greedy again
     assert result.tokens(2) == [target, berlin] + hf.greedy(ids + [target, berlin], n - 2)
@@ -246,28 +243,35 @@ def test_stops_and_conditions(par, hf):
 
 
 @pytest.mark.parametrize("par", ["pp2"], indirect=True)
-def test_heads_neurons_and_patterns_on_the_last_pipeline_stage(par, hf):
-    """Under pipeline parallelism a layer of the last stage holds every head and neuron:
-    head reads, neuron writes and attention patterns equal transformers' (tensor
-    parallelism splits them: refused, below)."""
+def test_heads_neurons_patterns_and_dictionaries_on_both_pipeline_stages(par, hf):
+    """Under pipeline parallelism each stage holds its layers' every head and neuron:
+    attention patterns and neuron writes on the first stage, head reads on the last, and a
+    dictionary of a first-stage layer, equal transformers' (tensor parallelism splits heads
+    and neurons: refused, below)."""
     eager = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32, attn_implementation="eager")
     prompt = I.Positions(all_prompt=I.AllPrompt())
-    pattern = I.ReadAttentionPattern(layers=[3], positions=I.Positions(all=I.AllPositions()), top_k=0)
+    pattern = I.ReadAttentionPattern(layers=[0], positions=I.Positions(all=I.AllPositions()), top_k=0)
     heads = I.ReadModule(module="layers.3.self_attn.heads", positions=prompt,
                          units=I.UnitSelection(ids=I.UnitIds(ids=[2, 0])))
-    zero = I.WriteModule(module="layers.2.mlp.act", positions=prompt, units=I.UnitIds(ids=[1, 2]),
+    zero = I.WriteModule(module="layers.1.mlp.act", positions=prompt, units=I.UnitIds(ids=[1, 2]),
                          zero=I.ZeroAblation())
-    result = run(par.stub, trace(invoke(PROMPT, iv("p", read_attention_pattern=pattern), iv("h", read_module=heads)),
+    w = {"W": np.random.default_rng(3).normal(size=(2, 256)).astype(np.float32), "b": np.zeros(2, np.float32)}
+    register(par.stub, "early-probe", D.DictionarySpec(kind=D.DICTIONARY_KIND_PROBE, module="layers.1",
+                                                       probe_activation=D.PROBE_ACTIVATION_SIGMOID), w)
+    result = run(par.stub, trace(invoke(PROMPT, iv("p", read_attention_pattern=pattern), iv("h", read_module=heads),
+                                        iv("d", read_dictionary=I.ReadDictionary(dictionary="early-probe"))),
                                  invoke(PROMPT, iv(write_module=zero), iv("raw", read_logits=logits(raw=True))),
                                  max_tokens=3, **GREEDY))
     ids = hf.encode(PROMPT)
-    n = len(ids)
+    n, tokens = len(ids), result.tokens()
     once_per_step(result, 3)
-    ref = hf_attentions(eager, ids + result.tokens()[:-1])[3]  # [heads, T, T]
+    ref = hf_attentions(eager, ids + tokens[:-1])[0]  # [heads, T, T]
     np.testing.assert_allclose(result.values("p")[0][0], ref[:, :n, :n].transpose(1, 0, 2), atol=1e-5)
     for s in range(1, 3):
         q = n - 1 + s  # the new token's position
         np.testing.assert_allclose(result.values("p")[s][0, 0], ref[:, q, : q + 1], atol=1e-5)
+        x = hf_module_outputs(hf, ids + tokens[:s])["layers.1"][-1].astype(np.float64)
+        np.testing.assert_allclose(result.values("d")[s], 1 / (1 + np.exp(-(w["W"] @ x + w["b"]))), atol=2e-4)
     inputs, _ = hf_inputs(hf, ids)
     np.testing.assert_allclose(result.values("h")[0], inputs["layers.3.self_attn.heads"][:, [2, 0]], atol=READ_ATOL)
 
@@ -275,7 +279,7 @@ def test_heads_neurons_and_patterns_on_the_last_pipeline_stage(par, hf):
         x[:, [1, 2]] = 0
         return x
 
-    _, zeroed = hf_inputs(hf, ids, {"layers.2.mlp.act": zero_12})
+    _, zeroed = hf_inputs(hf, ids, {"layers.1.mlp.act": zero_12})
     np.testing.assert_allclose(result.values("raw", 1)[0], zeroed, atol=LOGITS_ATOL, rtol=1e-4)
     assert not np.allclose(zeroed, hf.next_logits(ids).numpy(), atol=1e-4)
 
@@ -290,33 +294,28 @@ REFUSED = {
         (I.Intervention(name="p", read_attention_pattern=I.ReadAttentionPattern(layers=[0])),
          "read_attention_pattern", "tensor_parallel_size 2"),
     ],
-    "pp2": [
-        (I.Intervention(name="r", read_module=I.ReadModule(module="layers.1")),
-         "read_module", "pipeline_parallel_size 2"),
-        (I.Intervention(name="r", read_module=I.ReadModule(module="embed_tokens")),
-         "read_module", "earlier pipeline stage"),
-        (I.Intervention(write_module=steer(np.ones(256, np.float32), module="layers.0")),
-         "write_module", "layers.2 to layers.3 and norm"),
+    "pp2": [  # what needs the last stage (lm_head, the sample) of the first stage's layers 0 and 1
         (I.Intervention(name="l", read_logit_lens=I.ReadLogitLens(layers=[3, 1])),
-         "read_logit_lens", "'layers.1'"),
-        (I.Intervention(name="p", read_attention_pattern=I.ReadAttentionPattern(layers=[0])),
-         "read_attention_pattern", "'layers.0.self_attn'"),
-        # a dictionary of a first-stage layer (uploaded below): its reads, and conditions on it
-        (I.Intervention(name="d", read_dictionary=I.ReadDictionary(dictionary="early-probe")),
-         "read_dictionary", "'layers.1'"),
+         "read_logit_lens.layers", "the logit lens (lm_head) runs on the last pipeline stage"),
+        (I.Intervention(name="r", read_module=I.ReadModule(module="layers.0"), condition=I.Condition(
+            argmax_in=I.TokenSet(token_ids=[1]))), "condition", "conditions are decided on the last pipeline stage"),
+        (I.Intervention(write_module=steer(np.ones(256, np.float32), module="layers.1"), condition=I.Condition(
+            text_contains="x")), "condition", "'layers.1' is on stage 0"),
+        (I.Intervention(name="p", read_attention_pattern=I.ReadAttentionPattern(layers=[1, 2])),
+         "read_attention_pattern.layers", "layers must be on one pipeline stage"),
         (I.Intervention(name="s", read_sample=I.ReadSample(), condition=I.Condition(
             dictionary_value=I.DictionaryThreshold(dictionary="early-probe", feature=0, threshold=I.Threshold(
                 comparison=cmp(">"), value=0.5)))),
-         "condition", "dictionary 'early-probe' reads 'layers.1'"),
+         "condition", "dictionary 'early-probe''s condition runs on the last pipeline stage"),
     ],
 }
 
 
 def test_what_cannot_be_right_is_refused(par):
     """Tensor parallelism splits heads and neurons across the ranks (o_proj's / down_proj's
-    inputs), and the heads patterns are computed from; pipeline parallelism runs the first
-    layers on a stage the hooks do not run on. Refused, never a part or nothing."""
-    if par.name == "pp2":
+    inputs), and the heads patterns are computed from; under pipeline parallelism the first
+    stage's layers have no lm_head and no sample. Refused, never a part or nothing."""
+    if par.name == "pp2":  # (a probe of layers.1, for the condition on it)
         spec = D.DictionarySpec(kind=D.DICTIONARY_KIND_PROBE, module="layers.1",
                                 probe_activation=D.PROBE_ACTIVATION_SIGMOID)
         register(par.stub, "early-probe", spec, {"W": np.ones((1, 256), np.float32), "b": np.zeros(1, np.float32)})

@@ -293,14 +293,14 @@ _UNSUPPORTED_MODEL_TYPES = {"bloom": "ALiBi position biases", "mpt": "ALiBi posi
                             "gpt_oss": "attention sinks"}
 
 
-def pipeline_limits(llm: Any, num_layers: int) -> dict[str, int]:
-    """ModelLimits' pipeline stages: their count, and the last stage's first layer (vLLM's
-    own split, VLLM_PP_LAYER_PARTITION included: the workers inherit this environment)."""
+def pipeline_limits(llm: Any, num_layers: int) -> dict[str, Any]:
+    """ModelLimits' pipeline stages: their count, and each one's first layer (vLLM's own
+    split, VLLM_PP_LAYER_PARTITION included: the workers inherit this environment)."""
     from vllm.distributed.utils import get_pp_indices
 
     size = int(llm.vllm_config.parallel_config.pipeline_parallel_size)
-    first = get_pp_indices(num_layers, size - 1, size)[0] if size > 1 else 0
-    return dict(pipeline_parallel_size=size, last_stage_first_layer=int(first))
+    firsts = tuple(int(get_pp_indices(num_layers, s, size)[0]) for s in range(size)) if size > 1 else (0,)
+    return dict(pipeline_parallel_size=size, stage_first_layers=firsts)
 
 
 def attention_limits(hf: Any, tensor_parallel_size: int) -> dict[str, Any]:
@@ -397,7 +397,7 @@ async def _release_trace(llm: Any, trace_key: str) -> None:
 
 
 async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, route: int) -> None:
-    """Wrap every worker's sampler (once per engine); one worker (the last pipeline stage's
+    """Wrap every worker's sampler (once per engine); one worker per pipeline stage (its
     first tensor-parallel rank) sends frontend `route`'s
     records to `address`. An engine core that never answers fails the start with a
     clear error instead of hanging it (as a lost answer once did: vllm_compat's

@@ -91,7 +91,7 @@ class InterventionCompiler:
                     "(sampled_in, token_probability without token_id)",
                 )
             steps = self.steps(iv.steps, f"{f}.steps") if iv.HasField("steps") else P.StepSet()
-            self.require_last_stage(action, condition, f"{f}.{iv.WhichOneof('action')}", f"{f}.condition")
+            self.require_stage(action, condition, f"{f}.{iv.WhichOneof('action')}", f"{f}.condition")
             ops.append(P.Op(name or f"#{j}", steps, condition, action))
         # Dictionary conditions' values: reads of their own, computed and never returned.
         return tuple(ops) + P.condition_reads(tuple(ops))
@@ -186,26 +186,48 @@ class InterventionCompiler:
                    " (or --compiled-steering for add / replace / zero writes on decoder layers)")
             )
 
-    def require_last_stage(self, action: P.Action, condition: P.Condition | None, field: str,
-                           condition_field: str) -> None:
-        """Under pipeline parallelism the hooks run on the last stage (where the sample is
-        drawn and the records leave): modules of earlier stages are refused, never answered
-        with nothing. Dictionary conditions read their dictionary's module too."""
-        if self.limits.pipeline_parallel_size <= 1:
-            return
+    def stage(self, action: P.Action) -> int:
+        """The pipeline stage an op runs on: the one holding its module (the last for ops
+        on the logits and the sample; 0 without stages)."""
         if isinstance(action, P.HIDDEN_READS):
-            paths = [path.removesuffix(".attn") for _, path in action.module_reads("")]
-        elif isinstance(action, P.WriteModule):
-            paths = [action.module]
-        else:
-            paths = []
-        for path in paths:
-            if why := self.limits.pipeline_stage_refusal(path):
-                raise FailedPrecondition(f"{field}: {why}")
+            return self.limits.stage_of(action.module_reads("")[0][1])
+        if isinstance(action, P.WriteModule):
+            return self.limits.stage_of(action.module)
+        return self.limits.last_stage
+
+    def require_stage(self, action: P.Action, condition: P.Condition | None, field: str,
+                      condition_field: str) -> None:
+        """Under pipeline parallelism a module intervention runs on the stage holding its
+        module; what needs the last stage there is refused: the logit lens (lm_head), a
+        condition (decided where the sample is drawn, and dictionary conditions read their
+        module there), a patch operand (kept where its read ran), a pattern over layers of
+        several stages."""
+        limits = self.limits
+        if limits.pipeline_parallel_size <= 1:
+            return
+        if isinstance(action, P.ReadLogitLens):
+            for layer in action.layers:
+                if why := limits.pipeline_stage_refusal(f"layers.{layer}", "the logit lens (lm_head)"):
+                    raise FailedPrecondition(f"{field}.layers: {why}")
+        if isinstance(action, P.ReadAttentionPattern) and len({limits.stage_of(f"layers.{layer}")
+                                                                 for layer in action.layers}) > 1:
+            raise FailedPrecondition(f"{field}.layers: an attention-pattern read's layers must be on one "
+                                     f"pipeline stage (stages start at layers {list(limits.stage_first_layers)})")
+        stage = self.stage(action)
+        if stage != limits.last_stage:
+            module = action.module if isinstance(action, P.WriteModule) else action.module_reads("")[0][1]
+            if condition is not None:
+                raise FailedPrecondition(
+                    f"{condition_field}: conditions are decided on the last pipeline stage (pipeline_parallel_size "
+                    f"{limits.pipeline_parallel_size}), and {module!r} is on stage {stage}: unconditioned only")
+            if isinstance(action, P.WriteModule) and action.ref is not None:
+                raise FailedPrecondition(
+                    f"{field}: patch operands are kept on the last pipeline stage only, and {module!r} is on "
+                    f"stage {stage}")
         for leaf in P.dictionary_values(condition):
-            if why := self.limits.pipeline_stage_refusal(leaf.dictionary.module):
-                raise FailedPrecondition(f"{condition_field}: dictionary {leaf.dictionary.name!r} reads "
-                                         f"{leaf.dictionary.module!r}: {why}")
+            name = leaf.dictionary.name
+            if why := limits.pipeline_stage_refusal(leaf.dictionary.module, f"dictionary {name!r}'s condition"):
+                raise FailedPrecondition(f"{condition_field}: {why}")
 
     def require_writable(self, module: str, edit: str | None, field: str) -> None:
         """Eager engines write any module; compiled ones with --compiled-steering only

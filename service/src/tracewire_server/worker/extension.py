@@ -15,6 +15,7 @@ from ..shared.dictionary_spec import decode_info, encode_info
 from .hooks import PlanHooks
 from .runner import RunnerView, check_supported
 from .sender import Sender
+from .stage_steps import StageSteps
 
 # Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
 # worker processes; a logger of our own would have none there.
@@ -93,8 +94,11 @@ def install(runner: Any, fault_injection: bool) -> PlanHooks:
     view.prepare_pipeline_stage()
     hooks = PlanHooks(view, fault_injection)  # (on every stage: dictionaries load everywhere)
     if not view.samples:
-        # An earlier pipeline stage: never draws a sample, and the frontend refuses
-        # interventions on its modules (limits.pipeline_stage_refusal).
+        # An earlier pipeline stage: no sampler runs here. Eager, its module hooks run on
+        # its layers and StageSteps counts the steps and sends their reads.
+        if view.eager:
+            hooks.install_module_hooks()
+            StageSteps(view, hooks.sequences, hooks.senders, hooks.patches, hooks.dictionaries).install()
         return hooks
     hooks.install(view.sampler)
     if view.eager:  # hooks cannot fire inside compiled graphs

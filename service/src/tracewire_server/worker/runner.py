@@ -257,12 +257,23 @@ class RunnerView:
         return bool(get_pp_group().is_last_rank)
 
     @property
+    def stage(self) -> int:
+        """This worker's pipeline stage (0 without pipeline parallelism)."""
+        from vllm.distributed import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+
+    @property
     def sends(self) -> bool:
-        """Whether this worker sends the records: the first tensor-parallel rank of the
-        last pipeline stage (the other ranks compute the same values)."""
+        """Whether this worker sends its stage's records: its first tensor-parallel rank
+        (the other ranks compute the same values)."""
         from vllm.distributed import get_tp_group
 
-        return self.samples and get_tp_group().rank_in_group == 0
+        return bool(get_tp_group().rank_in_group == 0)
+
+    def after_forward(self, hook: Callable[[], None]) -> None:
+        """Call `hook` after each forward pass of the model (eager: it fires)."""
+        self._runner.model.register_forward_hook(lambda module, args, output: hook())
 
     def prepare_pipeline_stage(self) -> None:
         """Make the buffers a later pipeline stage receives its input in, where vLLM did
@@ -277,9 +288,11 @@ class RunnerView:
         runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
             batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
 
-    def lens_parts(self) -> tuple[torch.nn.Module, torch.Tensor]:
+    def lens_parts(self) -> tuple[torch.nn.Module, torch.Tensor] | None:
         """The model's final norm and lm_head weight (the logit lens applies them)."""
         model = self._runner.model
+        if not (_held(model.lm_head) and _held(model.model.norm)):
+            return None  # an earlier pipeline stage's (the compiler keeps the lens off it)
         return model.model.norm, model.lm_head.weight
 
     def vocab_gather(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
