@@ -146,16 +146,17 @@ class PortTaken(RuntimeError):
 
 
 def start_server(
-    tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None = None, own_session: bool = False
+    tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None = None, own_session: bool = False,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
     """A server on fresh ports. Ports are free when picked but can be taken before the
     server binds them (vLLM's engines pick random free ports too): then again, on others.
     `credentials`: the server serves TLS (`extra` has --tls-cert), connect with these.
     `own_session`: the server leads a session and process group of its own, for
-    `ServerProcess.signal_group`."""
+    `ServerProcess.signal_group`. `env`: set in the server's environment (over this one's)."""
     for attempt in range(3):
         try:
-            return _start_server_once(tmp_dir, *extra, credentials=credentials, own_session=own_session)
+            return _start_server_once(tmp_dir, *extra, credentials=credentials, own_session=own_session, env=env)
         except PortTaken:
             if attempt == 2:
                 raise
@@ -163,16 +164,17 @@ def start_server(
 
 
 def _start_server_once(
-    tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None, own_session: bool
+    tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None, own_session: bool,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
     port, http_port = free_ports(2)
     log_path = tmp_dir / f"server-{port}.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    server_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
     http = http_unavailable() is None
     cmd = [sys.executable, "-m", "tracewire_server", "--model", str(MODEL), "--port", str(port),
            *(["--http-port", str(http_port)] if http else []), *ENGINE_ARGS, *extra]
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=server_env,
                                    start_new_session=own_session)
     scheme = "https" if credentials is not None else "http"
     server = ServerProcess(f"127.0.0.1:{port}", process, log_path,

@@ -379,9 +379,10 @@ def test_logit_lens():
             f"must be in [0, {VOCAB}]")
     (op,) = ops(iv("r", read_logit_lens=I.ReadLogitLens(layers=[-1, 0], top_k=5)))
     assert op.action == P.ReadLogitLens((3, 0), P.Positions(), 5)
-    # lm_head is split across tensor-parallel ranks: refused, never each rank's slice
-    precondition(iv("r", read_logit_lens=I.ReadLogitLens(layers=[0], top_k=5)), lens, "tensor_parallel_size 2",
-                 limits=dataclasses.replace(EAGER, tensor_parallel_size=2))
+    # lm_head is split across tensor-parallel ranks: the workers gather it (test_parallel)
+    (op,) = ops(iv("r", read_logit_lens=I.ReadLogitLens(layers=[0], top_k=5)),
+                limits=dataclasses.replace(EAGER, tensor_parallel_size=2))
+    assert op.action == P.ReadLogitLens((0,), P.Positions(), 5)
 
 
 def test_module_writes():

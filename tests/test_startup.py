@@ -122,10 +122,13 @@ def test_other_argument_errors_are_one_line() -> None:
                                  "(run 'python -m tracewire_server --help' for every option)")
 
 
-def test_pipeline_parallel_is_refused_in_one_line() -> None:
-    result = start("--pipeline-parallel-size", "2")
+@pytest.mark.parametrize("flag", ["--compiled-steering", "--compiled-reads"])
+def test_graph_hooks_under_pipeline_parallel_are_refused_in_one_line(flag: str) -> None:
+    """Earlier stages' steering tables would stay empty and their read buffers unread:
+    the hooks of a compiled engine run on the last stage."""
+    result = start("--pipeline-parallel-size", "2", flag)
     assert result.returncode == 2
-    assert last_line(result).startswith("tracewire: --pipeline-parallel-size > 1 is not supported: ")
+    assert last_line(result).startswith(f"tracewire: {flag} needs --pipeline-parallel-size 1: ")
 
 
 def test_start_says_what_is_served_where(server: ServerProcess) -> None:

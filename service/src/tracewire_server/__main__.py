@@ -164,13 +164,14 @@ def parse_args(argv: list[str]) -> ServerConfig:
         parser.error("--frontends must be >= 1")
     if args.max_sequences < 1:
         parser.error("--max-sequences must be >= 1")
-    if args.pipeline_parallel_size > 1:
-        # The worker hooks assume every decoder layer, the final norm and lm_head in each
-        # worker; pipeline stages hold a slice of them (vLLM's PPMissingLayer elsewhere).
-        parser.error("--pipeline-parallel-size > 1 is not supported: tracewire's hooks need every layer "
-                     "and lm_head in each worker (tensor parallelism is: --tensor-parallel-size)")
     if (problem := platform_ray_problem(args.distributed_executor_backend)) is not None:
         parser.error(problem)
+    if args.pipeline_parallel_size > 1 and (args.compiled_steering or args.compiled_reads):
+        # The steering tables and read buffers of earlier stages' layers would be filled and
+        # read by hooks that run on the last stage only (where the sample is drawn).
+        flag = "--compiled-steering" if args.compiled_steering else "--compiled-reads"
+        parser.error(f"{flag} needs --pipeline-parallel-size 1: under pipeline parallelism the compiled "
+                     "graph's hooks run on the last stage only (module interventions need --enforce-eager there)")
     engine_args = AsyncEngineArgs.from_cli_args(args)
     if args.compiled_steering:
         use_compiled_steering(engine_args, _layer_list(parser, "--compiled-steering", args.compiled_steering))

@@ -17,7 +17,7 @@ from tracewire.v1 import sampling_pb2, service_pb2
 
 from ..shared import plan as P
 from ..shared.limits import ModelLimits
-from .errors import InvalidArgument, ResourceExhausted
+from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from .interventions import DictionaryLookup, InterventionCompiler
 from .patching import InvokeDraft, PatchWait, resolve_patches
 from .prompts import Encoder, EnginePrompt, to_engine_prompt
@@ -156,6 +156,7 @@ class _Compiler:
             # (whole rows: a head / neuron read keeps every unit, whichever it returns).
             bound += sum(self.read_bytes(_whole_rows(op), max_tokens) for op in ops if op.name in exports)
             all_ops.append(ops)
+            stages = self.pipeline_stages(ops, exports, f"invokes[{i}]")
             key = f"{trace_key}/{i}"
             skip_special = bool(kwargs.get("skip_special_tokens", True))
             sequences = []
@@ -167,7 +168,8 @@ class _Compiler:
                 # step results come from vLLM's token stream alone.
                 plan = P.SequencePlan(key=f"{key}/{s}", ops=ops, route=self.route,
                                       skip_special_tokens=skip_special, exports=exports,
-                                      trace=trace_key if exports else "", invoke=i if exports else 0) if ops else None
+                                      trace=trace_key if exports else "", invoke=i if exports else 0,
+                                      stages=stages) if ops else None
                 if plan is not None:
                     seq_kwargs["extra_args"] = {P.EXTRA_ARGS_KEY: P.encode_plan(plan)}
                 sequences.append(EngineSequence(i, s, seq_kwargs, plan))
@@ -213,6 +215,19 @@ class _Compiler:
                 raise InvalidArgument(field, f"the trace's invokes ask for {total} sequences by "
                                       f"invoke {i}; this server runs at most {cap} per request "
                                       "(--max-sequences)")
+
+    def pipeline_stages(self, ops: tuple[P.Op, ...], exports: frozenset[str], field: str) -> tuple[int, ...]:
+        """Each op's pipeline stage (SequencePlan.stages; empty without stages). A read
+        other invokes patch from is kept where it ran: only the last stage keeps them."""
+        if self.limits.pipeline_parallel_size <= 1:
+            return ()
+        stages = tuple(self.interventions.stage(op.action) for op in ops)
+        for op, stage in zip(ops, stages, strict=True):
+            if op.name in exports and stage != self.limits.last_stage:
+                raise FailedPrecondition(
+                    f"{field}.interventions: read {op.name!r} is a patch source on pipeline stage {stage}; "
+                    "patch operands are kept on the last stage only")
+        return stages
 
     def read_bytes(self, op: P.Op, max_tokens: int) -> int:
         """Upper bound on the bytes one sequence's op returns over the generation."""

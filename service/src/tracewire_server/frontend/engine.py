@@ -158,6 +158,7 @@ class Engine:
             tensor_parallel_size=description.tensor_parallel_size,
             num_key_value_heads=attention["num_key_value_heads"],
             attention_patterns_refused=attention["attention_patterns_refused"],
+            **pipeline_limits(llm, description.num_layers),
         )
         try:
             await _install_worker_hooks(llm, receiver.address, fault_injection, route)
@@ -315,6 +316,16 @@ _UNSUPPORTED_MODEL_TYPES = {"bloom": "ALiBi position biases", "mpt": "ALiBi posi
                             "gpt_oss": "attention sinks"}
 
 
+def pipeline_limits(llm: Any, num_layers: int) -> dict[str, Any]:
+    """ModelLimits' pipeline stages: their count, and each one's first layer (vLLM's own
+    split, VLLM_PP_LAYER_PARTITION included: the workers inherit this environment)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    size = int(llm.vllm_config.parallel_config.pipeline_parallel_size)
+    firsts = tuple(int(get_pp_indices(num_layers, s, size)[0]) for s in range(size)) if size > 1 else (0,)
+    return dict(pipeline_parallel_size=size, stage_first_layers=firsts)
+
+
 def attention_limits(hf: Any, tensor_parallel_size: int) -> dict[str, Any]:
     """ModelLimits' attention geometry, and why pattern reads are refused ("" when not)."""
     text = getattr(hf, "get_text_config", lambda: hf)()
@@ -391,15 +402,17 @@ def default_cpu_environment() -> None:
 
 
 async def _release_trace(llm: Any, trace_key: str) -> None:
-    """collective_rpc("tracewire_release") on every worker; rank 0's answer updates the
-    patch-store metrics. Shielded for the reason _install_worker_hooks says."""
+    """collective_rpc("tracewire_release") on every worker; the last rank's answer updates
+    the patch-store metrics (it is on the last pipeline stage, where the hooks keep the
+    patches; without pipeline stages every rank keeps the same). Shielded for the reason
+    _install_worker_hooks says."""
     call = asyncio.ensure_future(llm.collective_rpc("tracewire_release", args=(trace_key,)))
     try:
         answers = await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - the worker's bound frees what a lost release keeps
         log.warning("releasing trace %s's patch values failed: %s: %s", trace_key, type(e).__name__, e)
         return
-    freed, traces, _entries, held = answers[0]
+    freed, traces, _entries, held = answers[-1]
     metrics.PATCH_RELEASED_BYTES.inc(freed)
     metrics.PATCH_STORE_BYTES.set(held)
     metrics.PATCH_STORE_TRACES.set(traces)
@@ -407,7 +420,8 @@ async def _release_trace(llm: Any, trace_key: str) -> None:
 
 
 async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, route: int) -> None:
-    """Wrap every worker's sampler (once per engine); rank 0 sends frontend `route`'s
+    """Wrap every worker's sampler (once per engine); one worker per pipeline stage (its
+    first tensor-parallel rank) sends frontend `route`'s
     records to `address`. An engine core that never answers fails the start with a
     clear error instead of hanging it (as a lost answer once did: vllm_compat's
     FrontendGroup says why). Shielded: cancelling vLLM's utility future would break

@@ -91,6 +91,7 @@ class InterventionCompiler:
                     "(sampled_in, token_probability without token_id)",
                 )
             steps = self.steps(iv.steps, f"{f}.steps") if iv.HasField("steps") else P.StepSet()
+            self.require_stage(action, condition, f"{f}.{iv.WhichOneof('action')}", f"{f}.condition")
             ops.append(P.Op(name or f"#{j}", steps, condition, action))
         # Dictionary conditions' values: reads of their own, computed and never returned.
         return tuple(ops) + P.condition_reads(tuple(ops))
@@ -211,6 +212,49 @@ class InterventionCompiler:
                 f"{module!r} (--compiled-reads LAYERS)"
             )
 
+    def stage(self, action: P.Action) -> int:
+        """The pipeline stage an op runs on: the one holding its module (the last for ops
+        on the logits and the sample; 0 without stages)."""
+        if isinstance(action, P.HIDDEN_READS):
+            return self.limits.stage_of(action.module_reads("")[0][1])
+        if isinstance(action, P.WriteModule):
+            return self.limits.stage_of(action.module)
+        return self.limits.last_stage
+
+    def require_stage(self, action: P.Action, condition: P.Condition | None, field: str,
+                      condition_field: str) -> None:
+        """Under pipeline parallelism a module intervention runs on the stage holding its
+        module; what needs the last stage there is refused: the logit lens (lm_head), a
+        condition (decided where the sample is drawn, and dictionary conditions read their
+        module there), a patch operand (kept where its read ran), a pattern over layers of
+        several stages."""
+        limits = self.limits
+        if limits.pipeline_parallel_size <= 1:
+            return
+        if isinstance(action, P.ReadLogitLens):
+            for layer in action.layers:
+                if why := limits.pipeline_stage_refusal(f"layers.{layer}", "the logit lens (lm_head)"):
+                    raise FailedPrecondition(f"{field}.layers: {why}")
+        if isinstance(action, P.ReadAttentionPattern) and len({limits.stage_of(f"layers.{layer}")
+                                                                 for layer in action.layers}) > 1:
+            raise FailedPrecondition(f"{field}.layers: an attention-pattern read's layers must be on one "
+                                     f"pipeline stage (stages start at layers {list(limits.stage_first_layers)})")
+        stage = self.stage(action)
+        if stage != limits.last_stage:
+            module = action.module if isinstance(action, P.WriteModule) else action.module_reads("")[0][1]
+            if condition is not None:
+                raise FailedPrecondition(
+                    f"{condition_field}: conditions are decided on the last pipeline stage (pipeline_parallel_size "
+                    f"{limits.pipeline_parallel_size}), and {module!r} is on stage {stage}: unconditioned only")
+            if isinstance(action, P.WriteModule) and action.ref is not None:
+                raise FailedPrecondition(
+                    f"{field}: patch operands are kept on the last pipeline stage only, and {module!r} is on "
+                    f"stage {stage}")
+        for leaf in P.dictionary_values(condition):
+            name = leaf.dictionary.name
+            if why := limits.pipeline_stage_refusal(leaf.dictionary.module, f"dictionary {name!r}'s condition"):
+                raise FailedPrecondition(f"{condition_field}: {why}")
+
     def require_writable(self, module: str, edit: str | None, field: str) -> None:
         """Eager engines write any module; compiled ones with --compiled-steering only
         what their graph tables express."""
@@ -237,13 +281,6 @@ class InterventionCompiler:
 
     def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:
         self.require_reads(field)
-        if self.limits.tensor_parallel_size > 1:
-            # Each rank holds a slice of the vocab-parallel lm_head: a rank's lens would be
-            # the log-softmax over its slice alone (other values, other top ids).
-            raise FailedPrecondition(
-                f"{field}: the logit lens applies lm_head, which tensor parallelism splits across this "
-                f"server's {self.limits.tensor_parallel_size} ranks (tensor_parallel_size "
-                f"{self.limits.tensor_parallel_size}); it is served with tensor_parallel_size 1")
         num_layers = self.limits.num_layers
         if not r.layers:
             raise InvalidArgument(f"{field}.layers", "name at least one layer")

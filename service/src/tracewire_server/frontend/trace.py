@@ -137,6 +137,7 @@ class TraceRun:
         first: Any = None
         stopped_at: int | None = None
         plan = seq.plan
+        early: dict[int, list[StepRecord]] = {}  # pipeline stages' parts of later steps
         try:
             stream = self.engine.generate(inv.prompt, seq.sampling, stream=True, cache_salt=inv.cache_salt)
             async with contextlib.aclosing(stream):
@@ -147,7 +148,7 @@ class TraceRun:
                     for k, token in enumerate(c.token_ids):
                         step = len(token_ids)
                         # The worker records a step only when an op is selected at it.
-                        record = (await self._record(records, seq, step, token)
+                        record = (await self._record(records, seq, step, token, early)
                                   if records is not None and plan is not None and plan.active_at(step) else None)
                         if record is not None:
                             self._gates.reached(seq.invoke_index, step)  # (its worker kept the values first)
@@ -187,8 +188,29 @@ class TraceRun:
         return _SequenceResult(completion, len(completion.token_ids), first)
 
     async def _record(
-        self, records: asyncio.Queue[StepRecord], seq: EngineSequence, step: int, token: int
+        self, records: asyncio.Queue[StepRecord], seq: EngineSequence, step: int, token: int,
+        early: dict[int, list[StepRecord]],
     ) -> StepRecord:
+        """The worker's record of `step`; under pipeline parallelism the parts the stages
+        with ops at the step sent, joined (a part of a later step, sent by an earlier
+        stage before the last stage's record of this one, waits in `early`)."""
+        assert seq.plan is not None
+        if not seq.plan.stages:
+            return self._checked(await self._next_record(records, seq, step), seq, step, token)
+        parts = early.pop(step, [])
+        while len(parts) < seq.plan.parts_at(step):
+            record = await self._next_record(records, seq, step)
+            if record.step == step:
+                parts.append(record)
+            else:
+                early.setdefault(record.step, []).append(record)
+        values = {name: value for part in parts for name, value in part.values.items()}
+        drawn = max(part.token_id for part in parts)  # (earlier stages do not know it: -1)
+        joined = StepRecord(parts[0].key, step, drawn if drawn >= 0 else token, values,
+                            any(part.stopped for part in parts))
+        return self._checked(joined, seq, step, token)
+
+    async def _next_record(self, records: asyncio.Queue[StepRecord], seq: EngineSequence, step: int) -> StepRecord:
         try:
             # The record usually arrived before vLLM's token: skip wait_for's timer then.
             record = records.get_nowait() if not records.empty() else await asyncio.wait_for(
@@ -204,6 +226,10 @@ class TraceRun:
                 f"invoke {seq.invoke_index} sequence {seq.sequence_index}: an intervention failed "
                 f"in the engine at step {record.step}: {record.error}"
             )
+        return record
+
+    @staticmethod
+    def _checked(record: StepRecord, seq: EngineSequence, step: int, token: int) -> StepRecord:
         if record.step != step or record.token_id != token:
             raise Internal(
                 f"invoke {seq.invoke_index} sequence {seq.sequence_index}: the engine's hooks saw "

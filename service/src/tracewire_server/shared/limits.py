@@ -37,6 +37,35 @@ class ModelLimits:
     # `attention_patterns_refused` says why this server cannot serve them ("": it can).
     num_key_value_heads: int = 0
     attention_patterns_refused: str = ""
+    # Pipeline parallelism: the stages hold consecutive layers, stage s from layer
+    # stage_first_layers[s] on (embed_tokens on the first, norm and lm_head on the last).
+    # Module interventions run on the stage holding their module; what needs the sample
+    # or lm_head (conditions, the logit lens) runs on the last.
+    pipeline_parallel_size: int = 1
+    stage_first_layers: tuple[int, ...] = (0,)
+
+    @property
+    def last_stage(self) -> int:
+        return self.pipeline_parallel_size - 1
+
+    def stage_of(self, module: str) -> int:
+        """The pipeline stage holding `module` (0 without stages)."""
+        if self.pipeline_parallel_size <= 1 or module == "embed_tokens":
+            return 0
+        if not module.startswith("layers."):
+            return self.last_stage  # norm
+        layer = int(module.split(".")[1])
+        return max(s for s, first in enumerate(self.stage_first_layers) if first <= layer)
+
+    def pipeline_stage_refusal(self, module: str, what: str) -> str:
+        """Why `what` (something the last stage computes) cannot use `module` ("": it can):
+        under pipeline parallelism an earlier stage holds it."""
+        if self.stage_of(module) == self.last_stage:
+            return ""
+        first = self.stage_first_layers[-1]
+        return (f"{what} runs on the last pipeline stage (pipeline_parallel_size {self.pipeline_parallel_size}), "
+                f"and {module!r} is on stage {self.stage_of(module)}; the last stage holds layers.{first} to "
+                f"layers.{self.num_layers - 1} and norm")
 
     def attention_patterns_refusal(self) -> str:
         """Why read_attention_pattern is refused on this server; "" when it is served."""

@@ -521,6 +521,23 @@ class SequencePlan(msgspec.Struct, frozen=True):
     exports: frozenset[str] = frozenset()
     trace: str = ""  # the trace's key, with exports
     invoke: int = 0  # this request's invoke, with exports
+    # Pipeline parallelism: the stage each op runs on (the one holding its module; the
+    # last for the others), op for op; empty: one stage. Each stage's worker runs its own
+    # ops and sends their values; the server joins a step's parts (parts_at).
+    stages: tuple[int, ...] = ()
+
+    def on_stage(self, stage: int) -> SequencePlan:
+        """The plan as pipeline stage `stage`'s worker runs it: its own ops."""
+        if not self.stages:
+            return self
+        ops = tuple(op for op, at in zip(self.ops, self.stages, strict=True) if at == stage)
+        return msgspec.structs.replace(self, ops=ops, stages=())
+
+    def parts_at(self, step: int) -> int:
+        """How many records make the step's: one from each stage with an op selected then."""
+        if not self.stages:
+            return 1 if self.active_at(step) else 0
+        return len({at for op, at in zip(self.ops, self.stages, strict=True) if op.selects(step)})
 
     def active_at(self, step: int) -> tuple[Op, ...]:
         """The ops selected at `step`. The worker sends a record for a step exactly

@@ -15,6 +15,7 @@ from ..shared.dictionary_spec import decode_info, encode_info
 from .hooks import PlanHooks
 from .runner import RunnerView, check_supported
 from .sender import Sender, unreachable
+from .stage_steps import StageSteps
 
 # Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
 # worker processes; a logger of our own would have none there.
@@ -32,8 +33,8 @@ class TracewireWorkerExtension:
         if hooks is None:
             runner = self.model_runner  # type: ignore[attr-defined]
             hooks = self.tracewire_hooks = install(runner, fault_injection)
-        if rank == 0:
-            if (problem := unreachable(address)) is not None:
+        if hooks.runner.sends:
+            if (problem := unreachable(address, rank)) is not None:
                 raise RuntimeError(problem)
             previous = hooks.senders.get(route)
             hooks.senders[route] = Sender(address)
@@ -89,10 +90,19 @@ class TracewireWorkerExtension:
 
 def install(runner: Any, fault_injection: bool) -> PlanHooks:
     """Wrap vLLM model runner `runner`'s sampler (and, eager, its modules; compiled with
-    steering tables or read buffers, its forward pass's host side)."""
+    steering tables or read buffers, its forward pass's host side): on the last pipeline
+    stage only (an earlier stage's eager module hooks send their own reads)."""
     check_supported(runner)
     view = RunnerView(runner)
-    hooks = PlanHooks(view, fault_injection)
+    view.prepare_pipeline_stage()
+    hooks = PlanHooks(view, fault_injection)  # (on every stage: dictionaries load everywhere)
+    if not view.samples:
+        # An earlier pipeline stage: no sampler runs here. Eager, its module hooks run on
+        # its layers and StageSteps counts the steps and sends their reads.
+        if view.eager:
+            hooks.install_module_hooks()
+            StageSteps(view, hooks.sequences, hooks.senders, hooks.patches, hooks.dictionaries).install()
+        return hooks
     hooks.install(view.sampler)
     if view.eager:  # hooks cannot fire inside compiled graphs
         hooks.install_module_hooks()

@@ -90,7 +90,8 @@ class PlanHooks:
 
     def __init__(self, runner: RunnerView, fault_injection: bool) -> None:
         self.runner = runner
-        # One side channel per frontend process, by route (rank 0 only; empty elsewhere).
+        # One side channel per frontend process, by route (on each pipeline stage's worker
+        # that sends, RunnerView.sends; empty elsewhere).
         self.senders: dict[int, Sender] = {}
         self.fault_injection = fault_injection
         self.sequences = Sequences(runner)

@@ -162,7 +162,8 @@ class ModuleHooks:
         self.store = store if store is not None else PatchStore()  # patch sources' values
         self.sequences = sequences
         self.drain = drain  # (module_writes' text conditions: every finished step first)
-        self.lens = Lens(*runner.lens_parts(), runner.vocab_size)
+        parts = runner.lens_parts()
+        self.lens = Lens(*parts, runner.vocab_size, gather=runner.vocab_gather()) if parts is not None else None
         self.patterns = AttentionPatterns(runner.attention_layers())
         self._wants: dict[str, list[Want]] = {}
         self._edits: dict[str, list[Edit]] = {}

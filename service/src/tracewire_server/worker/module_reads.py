@@ -9,6 +9,7 @@ final norm and lm_head applied to them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -24,19 +25,26 @@ from .unit_hooks import select_units
 
 
 class Lens:
-    """The model's own final norm and lm_head, applied to residual streams (float32)."""
+    """The model's own final norm and lm_head, applied to residual streams (float32).
+    `gather`: under tensor parallelism `weight` is this rank's slice of the vocab-parallel
+    lm_head; it joins every rank's slice of the logits (runner.vocab_gather)."""
 
-    def __init__(self, norm: torch.nn.Module, weight: torch.Tensor, vocab_size: int) -> None:
+    def __init__(self, norm: torch.nn.Module, weight: torch.Tensor, vocab_size: int,
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.norm = norm
         self.weight = weight
         self.vocab_size = vocab_size
+        self.gather = gather
 
     @torch.no_grad()
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] logits (float32)."""
         normed = self.norm.forward(streams.to(device=self.weight.device, dtype=self.weight.dtype))
         normed = normed[0] if isinstance(normed, tuple) else normed  # (.forward: not through a hook on "norm")
-        return (normed @ self.weight.t())[:, : self.vocab_size].float()
+        logits = normed @ self.weight.t()
+        if self.gather is not None:  # [rows, the padded vocab], every rank's slice in order
+            logits = self.gather(logits.contiguous())
+        return logits[:, : self.vocab_size].float()
 
     @torch.no_grad()
     def __call__(self, streams: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,11 @@ from ..shared import plan as P
 from ..shared import read_buffers, steering
 
 
+def _held(module: torch.nn.Module) -> bool:
+    """Not vLLM's stand-in for a module another pipeline stage holds."""
+    return type(module).__name__ != "PPMissingLayer"
+
+
 def check_supported(runner: Any) -> None:
     """Refuse runners whose sampler the hooks cannot wrap."""
     sampler = getattr(runner, "sampler", None)
@@ -210,7 +215,8 @@ class RunnerView:
         """GetModelInfo's module paths -> the modules of a vLLM decoder-only model."""
         inner = self._runner.model.model
         found: dict[str, torch.nn.Module] = {"embed_tokens": inner.embed_tokens, "norm": inner.norm}
-        for i, layer in enumerate(inner.layers):
+        found = {path: module for path, module in found.items() if _held(module)}  # (pipeline stages)
+        for i, layer in self.layers():
             found[f"layers.{i}"] = layer
             found[f"layers.{i}.self_attn"] = layer.self_attn
             found[f"layers.{i}.mlp"] = layer.mlp
@@ -219,7 +225,7 @@ class RunnerView:
     def attention_layers(self) -> dict[int, AttentionLayer]:
         """Each decoder layer's attention module (`layers.L.self_attn.attn`), by layer."""
         found: dict[int, AttentionLayer] = {}
-        for i, layer in enumerate(self._runner.model.model.layers):
+        for i, layer in self.layers():
             attn = getattr(getattr(layer, "self_attn", None), "attn", None)
             if attn is None:
                 continue
@@ -247,7 +253,7 @@ class RunnerView:
         down_proj's ([tokens, intermediate], the activated gate * up). Layers without
         them (other architectures) have no such paths."""
         found: dict[str, tuple[torch.nn.Module, int]] = {}
-        for i, layer in enumerate(self._runner.model.model.layers):
+        for i, layer in self.layers():
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if hasattr(attn, "o_proj") and hasattr(attn, "head_dim"):
                 found[f"layers.{i}{P.HEADS_SUFFIX}"] = (attn.o_proj, int(attn.head_dim))
@@ -255,7 +261,69 @@ class RunnerView:
                 found[f"layers.{i}{P.NEURONS_SUFFIX}"] = (mlp.down_proj, 1)
         return found
 
-    def lens_parts(self) -> tuple[torch.nn.Module, torch.Tensor]:
+    def layers(self) -> list[tuple[int, torch.nn.Module]]:
+        """The decoder layers this worker holds, by number: all of them, or under pipeline
+        parallelism its stage's (vLLM puts a PPMissingLayer in the others' places)."""
+        return [(i, layer) for i, layer in enumerate(self._runner.model.model.layers) if _held(layer)]
+
+    # -- pipeline stages -------------------------------------------------------------
+
+    @property
+    def samples(self) -> bool:
+        """Whether this worker draws the samples: the last pipeline stage (every worker
+        without pipeline parallelism). Only there do the hooks run."""
+        from vllm.distributed import get_pp_group
+
+        return bool(get_pp_group().is_last_rank)
+
+    @property
+    def stage(self) -> int:
+        """This worker's pipeline stage (0 without pipeline parallelism)."""
+        from vllm.distributed import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+
+    @property
+    def sends(self) -> bool:
+        """Whether this worker sends its stage's records: its first tensor-parallel rank
+        (the other ranks compute the same values)."""
+        from vllm.distributed import get_tp_group
+
+        return bool(get_tp_group().rank_in_group == 0)
+
+    def after_forward(self, hook: Callable[[], None]) -> None:
+        """Call `hook` after each forward pass of the model (eager: it fires)."""
+        self._runner.model.register_forward_hook(lambda module, args, output: hook())
+
+    def prepare_pipeline_stage(self) -> None:
+        """Make the buffers a later pipeline stage receives its input in, where vLLM did
+        not: its CPU runner makes them in the warm-up run it skips for eager engines
+        (vLLM 0.32), and the stage's first step then fails its assertion. As vLLM's
+        _dummy_run makes them."""
+        from vllm.distributed import get_pp_group
+
+        runner = self._runner
+        if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", True) is not None:
+            return
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+    def lens_parts(self) -> tuple[torch.nn.Module, torch.Tensor] | None:
         """The model's final norm and lm_head weight (the logit lens applies them)."""
         model = self._runner.model
+        if not (_held(model.lm_head) and _held(model.model.norm)):
+            return None  # an earlier pipeline stage's (the compiler keeps the lens off it)
         return model.model.norm, model.lm_head.weight
+
+    def vocab_gather(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Under tensor parallelism lm_head is vocab-parallel: each rank holds a slice of
+        its rows (padded), so a rank's `x @ weight.T` is its slice of the logits. This
+        joins the ranks' slices along the last dimension, in vocab order (vLLM's own
+        LogitsProcessor gathers its logits the same way). None: one rank holds it all.
+        A collective: every rank of the group must call it, in the same order (they do:
+        each runs the same hooks on the same batch)."""
+        from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+
+        if get_tensor_model_parallel_world_size() == 1:
+            return None
+        return functools.partial(tensor_model_parallel_all_gather, dim=-1)

@@ -78,8 +78,8 @@ def _sender_context() -> zmq.Context:  # type: ignore[type-arg]
     return context
 
 
-def unreachable(address: str) -> str | None:
-    """Why this worker cannot send to the frontend's side channel `address`, or None.
+def unreachable(address: str, rank: int = 0) -> str | None:
+    """Why this worker (of `rank`) cannot send to the frontend's side channel `address`, or None.
 
     The frontend binds a local (ipc://) socket on its own machine. A worker on another
     machine (a Ray cluster's node) would connect to a path that is not there: ZMQ connects
@@ -93,11 +93,12 @@ def unreachable(address: str) -> str | None:
     except OSError:
         pass
     return (
-        f"tracewire: the worker of rank 0 runs on {socket.gethostname()}, which has no side channel "
-        f"socket {path}: that is a local socket of the machine the server runs on, and rank 0 "
-        "sends every trace's records through it. With --distributed-executor-backend ray, rank 0 "
-        "must run there: start the server on a node whose accelerators are in the Ray cluster "
-        "(vLLM gives rank 0 to a worker on the node it starts on when it has one; "
+        f"tracewire: the worker of rank {rank} runs on {socket.gethostname()}, which has no side channel "
+        f"socket {path}: that is a local socket of the machine the server runs on, and rank {rank} "
+        "sends its traces' records through it (rank 0, and under pipeline parallelism each stage's "
+        "first rank). With --distributed-executor-backend ray, those workers must run there: start "
+        "the server on a node whose accelerators are in the Ray cluster, and keep pipeline stages on "
+        "it (vLLM gives rank 0 to a worker on the node it starts on when it has one; "
         "VLLM_RAY_BUNDLE_INDICES must not place it elsewhere). deploy/README.md: Multi-node with Ray"
     )
 

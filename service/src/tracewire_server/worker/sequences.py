@@ -135,9 +135,10 @@ class Sequences:
         if req_id in self.by_id:
             return self.by_id[req_id]
         blob = self.runner.plan_blob(req_id)
+        # (Under pipeline parallelism its stage's ops: none here, untraced here.)
+        plan = P.decode_plan(blob).on_stage(self.runner.stage) if blob is not None else None
         seq = None
-        if blob is not None:
-            plan = P.decode_plan(blob)
+        if plan is not None and plan.ops:
             prompt_ids = self.runner.prompt_ids(req_id)
             seq = Sequence(plan, needs_text=plan.needs_text(), prompt_ids=prompt_ids)
             if seq.needs_text:
