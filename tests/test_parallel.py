@@ -325,3 +325,33 @@ def test_what_cannot_be_right_is_refused(par):
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, field
         assert f"interventions[0].{field}" in info.value.details() and why in info.value.details(), \
             info.value.details()
+
+
+def test_compiled_reads_and_steering_under_tensor_parallel(tmp_path, hf):
+    """A compiled TP=2 engine (--compiled-reads --compiled-steering): every rank fills its
+    steering tables and read buffers in the graph, the first sends; the reads see the
+    write, the lens gathers the vocab-parallel lm_head."""
+    from test_compiled_reads import _hf_steered_outputs
+    from test_hidden_states import prompt_read
+
+    proc = start_server(tmp_path, "--tensor-parallel-size", "2", "--compiled-reads", "--compiled-steering",
+                        "--distributed-executor-backend", "mp", env=ONE_CORE_EACH)
+    try:
+        vector = np.random.default_rng(11).normal(size=hf.model.config.hidden_size).astype(np.float32) * 4.0
+        with grpc.insecure_channel(proc.target) as channel:
+            result = run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(
+                PROMPT, iv("prompt", read_module=prompt_read("layers.0")), iv(write_module=steer(vector)),
+                iv("l2", read_module=I.ReadModule(module="layers.2")),
+                iv("lens", read_logit_lens=I.ReadLogitLens(layers=[0, 2], top_k=5))), max_tokens=4, **GREEDY))
+    finally:
+        stop_soon(proc)
+    ids, tokens = hf.encode(PROMPT), result.tokens()
+    once_per_step(result, 4)
+    np.testing.assert_allclose(result.values("prompt")[0], hf_module_outputs(hf, ids)["layers.0"], atol=ATOL)
+    for step in range(4):
+        ref = _hf_steered_outputs(hf, ids + tokens[:step], torch.from_numpy(vector), start=len(ids) - 1)
+        np.testing.assert_allclose(result.values("l2")[step], ref["layers.2"][-1], atol=ATOL)
+        for k, layer in enumerate([0, 2]):
+            want = torch.topk(hf_lens(hf, ref[f"layers.{layer}"][-1:]), 5, dim=-1)
+            np.testing.assert_array_equal(result.ids("lens")[step][k], want.indices.numpy())
+            np.testing.assert_allclose(result.values("lens")[step][k], want.values.numpy(), atol=ATOL)
