@@ -3,15 +3,16 @@
  * createNodeClient, kept apart so browser bundles never import node:http2.
  */
 
-import type { Transport } from "@connectrpc/connect";
 import { Http2SessionManager, createGrpcTransport, type GrpcTransportOptions } from "@connectrpc/connect-node";
 import { withToken } from "./auth.js";
 import { Code, TracewireError } from "./errors.js";
 import { TracewireClient, type ClientOptions } from "./client.js";
 import { replicaAddresses, replicaTransport } from "./replicas.js";
+import { dnsReplicaTransport, parseDnsTarget, type Connection, type DnsOptions } from "./dns_replicas.js";
 
 export * from "./index.js";
-export { DEFAULT_RETRY, replicaAddresses, replicaTransport, type RetryPolicy } from "./replicas.js";
+export { DEFAULT_RETRY, ReplicaTransport, replicaAddresses, replicaTransport, type RetryPolicy } from "./replicas.js";
+export { DEFAULT_RERESOLVE_MS, dnsReplicaTransport, parseDnsTarget, type DnsAddress, type DnsLookup, type DnsOptions } from "./dns_replicas.js";
 
 /** TLS for the gRPC port (the server's --tls-cert; --tls-client-ca: present cert and key). PEM. */
 export interface NodeTlsOptions {
@@ -30,6 +31,8 @@ export interface NodeClientOptions extends ClientOptions {
   readonly tls?: boolean | NodeTlsOptions;
   /** Extra options for connect-node's gRPC transport (TLS nodeOptions, interceptors, limits...). */
   readonly transport?: Omit<GrpcTransportOptions, "baseUrl">;
+  /** A `dns:` target's resolver and re-resolution interval (defaults: the OS's, 30 s). */
+  readonly dns?: DnsOptions;
 }
 
 /**
@@ -41,8 +44,20 @@ export interface NodeClientOptions extends ClientOptions {
  * Several replicas (README: Replicas): gRPC's address list, "ipv4:10.0.0.1:50051,10.0.0.2:50051"
  * (as the Python SDK takes it), or a list of URLs. Calls then go round-robin over them, and a
  * call refused with UNAVAILABLE before any response is retried on the next one (replicas.ts).
+ * A DNS name, "dns:///tracewire.default.svc:50051", names the replicas it resolves to, resolved
+ * with the OS resolver before the first call and again at most every 30 s (dns_replicas.ts).
  */
 export function createNodeClient(target: string | readonly string[], options: NodeClientOptions = {}): TracewireClient {
+  const name = typeof target === "string" ? parseDnsTarget(target) : undefined;
+  if (name) {
+    if (options.transport?.sessionManager) {
+      throw new TracewireError("transport.sessionManager: one session serves one server, not a DNS name's replicas", Code.InvalidArgument);
+    }
+    // With TLS, the certificate names the host, not each address it resolves to (as gRPC checks it).
+    const connectTo = (address: string): Connection => connect(address, options, name.host);
+    const transport = dnsReplicaTransport(target as string, connectTo, options.dns);
+    return new TracewireClient(transport, options, () => transport.close());
+  }
   const addresses = replicaAddresses(target);
   if (addresses.length > 1 && options.transport?.sessionManager) {
     throw new TracewireError("transport.sessionManager: one session serves one server, not a list of replicas", Code.InvalidArgument);
@@ -54,7 +69,7 @@ export function createNodeClient(target: string | readonly string[], options: No
 }
 
 /** One server's gRPC transport, and how to end its HTTP/2 connection. */
-function connect(url: string, options: NodeClientOptions): { transport: Transport; release: () => void } {
+function connect(url: string, options: NodeClientOptions, servername?: string): Connection {
   const tls = options.tls === true ? {} : options.tls || undefined;
   const baseUrl = /^[a-z][a-z0-9+.-]*:\/\//i.test(url) ? url : `${tls ? "https" : "http"}://${url}`;
   if (tls && !baseUrl.startsWith("https://")) {
@@ -64,7 +79,7 @@ function connect(url: string, options: NodeClientOptions): { transport: Transpor
   const transportOptions = {
     ...given,
     interceptors: withToken(options.token, given.interceptors),
-    ...(tls ? { nodeOptions: { ...given.nodeOptions, ...tls } } : {}),
+    ...(tls ? { nodeOptions: { ...(servername ? { servername } : {}), ...given.nodeOptions, ...tls } } : {}),
   };
   // A session manager of our own (unless given one: then closing it is the caller's business),
   // so that client.close() can end the HTTP/2 connection.

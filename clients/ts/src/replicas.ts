@@ -62,9 +62,9 @@ export function replicaAddresses(target: string | readonly string[]): string[] {
   const match = /^(ipv4|ipv6):(.*)$/.exec(target);
   if (!match) {
     if (target.startsWith("dns:")) {
-      // gRPC resolves a dns: name to all its addresses; Node's gRPC transport here has no resolver.
+      // A name's addresses change over time: createNodeClient resolves it per call (dns_replicas.ts).
       throw new TracewireError(
-        `target: ${target}: dns: names are resolved by the Python SDK (gRPC) only; list the addresses ("ipv4:a:port,b:port" or an array of URLs)`,
+        `target: ${target}: a dns: name has no fixed list of addresses; createNodeClient resolves it (dnsReplicaTransport)`,
         Code.InvalidArgument,
       );
     }
@@ -82,20 +82,45 @@ export function replicaAddresses(target: string | readonly string[]): string[] {
 }
 
 /** A Transport over several replicas' transports: round-robin, with retries on UNAVAILABLE before a response. */
-export function replicaTransport(replicas: readonly Transport[], policy: RetryPolicy = DEFAULT_RETRY): Transport {
+export function replicaTransport(replicas: readonly Transport[], policy: RetryPolicy = DEFAULT_RETRY): ReplicaTransport {
   return new ReplicaTransport(replicas, policy);
 }
 
-class ReplicaTransport implements Transport {
+/** When a replica last refused and when it rejoins the rotation (ms, Date.now()), its refusals in a row. */
+interface Bench {
+  readonly since: number;
+  readonly until: number;
+  readonly refusals: number;
+}
+
+const IN_ROTATION: Bench = { since: 0, until: 0, refusals: 0 };
+
+export class ReplicaTransport implements Transport {
   private next = 0;
-  /** Per replica: when it last refused and when it rejoins the rotation (ms, Date.now()), its refusals in a row. */
-  private readonly benched: { since: number; until: number; refusals: number }[];
+  private replicas: readonly Transport[];
+  /** Per replica (by transport, so that a new list keeps the state of the replicas it keeps). */
+  private benched = new Map<Transport, Bench>();
 
   constructor(
-    private readonly replicas: readonly Transport[],
+    replicas: readonly Transport[],
     private readonly policy: RetryPolicy,
   ) {
-    this.benched = replicas.map(() => ({ since: 0, until: 0, refusals: 0 }));
+    this.replicas = this.checked(replicas);
+  }
+
+  /**
+   * A new list of replicas (a DNS name re-resolved: dns_replicas.ts): replicas still listed
+   * keep their place out of the rotation; calls already retrying finish over the list they began on.
+   */
+  setReplicas(replicas: readonly Transport[]): void {
+    this.replicas = this.checked(replicas);
+    const kept = new Set(replicas);
+    for (const replica of this.benched.keys()) if (!kept.has(replica)) this.benched.delete(replica);
+  }
+
+  private checked(replicas: readonly Transport[]): readonly Transport[] {
+    if (replicas.length === 0) throw new TracewireError("replicas: an empty list of transports", Code.InvalidArgument);
+    return [...replicas];
   }
 
   unary<I extends DescMessage, O extends DescMessage>(
@@ -121,7 +146,7 @@ class ReplicaTransport implements Transport {
   ): Promise<StreamResponse<I, O>> {
     if (method.methodKind !== "server_streaming") {
       // A client stream cannot be replayed once sent: one replica, no retry.
-      return this.replicas[this.pick()]!.stream(method, signal, timeoutMs, header, input, contextValues);
+      return this.pick(this.replicas).stream(method, signal, timeoutMs, header, input, contextValues);
     }
     // The one request message, kept so that each attempt sends it again.
     const messages: MessageInitShape<I>[] = [];
@@ -141,52 +166,57 @@ class ReplicaTransport implements Transport {
     call: (replica: Transport, remainingMs: number | undefined) => Promise<T>,
   ): Promise<T> {
     const started = Date.now();
-    const tried = new Set<number>();
+    const replicas = this.replicas; // this call's list, even if a re-resolution replaces it meanwhile
+    const tried = new Set<Transport>();
     for (let attempt = 1; ; attempt++) {
       // The call's deadline covers all its attempts (as gRPC's does); Connect reads <= 0 as "none".
       const remaining = timeoutMs === undefined || timeoutMs <= 0 ? undefined : timeoutMs - (Date.now() - started);
       if (remaining !== undefined && remaining <= 0) {
         throw new ConnectError("deadline exceeded (retrying on other replicas)", Code.DeadlineExceeded);
       }
-      const index = this.pick(tried);
-      tried.add(index);
+      const replica = this.pick(replicas, tried);
+      tried.add(replica);
       const sent = Date.now();
       try {
-        const response = await call(this.replicas[index]!, remaining);
+        const response = await call(replica, remaining);
         // Back in the rotation, unless it refused another call since this one was sent (a
         // replica that began draining after taking this call).
-        if (this.benched[index]!.since < sent) this.benched[index] = { since: 0, until: 0, refusals: 0 };
+        if (this.bench(replica).since < sent) this.benched.delete(replica);
         return response;
       } catch (error) {
         if (!isRefusal(error) || signal?.aborted || attempt >= this.policy.maxAttempts) throw error;
-        this.bench(index);
+        this.refused(replica);
         await sleep(this.backoff(attempt), signal);
       }
     }
+  }
+
+  private bench(replica: Transport): Bench {
+    return this.benched.get(replica) ?? IN_ROTATION;
   }
 
   /**
    * The next replica in the rotation that is not benched, preferring one `tried` lacks; when
    * every one is benched, the one back soonest.
    */
-  private pick(tried: ReadonlySet<number> = new Set()): number {
+  private pick(replicas: readonly Transport[], tried: ReadonlySet<Transport> = new Set()): Transport {
     const now = Date.now();
-    const count = this.replicas.length;
+    const count = replicas.length;
     const order = Array.from({ length: count }, (_, i) => (this.next + i) % count);
-    const ready = (i: number): boolean => this.benched[i]!.until <= now;
+    const ready = (i: number): boolean => this.bench(replicas[i]!).until <= now;
     const choice =
-      order.find((i) => ready(i) && !tried.has(i)) ??
+      order.find((i) => ready(i) && !tried.has(replicas[i]!)) ??
       order.find(ready) ??
-      order.reduce((best, i) => (this.benched[i]!.until < this.benched[best]!.until ? i : best));
-    this.next = choice + 1;
-    return choice;
+      order.reduce((best, i) => (this.bench(replicas[i]!).until < this.bench(replicas[best]!).until ? i : best));
+    this.next = (choice + 1) % count;
+    return replicas[choice]!;
   }
 
-  private bench(index: number): void {
-    const refusals = this.benched[index]!.refusals + 1;
+  private refused(replica: Transport): void {
+    const refusals = this.bench(replica).refusals + 1;
     const cooldown = Math.min(COOLDOWN_MS * 2 ** (refusals - 1), MAX_COOLDOWN_MS);
     const now = Date.now();
-    this.benched[index] = { since: now, until: now + cooldown, refusals };
+    this.benched.set(replica, { since: now, until: now + cooldown, refusals });
   }
 
   /** gRPC's: uniform in [0, min(initial * multiplier^(n-1), max)). */
@@ -217,7 +247,7 @@ function isRefusedStream(cause: Error): boolean {
  * UNAVAILABLE, the stream refused, or the connection lost, before any response: the replica
  * did not take the call (the caller only asks about errors that came before the response).
  */
-function isRefusal(error: unknown): boolean {
+export function isRefusal(error: unknown): boolean {
   if (!(error instanceof ConnectError)) {
     return false;
   }

@@ -124,5 +124,5 @@ test("replicaAddresses: gRPC's address lists and URL lists name replicas; one ad
   }
   assert.throws(() => replicaAddresses("ipv4:10.0.0.1,10.0.0.2:50051"), /target: "10\.0\.0\.1" in .* is not a\.b\.c\.d:port/);
   assert.throws(() => replicaAddresses([]), /target: an empty list/);
-  assert.throws(() => replicaAddresses("dns:///tracewire.default.svc:50051"), /dns: names are resolved by the Python SDK/);
+  assert.throws(() => replicaAddresses("dns:///tracewire.default.svc:50051"), /a dns: name has no fixed list of addresses; createNodeClient resolves it/);
 });
