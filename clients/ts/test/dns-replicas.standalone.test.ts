@@ -142,6 +142,20 @@ test("a name that fails to resolve, or resolves to nothing, fails the call with 
   }
 });
 
+test("a re-resolution that fails keeps the addresses known so far", async () => {
+  const resolver = fakeResolver(["127.0.0.2"]);
+  const client = createNodeClient(`dns:///tracewire.test:${port}`, { dns: { lookup: resolver.lookup, reresolveMs: 20 } });
+  try {
+    assert.equal((await client.modelInfo()).model, "127.0.0.2");
+    resolver.answer = new Error("getaddrinfo EAI_AGAIN tracewire.test");
+    await sleep(40);
+    assert.equal((await client.modelInfo()).model, "127.0.0.2");
+    assert.equal(resolver.lookups.length, 2); // it did ask again
+  } finally {
+    client.close();
+  }
+});
+
 test("the OS resolver: dns:///localhost:PORT reaches the server on 127.0.0.1", async () => {
   const client = createNodeClient(`dns:///localhost:${port}`);
   try {
