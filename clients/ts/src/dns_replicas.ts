@@ -84,9 +84,19 @@ export function dnsReplicaTransport(
   return new DnsReplicaTransport(target, parsed, connect, options.lookup ?? osLookup, reresolveMs, policy);
 }
 
+/** Retired connections kept at most (each idle one closes itself; this bounds the bookkeeping). */
+const RETIRED_MAX = 64;
+
 export class DnsReplicaTransport implements Transport {
   /** Per address (`host:port`), its connection: kept while the name still lists it. */
   private connections = new Map<string, Connection>();
+  /**
+   * Connections of addresses the name stopped listing: out of the rotation but not cut, so
+   * the calls on them finish (a pod leaving a headless Service drains its traces, then its
+   * server closes the connection; else the session manager's idle timeout ends it). Reused
+   * if the address comes back; the oldest are released past RETIRED_MAX.
+   */
+  private retired = new Map<string, Connection>();
   private replicas: ReplicaTransport | undefined;
   private resolvedAt = 0;
   /** Every replica refused a call since the last resolution: the next call resolves again. */
@@ -131,8 +141,9 @@ export class DnsReplicaTransport implements Transport {
 
   /** Ends every replica's connection. */
   close(): void {
-    for (const connection of this.connections.values()) connection.release();
+    for (const connection of [...this.connections.values(), ...this.retired.values()]) connection.release();
     this.connections.clear();
+    this.retired.clear();
   }
 
   /** A call refused by every replica it tried (retries spent) asks for a fresh resolution. */
@@ -165,9 +176,17 @@ export class DnsReplicaTransport implements Transport {
       return this.replicas;
     }
     const previous = this.connections;
-    this.connections = new Map(addresses.map((address) => [address, previous.get(address) ?? this.connect(address)]));
-    // Addresses the name no longer lists: their connections end (a pod gone from the Service).
-    for (const [address, connection] of previous) if (!this.connections.has(address)) connection.release();
+    this.connections = new Map(addresses.map((address) => [
+      address, previous.get(address) ?? this.retired.get(address) ?? this.connect(address),
+    ]));
+    for (const address of addresses) this.retired.delete(address);
+    // Addresses the name no longer lists (a pod leaving the Service): out of the rotation.
+    for (const [address, connection] of previous) if (!this.connections.has(address)) this.retired.set(address, connection);
+    for (const [address, connection] of this.retired) {
+      if (this.retired.size <= RETIRED_MAX) break;
+      this.retired.delete(address); // (Map order: the oldest first)
+      connection.release();
+    }
     const transports = [...this.connections.values()].map((c) => c.transport);
     if (this.replicas) this.replicas.setReplicas(transports);
     else this.replicas = new ReplicaTransport(transports, this.policy);
