@@ -3,7 +3,8 @@
  * with gRPC's `round_robin` policy and retry policy (tracewire/channel.py):
  *
  * - a target naming several replicas: gRPC's address list (`ipv4:10.0.0.1:50051,10.0.0.2:50051`,
- *   `ipv6:[::1]:50051,[::1]:50052`) or a list of URLs; a plain `host:port` / URL names one
+ *   `ipv6:[::1]:50051,[::1]:50052`) or a list of URLs (a `dns:` name: dns_replicas.ts resolves
+ *   it and keeps this transport over its addresses); a plain `host:port` / URL names one
  *   server (no policy: its own error at once, as before);
  * - calls spread round-robin over the replicas;
  * - a call refused with UNAVAILABLE before any response (a replica draining after SIGTERM
