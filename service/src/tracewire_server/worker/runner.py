@@ -29,6 +29,17 @@ def _held(module: torch.nn.Module) -> bool:
     return type(module).__name__ != "PPMissingLayer"
 
 
+def _groups() -> tuple[Any, Any] | None:
+    """vLLM's pipeline and tensor parallel groups of this worker; None outside a distributed
+    worker (the hooks' unit tests and bench/hooks.py run a stand-in runner: one stage, one
+    rank)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_pp_group(), parallel_state.get_tp_group()
+
+
 def check_supported(runner: Any) -> None:
     """Refuse runners whose sampler the hooks cannot wrap."""
     sampler = getattr(runner, "sampler", None)
@@ -272,24 +283,21 @@ class RunnerView:
     def samples(self) -> bool:
         """Whether this worker draws the samples: the last pipeline stage (every worker
         without pipeline parallelism). Only there do the hooks run."""
-        from vllm.distributed import get_pp_group
-
-        return bool(get_pp_group().is_last_rank)
+        groups = _groups()
+        return groups is None or bool(groups[0].is_last_rank)
 
     @property
     def stage(self) -> int:
         """This worker's pipeline stage (0 without pipeline parallelism)."""
-        from vllm.distributed import get_pp_group
-
-        return int(get_pp_group().rank_in_group)
+        groups = _groups()
+        return 0 if groups is None else int(groups[0].rank_in_group)
 
     @property
     def sends(self) -> bool:
         """Whether this worker sends its stage's records: its first tensor-parallel rank
         (the other ranks compute the same values)."""
-        from vllm.distributed import get_tp_group
-
-        return bool(get_tp_group().rank_in_group == 0)
+        groups = _groups()
+        return groups is None or bool(groups[1].rank_in_group == 0)
 
     def after_forward(self, hook: Callable[[], None]) -> None:
         """Call `hook` after each forward pass of the model (eager: it fires)."""
@@ -300,10 +308,9 @@ class RunnerView:
         not: its CPU runner makes them in the warm-up run it skips for eager engines
         (vLLM 0.32), and the stage's first step then fails its assertion. As vLLM's
         _dummy_run makes them."""
-        from vllm.distributed import get_pp_group
-
+        groups = _groups()
         runner = self._runner
-        if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", True) is not None:
+        if groups is None or groups[0].is_first_rank or getattr(runner, "intermediate_tensors", True) is not None:
             return
         runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
             batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
@@ -322,8 +329,9 @@ class RunnerView:
         LogitsProcessor gathers its logits the same way). None: one rank holds it all.
         A collective: every rank of the group must call it, in the same order (they do:
         each runs the same hooks on the same batch)."""
-        from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+        from vllm.distributed import tensor_model_parallel_all_gather
 
-        if get_tensor_model_parallel_world_size() == 1:
+        groups = _groups()
+        if groups is None or groups[1].world_size == 1:
             return None
         return functools.partial(tensor_model_parallel_all_gather, dim=-1)
