@@ -63,6 +63,10 @@ CPU_CORES: dict[str, dict[int, list[dict[str, dict[str, float]]]]] = {}
 # row -> concurrency -> each repeat's ratio to raw vLLM at the time the cell ran (paired_ratios)
 PAIRED: dict[str, dict[int, list[float]]] = {}
 RAW = "raw vLLM AsyncLLM"
+# --eager-raw: a second raw AsyncLLM in this process with --enforce-eager, its ratio to the
+# compiled raw engine measured in the same cells: what an eager server gives up before any
+# tracewire code runs (issue 26: 0.23x at c=64 on the H200).
+EAGER_RAW = "raw vLLM AsyncLLM, --enforce-eager"
 
 
 def free_port() -> int:
@@ -239,9 +243,10 @@ def async_llm(model: str, engine: dict[str, object], new_tokens: int, **params: 
     return llm, sampling, [tok.encode(p) for p in PROMPTS]
 
 
-async def raw_engine(model: str, new_tokens: int):
-    """vLLM's AsyncLLM in this process: the baseline, no tracewire code at all."""
-    llm, params, ids = async_llm(model, ENGINE, new_tokens)
+async def raw_engine(model: str, new_tokens: int, **overrides: object):
+    """vLLM's AsyncLLM in this process: the baseline, no tracewire code at all (with
+    `overrides` of the bench's engine settings: the eager raw row)."""
+    llm, params, ids = async_llm(model, {**ENGINE, **overrides}, new_tokens)
 
     async def one(i: int, concurrency: int) -> int:
         final = None
@@ -669,7 +674,7 @@ _profile.done = set()  # type: ignore[attr-defined]
 
 async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_tokens: int,
                   rows_kinds: tuple[str, ...], out_dir: str = ".", frontends: int = 1, client_procs: int = 1,
-                  load: str = "python"):
+                  load: str = "python", eager_raw: bool = False):
     """Rows interleaved (raw, Generate, each trace kind, raw, ...) so drift hits all alike;
     the median of `repeats` per cell, and of each row's ratios to raw at its own time
     (paired_ratios: one more raw cell closes each concurrency)."""
@@ -704,6 +709,12 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
             cells = {name: _in_process(fn) for name, fn in fns.items()}
         llm, raw = await raw_engine(model, new_tokens)
         log(f"raw engine up after {time.perf_counter() - began:.0f} s")
+        engines = [llm]
+        if eager_raw:
+            eager_llm, eager = await raw_engine(model, new_tokens, enforce_eager=True)
+            engines.append(eager_llm)
+            cells = {EAGER_RAW: _in_process(eager), **cells}
+            log(f"eager raw engine up after {time.perf_counter() - began:.0f} s")
         # This process holds a whole AsyncLLM and is the tracewire rows' client: a full GC
         # over its startup objects stalls every stream it reads for ~0.3 s. The tracewire
         # server and the bare stream freeze theirs alike, as vLLM's API server does.
@@ -713,7 +724,7 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
         cells = {RAW: _in_process(raw), **dict(sorted(cells.items(), key=lambda kv: kv[0] != BARE_ROW))}
         samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in cells}
         # The raw engine shares this process with the tracewire rows' client: no meter.
-        serving = {RAW: None, BARE_ROW: bare.pid if bare is not None else None}
+        serving = {RAW: None, EAGER_RAW: None, BARE_ROW: bare.pid if bare is not None else None}
         for c in levels:
             for name in cells:
                 FRONTEND_US.setdefault(name, {})[c] = []
@@ -751,7 +762,8 @@ async def measure(model: str, levels, rounds: dict[int, int], repeats: int, new_
                 for name, ratios in paired_ratios(timeline).items():
                     PAIRED.setdefault(name, {})[c] = ratios
         finally:
-            llm.shutdown()
+            for engine in engines:
+                engine.shutdown()
             for channel in opened:
                 await channel.close()
             if clients is not None:
@@ -824,6 +836,9 @@ def main() -> int:
     parser.add_argument("--rows", default=None,
                         help="only these rows, names separated by ';' (raw vLLM and Generate always run), "
                         "e.g. --rows 'trace, no interventions;top-20 logits every step'")
+    parser.add_argument("--eager-raw", action="store_true",
+                        help="also a raw vLLM engine with --enforce-eager in this process, measured beside "
+                        "the compiled one (GPU mode: each engine then takes 0.28 of the GPU's memory)")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="engine setting for both engines, e.g. --engine dtype=bfloat16 "
                         "--engine load_format=dummy --engine max_num_seqs=256 (values parsed as JSON)")
@@ -833,6 +848,8 @@ def main() -> int:
         ENGINE.clear()
         ENGINE.update(GPU_ENGINE)
         args.model = str(write_model_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape))
+        if args.eager_raw:  # three engines on one GPU
+            ENGINE["gpu_memory_utilization"] = 0.28
     args.concurrency = args.concurrency or ("1,16,64,256" if args.shape else "1,16,64")
     args.new_tokens = args.new_tokens or (128 if args.shape else 64)
     for item in args.engine:
@@ -870,7 +887,7 @@ def main() -> int:
         SERVER_FLAGS.extend(["--dictionaries", str(folder)])
     rounds = {c: max(args.rounds, -(-args.min_tokens // (c * args.new_tokens))) for c in levels}
     rows = asyncio.run(measure(args.model, levels, rounds, args.repeats, args.new_tokens, kinds, args.out_dir,
-                               args.frontends, args.client_procs, args.load))
+                               args.frontends, args.client_procs, args.load, args.eager_raw))
     raw = rows[RAW]
 
     import vllm
