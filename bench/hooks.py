@@ -30,6 +30,7 @@ sys.path[:0] = [str(ROOT / "service" / "src")]
 
 from tracewire_server.shared import plan as P  # noqa: E402
 from tracewire_server.shared import steering  # noqa: E402
+from tracewire_server.shared.read_buffers import ReadBuffers  # noqa: E402
 from tracewire_server.worker.batch import StepWork  # noqa: E402
 from tracewire_server.worker.hooks import PlanHooks  # noqa: E402
 from tracewire_server.worker.sender import Sender  # noqa: E402
@@ -117,6 +118,46 @@ def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: boo
     return _hooked_minus_bare(hooks, rows, vocab, steps, before_draw)
 
 
+# --compiled-reads: reads served from the read buffers (stand-in model: 4 layers, hidden 256)
+COMPILED_READS = {
+    "layer read every step (compiled, read buffers)": (
+        P.Op("h", P.StepSet(), None, P.ReadModule("layers.1", P.Positions())),),
+    "logit lens top-5 of 4 layers every step (compiled)": (
+        P.Op("lens", P.StepSet(), None, P.ReadLogitLens((0, 1, 2, 3), P.Positions(), 5)),),
+}
+
+
+def measure_compiled_reads(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: int, address: str) -> float:
+    """The same for reads on a compiled engine: each pass planned on the host before
+    the forward, its rows taken from the read buffers after it (module_hooks.py), then
+    the sampler hooks launch the values (module_reads.py) and the collector sends them.
+    The graph's own copies into the buffers are not counted (the buffers hold one
+    random pass throughout)."""
+    hidden = 256
+    requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops))) for i in range(rows)}
+    for state in requests.values():
+        state.output_token_ids = []
+    engine = runner(requests)
+    engine.query_start_loc = types.SimpleNamespace(np=np.arange(rows + 1))  # one decode row each
+    engine.input_batch.num_computed_tokens_cpu = np.full(rows, 2)  # after the 2-token prompt
+    engine._model_forward = lambda: None
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(4))
+    model.model.norm = torch.nn.RMSNorm(hidden)
+    model.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+    engine.model = model
+    engine.model_config.get_vocab_size = lambda: vocab
+    buffers = ReadBuffers([0, 1, 2, 3], max_tokens=rows, hidden=hidden, dtype=torch.float32,
+                          device=torch.device("cpu"))
+    for name in buffers.names:
+        getattr(buffers, name).normal_()
+    hooks = hooks_over(engine)
+    hooks.senders[0] = Sender(address)
+    hooks.install_compiled_reads(buffers)
+    return _hooked_minus_bare(hooks, rows, vocab, steps, engine._model_forward)
+
+
 def measure_collector(rows: int, routes: int, vocab: int, addresses: list[str]) -> tuple[float, float]:
     """The collector's work for one top-20 step of `rows` rows spread over `routes`
     frontends, in ms: alone, and on its own thread beside a thread busy in Python and
@@ -175,6 +216,7 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--routes", type=int, default=8, help="frontends for the collector row")
+    parser.add_argument("--only", default="", help="only the rows whose name has this text (e.g. compiled)")
     args = parser.parse_args()
     addresses = [f"ipc:///tmp/tracewire-hooks-bench-{time.monotonic_ns()}-{i}" for i in range(args.routes)]
     readers = []
@@ -188,12 +230,25 @@ def main() -> int:
     print("| plan | " + " | ".join(f"{r} rows: µs/row/step" for r in levels) + " |")
     print("|" + "---|" * (len(levels) + 1))
     for name, ops in PLANS.items():
+        if args.only not in name:
+            continue
         cells = [measure(ops, r, args.vocab, args.steps, address) for r in levels]
         print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     for churn, label in ((False, "same batch every pass"), (True, "batch changes every pass")):
+        if args.only not in f"steering write every step (compiled tables, {label})":
+            continue
         cells = [measure_steering(r, args.vocab, args.steps, address, churn) for r in levels]
         print(f"| steering write every step (compiled tables, {label}) | "
               + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    for name, ops in COMPILED_READS.items():
+        if args.only not in name:
+            continue
+        cells = [measure_compiled_reads(ops, r, args.vocab, args.steps, address) for r in levels]
+        print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    if args.only not in "collector":
+        for reader in readers:
+            reader.kill()
+        return 0
     print()
     print(f"| collector, top-20, {args.routes} frontends, vocab {args.vocab} | "
           + " | ".join(f"{r} rows: ms/step alone / beside a busy engine thread" for r in levels) + " |")

@@ -4,7 +4,8 @@
 # (bench/gpu-wheels.sh) in the call running
 #   bash tests/gpu.sh [pytest arguments]    (default: the trace and hidden-states tests)
 # The machine has pytest, transformers and httpx but not the HTTP port's packages, so the
-# test servers run without the HTTP port (tests/conftest.py); tests that need it fail there.
+# test servers run without the HTTP and metrics ports (tests/conftest.py); tests that need them
+# fail there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu-env.sh

@@ -29,18 +29,19 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 class Patched:
-    def __init__(self, server, metrics_url: str) -> None:
-        self.server, self.metrics_url = server, metrics_url
+    def __init__(self, server) -> None:
+        self.server = server
 
     def scrape(self) -> dict[str, float]:
-        text = httpx.get(self.metrics_url, timeout=10).text
+        # (the URL asked for here: only the tests that scrape need the metrics port)
+        text = httpx.get(self.server.metrics_url, timeout=10).text
         return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
                                             if line.startswith("tracewire_patch"))}
 
 
 @pytest.fixture(scope="module")
 def patched(eager):
-    return Patched(eager, eager.metrics_url)
+    return Patched(eager)
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ class _LensWant(NamedTuple):
     row: Row
     name: str
     top_k: int
-    streams: torch.Tensor  # [layers, positions, hidden]
+    streams: list[torch.Tensor]  # per layer, [positions, hidden]
     positions: list[int]
 
 
@@ -86,7 +86,7 @@ def _lens_want(row: Row, name: str, read: P.ReadLogitLens) -> _LensWant:
     for key, path in read.module_reads(name):
         values, positions = _gathered(row, key, path, read.positions)
         streams.append(values)
-    return _LensWant(row, name, read.top_k, torch.stack(streams), positions)
+    return _LensWant(row, name, read.top_k, streams, positions)
 
 
 def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
@@ -98,7 +98,9 @@ def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
         by_k.setdefault(want.top_k, []).append(want)
     for k, group in by_k.items():
         try:
-            flat = torch.cat([w.streams.reshape(-1, w.streams.shape[-1]) for w in group])
+            # every row's layers in order, [layers x positions, hidden] each: one cat for
+            # the group (a stack per row was a kernel launch per row per step)
+            flat = torch.cat([stream for w in group for stream in w.streams])
             # (top-k of the log-softmax itself: the same values a full-row read returns)
             values, ids = lens(flat), None
             if k:
@@ -110,8 +112,8 @@ def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
             host_ids = None if ids is None else to_host(ids).numpy()
             offset = 0
             for w in group:
-                n = w.streams.shape[0] * w.streams.shape[1]
-                shape = (w.streams.shape[0], w.streams.shape[1], -1)
+                n = len(w.streams) * len(w.positions)
+                shape = (len(w.streams), len(w.positions), -1)
                 batch = HostBatch.of_arrays(host_values[offset:offset + n].reshape(shape),
                                             None if host_ids is None else host_ids[offset:offset + n].reshape(shape))
                 w.row.reads[w.name] = HostRead(batch, w.positions)
