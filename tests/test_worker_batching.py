@@ -122,3 +122,91 @@ def test_each_record_gets_its_own_rows_of_shared_reads(monkeypatch, whole_column
         # The reads that only read travel as blocks, one per frontend; the others as records.
         blocked = {k for sender in senders.values() for b in sender.batches[-1].blocks for k in b.keys}
         assert blocked == {keys[k] for k in ("a", "b", "c", "lp", "d") if k in traced}
+
+
+def _compiled_runner(requests: dict, hidden: int = 8):
+    """A stand-in compiled runner with read buffers on layers 0-2 (tracewire's real
+    ReadBuffers), a model the module hooks can look at, and a pass layout set per step."""
+    from tracewire_server.shared.read_buffers import ReadBuffers
+
+    engine = runner(requests)
+    engine._model_forward = lambda: None
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(3))
+    model.model.norm = torch.nn.RMSNorm(hidden)
+    model.lm_head = torch.nn.Linear(hidden, VOCAB, bias=False)
+    engine.model = model
+    engine.model_config.get_vocab_size = lambda: VOCAB
+    buffers = ReadBuffers([0, 1, 2], max_tokens=64, hidden=hidden, dtype=torch.float32, device=torch.device("cpu"))
+    return engine, buffers
+
+
+def test_block_module_reads_are_columns_of_each_rows_new_token():
+    """Requests that only read modules at the new token travel as blocks, their values one
+    gather per module for all of them: each record still gets its own row, beside rows
+    that read the same module one by one (a mean, a patch source), an untraced request
+    and a request whose prompt is still being prefilled in chunks."""
+    read = P.ReadModule("layers.1", P.Positions())
+    plans = {
+        "a": P.SequencePlan(key="a", ops=(_op("h", read), _op("top", P.ReadLogits("processed", top_k=3)))),
+        "idle": None,
+        "b": P.SequencePlan(key="b", route=1, ops=(_op("h", read), _op("h2", P.ReadModule("layers.2", P.Positions())))),
+        "mean": P.SequencePlan(key="mean", ops=(_op("h", P.ReadModule("layers.1", P.Positions(), mean=True)),)),
+        "source": P.SequencePlan(key="source", ops=(_op("h", read),), exports=frozenset({"h"}), trace="t"),
+        "chunked": P.SequencePlan(key="chunked", ops=(_op("h", read),)),
+    }
+    requests = {}
+    for name, plan in plans.items():
+        requests[name] = request(P.encode_plan(plan) if plan is not None else b"")
+        if plan is None:
+            requests[name].sampling_params.extra_args = {}
+        requests[name].output_token_ids = []
+    requests["chunked"].prompt_token_ids = [1, 2, 3, 4, 5]  # (the others' prompts: 2 tokens)
+    engine, buffers = _compiled_runner(requests)
+    hooks = hooks_over(engine)
+    senders = {0: Sender(), 1: Sender()}
+    hooks.senders.update(senders)
+    sampler = Sampler()
+    hooks.install(sampler)
+    hooks.install_compiled_reads(buffers)
+    order = list(plans)
+    engine.input_batch.req_ids = order
+
+    steps = dict.fromkeys(plans, 0)
+    for step in range(3):
+        # Step 0 prefills every prompt, "chunked" only its first 3 tokens (no sample: vLLM
+        # throws it away); step 1 decodes one token each and ends "chunked"'s prompt.
+        counts = [3 if k == "chunked" and step == 0 else 2 if k == "chunked" and step == 1 else
+                  2 if step == 0 else 1 for k in order]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        engine.query_start_loc = types.SimpleNamespace(np=starts)
+        # tokens computed before the pass: none, "chunked"'s 3, or all but the last drawn one
+        engine.input_batch.num_computed_tokens_cpu = np.array(
+            [0 if step == 0 else 3 if (k == "chunked" and step == 1) else
+             len(requests[k].prompt_token_ids) + len(requests[k].output_token_ids) - 1 for k in order])
+        discarded = {"chunked"} if step == 0 else set()
+        engine.discard_request_mask = types.SimpleNamespace(np=np.array([k in discarded for k in order]))
+        # the graph's copies: every row of every layer a value of its own
+        for t, layer in enumerate(buffers.layers):
+            stream = getattr(buffers, buffers.names[t])
+            stream[:] = (1000 * layer + 10 * torch.arange(64) + step).unsqueeze(1).float()
+        engine._model_forward()
+        drawn = sampler.forward(torch.randn(len(order), VOCAB), None).sampled_token_ids.flatten()
+        got = {r.key: r for sender in senders.values() for r in records(sender.batches[-1])}
+        traced = [k for k in order if plans[k] is not None and k not in discarded]
+        assert sorted(got) == sorted(traced)
+        for k in traced:
+            i, record = order.index(k), got[k]
+            row = int(starts[i + 1]) - 1  # the new token's flat row
+            assert (record.step, record.error) == (steps[k], None), k
+            steps[k] += 1
+            h = _array(record.values["h"].values)
+            np.testing.assert_array_equal(h, np.full(h.shape, 1000 + 10 * row + step, np.float32))
+            if k == "b":
+                np.testing.assert_array_equal(_array(record.values["h2"].values), np.full(8, 2000 + 10 * row + step))
+        for k in traced:
+            requests[k].output_token_ids.append(int(drawn[order.index(k)]))
+        blocked = {key for sender in senders.values() for b in sender.batches[-1].blocks for key in b.keys}
+        assert blocked == {k for k in ("a", "b", "chunked") if k in traced}
+    assert steps["chunked"] == 2 and steps["a"] == 3

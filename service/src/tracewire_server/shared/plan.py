@@ -9,6 +9,7 @@ conditions.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterator
 from typing import ClassVar, Literal, NamedTuple, Union
@@ -229,6 +230,7 @@ HEADS_SUFFIX = ".self_attn.heads"
 NEURONS_SUFFIX = ".mlp.act"
 
 
+@functools.lru_cache(maxsize=4096)  # (per traced row and step; paths are the model's modules)
 def unit_kind(path: str) -> UnitKind | None:
     """Which units a module path addresses; None for an ordinary module."""
     if path.startswith("layers.") and path.count(".") == 3:

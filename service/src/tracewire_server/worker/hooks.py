@@ -68,7 +68,7 @@ from .host import SAMPLE, to_host
 from .logits_reads import BEFORE_WRITES, PROCESSED, RAW, UNWRITTEN, launch_batched, launch_logprobs
 from .logits_writes import write_and_capture
 from .module_hooks import ModuleHooks
-from .module_reads import launch_module_reads
+from .module_reads import launch_column_reads, launch_module_reads
 from .ops import ERROR_OPS, NO_OPS, StepOps
 from .outgoing import Outgoing
 from .patch_store import PatchStore
@@ -228,7 +228,7 @@ class PlanHooks:
                 if seq.error_reported:
                     continue
                 ops = seq.ops_at(seq.step)
-                if seq.error is not None or seq.needs_text or ops.block_key is None:
+                if seq.error is not None or not seq.blocks(ops):
                     if ops is NO_OPS and seq.error is None and not seq.needs_text:
                         seq.step += 1  # nothing to do, record or remember at this step
                         continue
@@ -259,6 +259,8 @@ class PlanHooks:
                 row.reads[name] = SAMPLE  # the token itself, known once the step is done
             if row.selected.module_reads:
                 fired.append(row)
+        if self.modules is not None:  # blocks' module reads: a column per module
+            launch_column_reads(step.blocks, self.modules.take_columns())
         try:
             launch_module_reads(fired, self.modules.lens if self.modules is not None else None, self.patches,
                                 self.dictionaries)

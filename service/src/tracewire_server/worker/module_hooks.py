@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import msgspec
+import numpy as np
 import torch
 
 from ..shared import plan as P
@@ -27,7 +29,7 @@ from .attention_patterns import AttentionPatterns
 from .conditions import holds_before_forward
 from .dictionaries import Dictionaries, Dictionary
 from .host import on_device
-from .module_reads import Lens
+from .module_reads import Column, Lens
 from .patch_store import PatchStore
 from .runner import RunnerView
 from .sequences import Sequence, Sequences
@@ -74,10 +76,10 @@ class Span:
         return [self.first + p - self.pos0 for p in wanted], wanted
 
 
-@dataclass(frozen=True)
-class Want:
+class Want(msgspec.Struct, gc=False):
     """One module read to serve from this forward pass: these rows of the flat
-    [num_tokens, hidden] activations, at these token positions."""
+    [num_tokens, hidden] activations, at these token positions. (A struct: made per
+    traced row and read each pass, and cheaper to make than a dataclass.)"""
 
     seq: Sequence
     name: str
@@ -167,6 +169,11 @@ class ModuleHooks:
         self.patterns = AttentionPatterns(runner.attention_layers())
         self._wants: dict[str, list[Want]] = {}
         self._edits: dict[str, list[Edit]] = {}
+        # Blocks' column reads (a module's new-token value, for every block row reading
+        # it): by module path, the batch rows reading it and their flat token rows; once
+        # gathered, `columns` holds each path's values for the sampler hooks.
+        self._column_rows: dict[str, tuple[list[int], list[int]]] = {}
+        self.columns: dict[str, Column] = {}
 
     def install(self) -> None:
         if self.buffers is not None:  # compiled: planned and read on the host around the pass
@@ -190,13 +197,15 @@ class ModuleHooks:
             self._plan()
         except Exception:  # noqa: BLE001 - never break vLLM's forward pass
             log.exception("planning module hooks failed; no module interventions this step")
-            self._wants, self._edits = {}, {}
+            self._wants, self._edits, self._column_rows = {}, {}, {}
             self.patterns.begin(self.runner.live())
 
     def _plan(self) -> None:
         """Map this forward pass's flat token rows to the module reads and writes they serve."""
         self._wants = {}
         self._edits = {}
+        self._column_rows = {}
+        self.columns = {}
         self.patterns.begin(self.runner.live())
         req_ids = self.runner.req_ids
         starts = self.runner.query_starts(len(req_ids))
@@ -204,10 +213,14 @@ class ModuleHooks:
         compiled = self.buffers is not None  # (its writes: steering_slots.py)
         for i, req_id in enumerate(req_ids):
             seq = self.sequences.get(req_id)
-            if seq is None or seq.error is not None:
+            if seq is None or seq.error is not None or not (seq.hidden_ops or seq.applied):
+                continue  # (a plan with pattern reads has hidden ops)
+            now = seq.ops_at(seq.step)
+            if now.column_reads and seq.blocks(now):  # its row joins a block: reads only, in columns
+                self._plan_columns(i, req_id, seq, now.column_paths, int(starts[i]), int(starts[i + 1]),
+                                   int(computed[i]))
                 continue
-            ops = [(k, op) for k, op in enumerate(seq.plan.ops)
-                   if isinstance(op.action, P.HIDDEN_OPS) and op.selects(seq.step)]
+            ops = [(k, op) for k, op in seq.hidden_ops if op.selects(seq.step)]
             if not ops and not seq.reads_patterns and not seq.applied:
                 continue
             span = Span.of(len(seq.prompt_ids), self.runner.output_count(req_id),
@@ -232,6 +245,32 @@ class ModuleHooks:
                     continue
                 for key, path in action.module_reads(op.name):
                     self._wants.setdefault(path, []).append(Want(seq, key, rows, wanted))
+
+    def _plan_columns(self, i: int, req_id: str, seq: Sequence, paths: tuple[str, ...], first: int,
+                      last: int, computed: int) -> None:
+        """Batch row `i` reads these modules at its new token: that token's flat row, when
+        this pass computes it (not a chunk of its prompt: Span.samples)."""
+        if computed + last - first < len(seq.prompt_ids) + self.runner.output_count(req_id):
+            return
+        for path in paths:
+            found = self._column_rows.get(path)
+            if found is None:
+                found = self._column_rows[path] = ([], [])
+            found[0].append(i)
+            found[1].append(last - 1)
+
+    def _gather_column(self, path: str, value: torch.Tensor, batch_rows: list[int], rows: list[int]) -> None:
+        """A column read's rows of `value` ([tokens, hidden]) for the batch rows reading
+        it, in one gather (a copy: the activations are overwritten by the next pass)."""
+        taken = value.index_select(0, on_device(rows, value.device, torch.long)).to(torch.float32)
+        where = np.full(len(self.runner.req_ids), -1, np.int64)
+        where[batch_rows] = np.arange(len(batch_rows))
+        self.columns[path] = Column(taken, where)
+
+    def take_columns(self) -> dict[str, Column]:
+        """This step's column reads, for the sampler hooks (once: the next pass makes new ones)."""
+        columns, self.columns = self.columns, {}
+        return columns
 
     def _edit(self, seq: Sequence, write: P.WriteModule, step: int, rows: list[int], wanted: list[int]) -> None:
         """Plan `write` at these rows of the pass (positions `wanted`), as step `step` makes it."""
@@ -265,6 +304,9 @@ class ModuleHooks:
         try:
             if edits:
                 _edit_module_output(path, output, edits)  # in place: reads below see the edit
+            column = self._column_rows.get(path)
+            if column is not None:
+                self._gather_column(path, _module_output(path, output).detach(), *column)
             if wants:
                 # Every request's rows in one gather (a copy: the activation buffer is
                 # reused by the next forward pass); each read keeps its slice of it.
@@ -279,10 +321,16 @@ class ModuleHooks:
         """After a compiled pass: each read layer's rows from its read buffer, as `_hook`
         takes them from the output on an eager engine. Never raises into vLLM's step."""
         wants, self._wants = self._wants, {}
-        if not wants:
+        columns, self._column_rows = self._column_rows, {}
+        if not wants and not columns:
             return
         assert self.buffers is not None
         tokens = self.runner.pass_tokens(len(self.runner.req_ids))
+        for path, (batch_rows, rows) in columns.items():
+            try:
+                self._gather_column(path, self.buffers.stream(P.layer_number(path), tokens), batch_rows, rows)
+            except Exception:  # noqa: BLE001 - the blocks reading it fail (no column)
+                log.exception("read buffer gather of %s failed", path)
         for path, path_wants in wants.items():
             try:
                 value = self.buffers.stream(P.layer_number(path), tokens)

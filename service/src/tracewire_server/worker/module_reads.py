@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..shared import plan as P
-from .batch import Row
+from .batch import Block, Row
 from .dictionaries import Dictionaries
 from .dictionary_reads import DictionaryWant, launch_dictionary_reads
-from .host import ColumnRow, HostBatch, HostRead, to_host
+from .host import ColumnRow, ColumnRows, HostBatch, HostRead, to_host
 from .patch_store import PatchStore
 from .pattern_state import joined
 from .unit_hooks import select_units
@@ -168,6 +169,36 @@ def _pattern_value(row: Row, name: str, read: P.ReadAttentionPattern) -> HostRea
         if layer_ids is not None:
             ids.append(layer_ids)
     return HostRead(HostBatch(to_host(torch.stack(values)), to_host(torch.stack(ids)) if ids else None), positions)
+
+
+class Column(NamedTuple):
+    """A module's new-token values for the block rows reading it this step: [n, hidden]
+    float32, and for each batch row its row of `values` (-1: none)."""
+
+    values: torch.Tensor
+    where: np.ndarray
+
+
+def launch_column_reads(blocks: list[Block], columns: dict[str, Column]) -> None:
+    """Launch the blocks' module reads: each module's column (module_hooks.py gathered
+    every block row's new-token value in one pass) goes to the host in one copy, each
+    block pointing at its rows. A column missing a row fails that block's traces."""
+    batches: dict[str, HostBatch] = {}
+    for block in blocks:
+        for name, path in block.ops.column_reads:
+            try:
+                column = columns.get(path)
+                rows = column.where[block.index] if column is not None else None
+                if rows is None or (rows < 0).any():
+                    raise RuntimeError(f"read {name!r} of {path!r} saw 0 of 1 positions (its forward pass "
+                                       "did not compute the new token)")
+                batch = batches.get(path)
+                if batch is None:
+                    assert column is not None
+                    batch = batches[path] = HostBatch(to_host(column.values), None)
+                block.reads[name] = ColumnRows(batch, rows.tolist())
+            except Exception as e:  # noqa: BLE001 - fails this block's traces only
+                block.error = block.error or f"{type(e).__name__}: {e}"
 
 
 def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | None = None,

@@ -22,10 +22,20 @@ class LogitsReadOp(NamedTuple):
 
 
 class BlockKey(NamedTuple):
-    """What a block's rows read: logits reads and the drawn token (nothing else)."""
+    """What a block's rows read: logits reads, the drawn token and column reads of
+    modules (nothing else)."""
 
     logits_reads: tuple[LogitsReadOp, ...]
     samples: tuple[str, ...]
+    column_reads: tuple[tuple[str, str], ...]
+
+
+def _column_read(op: P.Op) -> bool:
+    """A read each row takes as one row of a column over the batch: a module's whole
+    value at the new token (module_hooks.py gathers it for all such rows at once)."""
+    a = op.action
+    return (type(a) is P.ReadModule and not a.mean and a.positions.kind == "new_token"
+            and P.unit_kind(a.module) is None)
 
 
 @dataclass(frozen=True)
@@ -49,9 +59,12 @@ class StepOps:
     plain: bool
     # Names of the reads computing dictionary conditions' values (never returned).
     condition_reads: frozenset[str]
-    # Only logits reads and reads of the drawn token, none with a condition: rows
-    # with equal keys (and frontend) form one Block. None: each row is a Row.
+    # Only logits reads, reads of the drawn token and column reads, none with a
+    # condition: rows with equal keys (and frontend) form one Block. None: each row is a Row.
     block_key: BlockKey | None
+    # A block's module reads: (read name, module path), and the distinct paths.
+    column_reads: tuple[tuple[str, str], ...] = ()
+    column_paths: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, ops: tuple[P.Op, ...]) -> StepOps:
@@ -65,7 +78,9 @@ class StepOps:
         drawn = tuple(op for op in ops if not isinstance(op.action, P.WriteModule))
         internal = frozenset(op.name for op, read in reads if isinstance(read, P.ReadDictionary) and read.internal)
         plain = len(reads) == len(drawn) and all(op.condition is None for op in drawn) and not internal
-        blockable = bool(ops) and plain and not module_reads
+        blockable = bool(ops) and plain and all(_column_read(op) for op in module_reads)
+        column_reads = (tuple((op.name, cast(P.ReadModule, op.action).module) for op in module_reads)
+                        if blockable else ())
         found = cls(
             ops,
             tuple(op for op in ops if isinstance(op.action, P.LOGITS_WRITES)),
@@ -76,7 +91,9 @@ class StepOps:
             bool(module_reads or samples),
             plain,
             internal,
-            BlockKey(logits_reads, samples) if blockable else None,
+            BlockKey(logits_reads, samples, column_reads) if blockable else None,
+            column_reads,
+            tuple(dict.fromkeys(path for _, path in column_reads)),
         )
         if found.block_key is None:
             return found

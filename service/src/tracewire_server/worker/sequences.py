@@ -60,9 +60,16 @@ class Sequence:
     # (frontend, id of the ops) when every step reads the same and only reads: the
     # key of the Block its rows join, found without looking at the ops each step.
     block: tuple[int, int] | None = None
+    # Whether its module reads may be column reads of a block (module_hooks.py gathers a
+    # block's rows at once): not where a read is a patch source (each row's value is
+    # stored) or under pipeline parallelism (earlier stages send each row's values).
+    column_blocks: bool = True
     # Attention-pattern reads (attention_patterns.py): whether the plan has any; the
     # keys they need, by read name @ layer; this step's computed chunks, likewise.
     reads_patterns: bool = False
+    # The plan's module reads and writes with their index in plan.ops (the module hooks
+    # look only at these, each pass: most plans have none or one).
+    hidden_ops: tuple[tuple[int, P.Op], ...] = ()
     # The module writes made so far, as (step, index in plan.ops): made again where vLLM
     # recomputes a preempted request (recompute.py).
     applied: set[tuple[int, int]] = field(default_factory=set)
@@ -94,13 +101,19 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.reads_patterns = any(isinstance(op.action, P.ReadAttentionPattern) for op in self.plan.ops)
+        self.hidden_ops = tuple((k, op) for k, op in enumerate(self.plan.ops) if isinstance(op.action, P.HIDDEN_OPS))
         if all(_always(op) for op in self.plan.ops):
             self.constant = StepOps.of(self.plan.ops)
-            if self.constant.block_key is not None and not self.needs_text:
+            if self.blocks(self.constant):
                 self.block = (self.plan.route, id(self.constant))  # (held here: the id stays theirs)
         lasts = [op.steps.last() for op in self.plan.ops]
         if all(last is not None for last in lasts):
             self.last_step = max(lasts, default=-1)  # type: ignore[type-var]
+
+    def blocks(self, ops: StepOps) -> bool:
+        """Whether its row joins a Block at a step with these ops."""
+        return (ops.block_key is not None and not self.needs_text
+                and (self.column_blocks or not ops.column_reads))
 
     def ops_at(self, step: int) -> StepOps:
         """Runs per traced row per step: answered without looking at the ops when it
@@ -140,7 +153,9 @@ class Sequences:
         seq = None
         if plan is not None and plan.ops:
             prompt_ids = self.runner.prompt_ids(req_id)
-            seq = Sequence(plan, needs_text=plan.needs_text(), prompt_ids=prompt_ids)
+            single_stage = self.runner.stage == 0 and self.runner.samples
+            seq = Sequence(plan, needs_text=plan.needs_text(), prompt_ids=prompt_ids,
+                           column_blocks=single_stage and not plan.exports)
             if seq.needs_text:
                 seq.tracker = detokenize.text_tracker(self.runner.tokenizer, prompt_ids, plan.skip_special_tokens)
                 seq.scan = textmatch.TextScan(plan.text_needles())
