@@ -148,6 +148,7 @@ def test_block_module_reads_are_columns_of_each_rows_new_token():
     that read the same module one by one (a mean, a patch source), an untraced request
     and a request whose prompt is still being prefilled in chunks."""
     read = P.ReadModule("layers.1", P.Positions())
+    lens = P.ReadLogitLens((0, 2), P.Positions(), top_k=3)
     plans = {
         "a": P.SequencePlan(key="a", ops=(_op("h", read), _op("top", P.ReadLogits("processed", top_k=3)))),
         "idle": None,
@@ -155,6 +156,10 @@ def test_block_module_reads_are_columns_of_each_rows_new_token():
         "mean": P.SequencePlan(key="mean", ops=(_op("h", P.ReadModule("layers.1", P.Positions(), mean=True)),)),
         "source": P.SequencePlan(key="source", ops=(_op("h", read),), exports=frozenset({"h"}), trace="t"),
         "chunked": P.SequencePlan(key="chunked", ops=(_op("h", read),)),
+        "lens": P.SequencePlan(key="lens", route=1, ops=(_op("l", lens), _op("h", read))),
+        # (with a mean: not a block, its lens computed on its own)
+        "lens_row": P.SequencePlan(key="lens_row", ops=(
+            _op("l", lens), _op("m", P.ReadModule("layers.0", P.Positions(), mean=True)))),
     }
     requests = {}
     for name, plan in plans.items():
@@ -201,12 +206,24 @@ def test_block_module_reads_are_columns_of_each_rows_new_token():
             row = int(starts[i + 1]) - 1  # the new token's flat row
             assert (record.step, record.error) == (steps[k], None), k
             steps[k] += 1
-            h = _array(record.values["h"].values)
-            np.testing.assert_array_equal(h, np.full(h.shape, 1000 + 10 * row + step, np.float32))
+            assert sorted(record.values) == sorted(op.name for op in plans[k].ops), k
+            if "h" in record.values:
+                h = _array(record.values["h"].values)
+                np.testing.assert_array_equal(h, np.full(h.shape, 1000 + 10 * row + step, np.float32))
             if k == "b":
                 np.testing.assert_array_equal(_array(record.values["h2"].values), np.full(8, 2000 + 10 * row + step))
+            if k.startswith("lens"):  # [layers, positions, k], at the new token's position
+                streams = torch.stack([torch.full((8,), 1000.0 * layer + 10 * row + step) for layer in (0, 2)])
+                with torch.no_grad():
+                    logprobs = torch.log_softmax(engine.model.lm_head(engine.model.model.norm(streams)), -1)
+                top = torch.topk(logprobs, 3)
+                got_lens = record.values["l"]
+                np.testing.assert_allclose(_array(got_lens.values), top.values.unsqueeze(1).numpy(), rtol=1e-6)
+                np.testing.assert_array_equal(_array(got_lens.token_ids), top.indices.unsqueeze(1).numpy())
+                position = int(engine.input_batch.num_computed_tokens_cpu[i]) + counts[i] - 1
+                np.testing.assert_array_equal(_array(got_lens.positions), [position])
         for k in traced:
             requests[k].output_token_ids.append(int(drawn[order.index(k)]))
         blocked = {key for sender in senders.values() for b in sender.batches[-1].blocks for key in b.keys}
-        assert blocked == {k for k in ("a", "b", "chunked") if k in traced}
+        assert blocked == {k for k in ("a", "b", "chunked", "lens") if k in traced}
     assert steps["chunked"] == 2 and steps["a"] == 3

@@ -29,7 +29,7 @@ from .tensors import RawTensor
 class ReadResult(msgspec.Struct, array_like=True, frozen=True):
     values: RawTensor
     token_ids: RawTensor | None = None
-    positions: RawTensor | None = None  # prompt positions of the rows
+    positions: RawTensor | None = None  # token positions of the rows (a column's: one row of them per row)
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True):
@@ -92,7 +92,9 @@ def _row(column: RawTensor, row: int) -> RawTensor:
 
 
 def _column_row(column: ReadResult, j: int) -> ReadResult:
-    return ReadResult(_row(column.values, j), _row(column.token_ids, j) if column.token_ids is not None else None)
+    """Row `j` of a column: its values, token ids and (a block's logit lens) positions."""
+    return ReadResult(_row(column.values, j), _row(column.token_ids, j) if column.token_ids is not None else None,
+                      _row(column.positions, j) if column.positions is not None else None)
 
 
 def token_read(token: int) -> ReadResult:

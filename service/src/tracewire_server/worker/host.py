@@ -52,20 +52,22 @@ class HostBatch:
     the host tensor alive): torch's .numpy() lets go of the GIL, and every time the
     collector thread lets go of it, it waits to get it back from a busy engine thread."""
 
-    __slots__ = ("_whole", "ids", "values")
+    __slots__ = ("_whole", "ids", "positions", "values")
 
     def __init__(self, values: torch.Tensor, ids: torch.Tensor | None) -> None:
         self.values: np.ndarray = values.numpy()
         self.ids: np.ndarray | None = ids.numpy() if ids is not None else None
+        # A column's token positions, a row per row (a block's logit lens; else None).
+        self.positions: np.ndarray | None = None
         self._whole: ReadResult | None = None
 
     @classmethod
-    def of_arrays(cls, values: np.ndarray, ids: np.ndarray | None) -> HostBatch:
+    def of_arrays(cls, values: np.ndarray, ids: np.ndarray | None, positions: np.ndarray | None = None) -> HostBatch:
         """Over numpy views of a host copy several reads share (one copy off the device
         for all of them, each a view of its part: slicing numpy costs a fraction of
         slicing a tensor, and one copy launch replaces one per read)."""
         batch = cls.__new__(cls)
-        batch.values, batch.ids, batch._whole = values, ids, None
+        batch.values, batch.ids, batch.positions, batch._whole = values, ids, positions, None
         return batch
 
     @property
@@ -81,13 +83,15 @@ class HostBatch:
     def column(self, rows: list[int] | None = None) -> ReadResult:
         """These rows (None: all) at once, as sent: the server hands each trace its row.
         All of them are converted once, however many frontends they go to."""
-        values, ids = self.values, self.ids
+        values, ids, positions = self.values, self.ids, self.positions
         if rows is None:
             if self._whole is None:
                 self._whole = ReadResult(RawTensor.from_numpy(values),
-                                         RawTensor.from_numpy(ids) if ids is not None else None)
+                                         RawTensor.from_numpy(ids) if ids is not None else None,
+                                         RawTensor.from_numpy(positions) if positions is not None else None)
             return self._whole
-        return ReadResult(RawTensor.rows_of(values, rows), RawTensor.rows_of(ids, rows) if ids is not None else None)
+        return ReadResult(RawTensor.rows_of(values, rows), RawTensor.rows_of(ids, rows) if ids is not None else None,
+                          RawTensor.rows_of(positions, rows) if positions is not None else None)
 
 
 @dataclass

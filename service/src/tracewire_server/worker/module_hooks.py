@@ -136,6 +136,15 @@ def _edit_module_output(path: str, output: Any, edits: list[Edit]) -> None:
         target.index_copy_(0, index, new_target.to(target.dtype))
 
 
+class PlannedColumn(NamedTuple):
+    """A pass's rows of one module that blocks read (planned before the pass): the batch
+    rows reading it, their new tokens' flat rows and token positions."""
+
+    batch_rows: list[int]
+    rows: list[int]
+    positions: list[int]
+
+
 class Edit(NamedTuple):
     """One request's module write in this forward pass: at these flat token rows."""
 
@@ -172,7 +181,7 @@ class ModuleHooks:
         # Blocks' column reads (a module's new-token value, for every block row reading
         # it): by module path, the batch rows reading it and their flat token rows; once
         # gathered, `columns` holds each path's values for the sampler hooks.
-        self._column_rows: dict[str, tuple[list[int], list[int]]] = {}
+        self._column_rows: dict[str, PlannedColumn] = {}
         self.columns: dict[str, Column] = {}
 
     def install(self) -> None:
@@ -252,20 +261,22 @@ class ModuleHooks:
         this pass computes it (not a chunk of its prompt: Span.samples)."""
         if computed + last - first < len(seq.prompt_ids) + self.runner.output_count(req_id):
             return
+        position = computed + last - first - 1
         for path in paths:
             found = self._column_rows.get(path)
             if found is None:
-                found = self._column_rows[path] = ([], [])
-            found[0].append(i)
-            found[1].append(last - 1)
+                found = self._column_rows[path] = PlannedColumn([], [], [])
+            found.batch_rows.append(i)
+            found.rows.append(last - 1)
+            found.positions.append(position)
 
-    def _gather_column(self, path: str, value: torch.Tensor, batch_rows: list[int], rows: list[int]) -> None:
+    def _gather_column(self, path: str, value: torch.Tensor, planned: PlannedColumn) -> None:
         """A column read's rows of `value` ([tokens, hidden]) for the batch rows reading
         it, in one gather (a copy: the activations are overwritten by the next pass)."""
-        taken = value.index_select(0, on_device(rows, value.device, torch.long)).to(torch.float32)
+        taken = value.index_select(0, on_device(planned.rows, value.device, torch.long)).to(torch.float32)
         where = np.full(len(self.runner.req_ids), -1, np.int64)
-        where[batch_rows] = np.arange(len(batch_rows))
-        self.columns[path] = Column(taken, where)
+        where[planned.batch_rows] = np.arange(len(planned.batch_rows))
+        self.columns[path] = Column(taken, where, np.asarray(planned.positions, np.int32))
 
     def take_columns(self) -> dict[str, Column]:
         """This step's column reads, for the sampler hooks (once: the next pass makes new ones)."""
@@ -306,7 +317,7 @@ class ModuleHooks:
                 _edit_module_output(path, output, edits)  # in place: reads below see the edit
             column = self._column_rows.get(path)
             if column is not None:
-                self._gather_column(path, _module_output(path, output).detach(), *column)
+                self._gather_column(path, _module_output(path, output).detach(), column)
             if wants:
                 # Every request's rows in one gather (a copy: the activation buffer is
                 # reused by the next forward pass); each read keeps its slice of it.
@@ -326,9 +337,9 @@ class ModuleHooks:
             return
         assert self.buffers is not None
         tokens = self.runner.pass_tokens(len(self.runner.req_ids))
-        for path, (batch_rows, rows) in columns.items():
+        for path, planned in columns.items():
             try:
-                self._gather_column(path, self.buffers.stream(P.layer_number(path), tokens), batch_rows, rows)
+                self._gather_column(path, self.buffers.stream(P.layer_number(path), tokens), planned)
             except Exception:  # noqa: BLE001 - the blocks reading it fail (no column)
                 log.exception("read buffer gather of %s failed", path)
         for path, path_wants in wants.items():

@@ -19,7 +19,7 @@ from ..shared import plan as P
 from .batch import Block, Row
 from .dictionaries import Dictionaries
 from .dictionary_reads import DictionaryWant, launch_dictionary_reads
-from .host import ColumnRow, ColumnRows, HostBatch, HostRead, to_host
+from .host import ColumnRow, ColumnRows, HostBatch, HostRead, on_device, to_host
 from .patch_store import PatchStore
 from .pattern_state import joined
 from .unit_hooks import select_units
@@ -173,32 +173,74 @@ def _pattern_value(row: Row, name: str, read: P.ReadAttentionPattern) -> HostRea
 
 class Column(NamedTuple):
     """A module's new-token values for the block rows reading it this step: [n, hidden]
-    float32, and for each batch row its row of `values` (-1: none)."""
+    float32; for each batch row its row of `values` (-1: none); each row's token position."""
 
     values: torch.Tensor
     where: np.ndarray
+    positions: np.ndarray
 
 
-def launch_column_reads(blocks: list[Block], columns: dict[str, Column]) -> None:
+def _column_rows(columns: dict[str, Column], path: str, name: str, block: Block) -> tuple[Column, np.ndarray]:
+    """The block's rows of the module's column, all of them there."""
+    column = columns.get(path)
+    rows = column.where[block.index] if column is not None else None
+    if column is None or rows is None or (rows < 0).any():
+        raise RuntimeError(f"read {name!r} of {path!r} saw 0 of 1 positions (its forward pass did not "
+                           "compute the new token)")
+    return column, rows
+
+
+def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: Lens | None) -> None:
     """Launch the blocks' module reads: each module's column (module_hooks.py gathered
     every block row's new-token value in one pass) goes to the host in one copy, each
-    block pointing at its rows. A column missing a row fails that block's traces."""
+    block pointing at its rows; the logit lens is one lm_head matmul per read over every
+    block row reading it. A column missing a row fails that block's traces."""
     batches: dict[str, HostBatch] = {}
+    lens_groups: dict[P.ReadLogitLens, list[tuple[Block, str]]] = {}
     for block in blocks:
-        for name, path in block.ops.column_reads:
+        for name, read in block.ops.column_reads:
+            if type(read) is P.ReadLogitLens:
+                lens_groups.setdefault(read, []).append((block, name))
+                continue
             try:
-                column = columns.get(path)
-                rows = column.where[block.index] if column is not None else None
-                if rows is None or (rows < 0).any():
-                    raise RuntimeError(f"read {name!r} of {path!r} saw 0 of 1 positions (its forward pass "
-                                       "did not compute the new token)")
-                batch = batches.get(path)
+                column, rows = _column_rows(columns, read.module, name, block)
+                batch = batches.get(read.module)
                 if batch is None:
-                    assert column is not None
-                    batch = batches[path] = HostBatch(to_host(column.values), None)
+                    batch = batches[read.module] = HostBatch(to_host(column.values), None)
                 block.reads[name] = ColumnRows(batch, rows.tolist())
             except Exception as e:  # noqa: BLE001 - fails this block's traces only
                 block.error = block.error or f"{type(e).__name__}: {e}"
+    for read, members in lens_groups.items():
+        try:
+            assert lens is not None
+            _launch_lens_column(read, members, columns, lens)
+        except Exception as e:  # noqa: BLE001 - fails the blocks reading it
+            for block, _ in members:
+                block.error = block.error or f"{type(e).__name__}: {e}"
+
+
+def _launch_lens_column(read: P.ReadLogitLens, members: list[tuple[Block, str]], columns: dict[str, Column],
+                        lens: Lens) -> None:
+    """One logit-lens read for every block row reading it: [rows, layers, 1, k] (one
+    position: the new token's), its positions a column beside it."""
+    streams, positions = [], None
+    for key, path in read.module_reads(""):
+        picked = [_column_rows(columns, path, key, block) for block, _ in members]
+        column = picked[0][0]
+        rows = np.concatenate([rows for _, rows in picked])
+        streams.append(column.values.index_select(0, on_device(rows, column.values.device, torch.long)))
+        positions = column.positions[rows] if positions is None else positions
+    values, ids = lens(torch.stack(streams, dim=1)), None  # [rows, layers, vocab] log-probs
+    if read.top_k:  # (top-k of the log-softmax itself, as _launch_lens)
+        top = torch.topk(values, read.top_k, dim=-1)
+        values, ids = top.values, top.indices.to(torch.int32)
+    batch = HostBatch.of_arrays(to_host(values.unsqueeze(2)).numpy(),
+                                None if ids is None else to_host(ids.unsqueeze(2)).numpy(),
+                                None if positions is None else positions.reshape(-1, 1))
+    offset = 0
+    for block, name in members:
+        block.reads[name] = ColumnRows(batch, list(range(offset, offset + len(block.index))))
+        offset += len(block.index)
 
 
 def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | None = None,

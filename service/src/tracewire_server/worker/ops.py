@@ -21,21 +21,27 @@ class LogitsReadOp(NamedTuple):
     read: P.LogitsRead
 
 
+# A block's module read: its name, and a module's whole value or the logit lens, at the new token.
+ColumnRead = tuple[str, P.ReadModule | P.ReadLogitLens]
+
+
 class BlockKey(NamedTuple):
     """What a block's rows read: logits reads, the drawn token and column reads of
     modules (nothing else)."""
 
     logits_reads: tuple[LogitsReadOp, ...]
     samples: tuple[str, ...]
-    column_reads: tuple[tuple[str, str], ...]
+    column_reads: tuple[ColumnRead, ...]
 
 
 def _column_read(op: P.Op) -> bool:
     """A read each row takes as one row of a column over the batch: a module's whole
-    value at the new token (module_hooks.py gathers it for all such rows at once)."""
+    value, or the logit lens, at the new token (module_hooks.py gathers the modules'
+    rows for all such rows at once; module_reads.py launches the column)."""
     a = op.action
-    return (type(a) is P.ReadModule and not a.mean and a.positions.kind == "new_token"
-            and P.unit_kind(a.module) is None)
+    if type(a) is P.ReadModule:
+        return not a.mean and a.positions.kind == "new_token" and P.unit_kind(a.module) is None
+    return type(a) is P.ReadLogitLens and a.positions.kind == "new_token"
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,8 @@ class StepOps:
     # Only logits reads, reads of the drawn token and column reads, none with a
     # condition: rows with equal keys (and frontend) form one Block. None: each row is a Row.
     block_key: BlockKey | None
-    # A block's module reads: (read name, module path), and the distinct paths.
-    column_reads: tuple[tuple[str, str], ...] = ()
+    # A block's module reads, and the distinct module paths they read.
+    column_reads: tuple[ColumnRead, ...] = ()
     column_paths: tuple[str, ...] = ()
 
     @classmethod
@@ -79,7 +85,7 @@ class StepOps:
         internal = frozenset(op.name for op, read in reads if isinstance(read, P.ReadDictionary) and read.internal)
         plain = len(reads) == len(drawn) and all(op.condition is None for op in drawn) and not internal
         blockable = bool(ops) and plain and all(_column_read(op) for op in module_reads)
-        column_reads = (tuple((op.name, cast(P.ReadModule, op.action).module) for op in module_reads)
+        column_reads = (tuple((op.name, cast("P.ReadModule | P.ReadLogitLens", op.action)) for op in module_reads)
                         if blockable else ())
         found = cls(
             ops,
@@ -93,7 +99,7 @@ class StepOps:
             internal,
             BlockKey(logits_reads, samples, column_reads) if blockable else None,
             column_reads,
-            tuple(dict.fromkeys(path for _, path in column_reads)),
+            tuple(dict.fromkeys(path for name, read in column_reads for _, path in read.module_reads(name))),
         )
         if found.block_key is None:
             return found
