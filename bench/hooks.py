@@ -34,7 +34,7 @@ from tracewire_server.shared.read_buffers import ReadBuffers  # noqa: E402
 from tracewire_server.worker.batch import StepWork  # noqa: E402
 from tracewire_server.worker.hooks import PlanHooks  # noqa: E402
 from tracewire_server.worker.sender import Sender  # noqa: E402
-from tracewire_server.worker.standin import Sampler, hooks_over, request, runner  # noqa: E402
+from tracewire_server.worker.standin import Sampler, give_model, hooks_over, request, runner  # noqa: E402
 
 PLANS = {
     "top-20 every step": (P.Op("t", P.StepSet(), None, P.ReadLogits("processed", top_k=20)),),
@@ -90,18 +90,25 @@ STEER = P.Op("", P.StepSet(), None, P.WriteModule("layers.1", P.Positions(), "ad
                                                  np.full(256, 0.01, "<f4").tobytes()))
 
 
-def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: bool) -> float:
-    """The same for a steering write every step on a compiled engine: the steering
-    tables filled before each forward pass (steering.py), plus the sampler hooks.
-    `churn`: the batch's order changes every pass (as when requests come and go), so
-    every pass is planned; else the same batch decodes again, which keeps its slots."""
-    requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=(STEER,)))) for i in range(rows)}
+def _decoding(rows: int, ops: tuple[P.Op, ...]) -> types.SimpleNamespace:
+    """A stand-in runner whose pass decodes one token for each of `rows` requests with
+    these ops, after their 2-token prompts (its forward pass does nothing)."""
+    requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops))) for i in range(rows)}
     for state in requests.values():
         state.output_token_ids = []
     engine = runner(requests)
     engine.query_start_loc = types.SimpleNamespace(np=np.arange(rows + 1))  # one decode row each
     engine.input_batch.num_computed_tokens_cpu = np.full(rows, 2)  # after the 2-token prompt
     engine._model_forward = lambda: None
+    return engine
+
+
+def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: bool) -> float:
+    """The same for a steering write every step on a compiled engine: the steering
+    tables filled before each forward pass (steering.py), plus the sampler hooks.
+    `churn`: the batch's order changes every pass (as when requests come and go), so
+    every pass is planned; else the same batch decodes again, which keeps its slots."""
+    engine = _decoding(rows, (STEER,))
     hooks = hooks_over(engine)
     hooks.senders[0] = Sender(address)
     tables = steering.SteeringTables([0, 1, 2, 3], slots=rows + 1, max_tokens=rows, hidden=256,
@@ -134,20 +141,8 @@ def measure_compiled_reads(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: 
     The graph's own copies into the buffers are not counted (the buffers hold one
     random pass throughout)."""
     hidden = 256
-    requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops))) for i in range(rows)}
-    for state in requests.values():
-        state.output_token_ids = []
-    engine = runner(requests)
-    engine.query_start_loc = types.SimpleNamespace(np=np.arange(rows + 1))  # one decode row each
-    engine.input_batch.num_computed_tokens_cpu = np.full(rows, 2)  # after the 2-token prompt
-    engine._model_forward = lambda: None
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(4))
-    model.model.norm = torch.nn.RMSNorm(hidden)
-    model.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
-    engine.model = model
-    engine.model_config.get_vocab_size = lambda: vocab
+    engine = _decoding(rows, ops)
+    give_model(engine, 4, hidden, vocab)
     buffers = ReadBuffers([0, 1, 2, 3], max_tokens=rows, hidden=hidden, dtype=torch.float32,
                           device=torch.device("cpu"))
     for name in buffers.names:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tracewire_server.shared import plan as P
 from tracewire_server.worker import host
-from tracewire_server.worker.standin import Sampler, Sender, hooks_over, records, request, runner
+from tracewire_server.worker.standin import Sampler, Sender, give_model, hooks_over, records, request, runner
 
 VOCAB = 64
 ALWAYS = P.StepSet()
@@ -131,13 +131,7 @@ def _compiled_runner(requests: dict, hidden: int = 8):
 
     engine = runner(requests)
     engine._model_forward = lambda: None
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(3))
-    model.model.norm = torch.nn.RMSNorm(hidden)
-    model.lm_head = torch.nn.Linear(hidden, VOCAB, bias=False)
-    engine.model = model
-    engine.model_config.get_vocab_size = lambda: VOCAB
+    give_model(engine, 3, hidden, VOCAB)
     buffers = ReadBuffers([0, 1, 2], max_tokens=64, hidden=hidden, dtype=torch.float32, device=torch.device("cpu"))
     return engine, buffers
 

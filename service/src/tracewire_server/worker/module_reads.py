@@ -224,8 +224,8 @@ def _launch_lens_column(read: P.ReadLogitLens, members: list[tuple[Block, str]],
     """One logit-lens read for every block row reading it: [rows, layers, 1, k] (one
     position: the new token's), its positions a column beside it."""
     streams, positions = [], None
-    for key, path in read.module_reads(""):
-        picked = [_column_rows(columns, path, key, block) for block, _ in members]
+    for _, path in read.module_reads(""):
+        picked = [_column_rows(columns, path, name, block) for block, name in members]
         column = picked[0][0]
         rows = np.concatenate([rows for _, rows in picked])
         streams.append(column.values.index_select(0, on_device(rows, column.values.device, torch.long)))

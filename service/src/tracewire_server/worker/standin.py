@@ -41,6 +41,18 @@ def runner(requests: dict[str, types.SimpleNamespace]) -> types.SimpleNamespace:
     )
 
 
+def give_model(engine: types.SimpleNamespace, layers: int, hidden: int, vocab: int) -> None:
+    """Give a stand-in runner a model the module hooks can look at: `layers` decoder
+    layers (no attention), the final norm and lm_head (the logit lens applies them)."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(layers))
+    model.model.norm = torch.nn.RMSNorm(hidden)
+    model.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+    engine.model = model
+    engine.model_config.get_vocab_size = lambda: vocab
+
+
 def hooks_over(engine: types.SimpleNamespace, fault_injection: bool = False) -> PlanHooks:
     """The real hooks over `engine` (a stand-in runner), the sampler not wrapped yet."""
     return PlanHooks(RunnerView(engine), fault_injection)
