@@ -276,6 +276,23 @@ def test_steering_vector_matches_the_same_hook_in_transformers(estub, hf):
         seq.append(tokens[step])
 
 
+def test_a_steered_trace_reading_new_tokens_is_still_steered(estub, hf):
+    """Its new-token read makes its row a block's (the read travels as a column); the write
+    beside it is still made at every step, as transformers makes it."""
+    vector = np.random.default_rng(3).normal(size=hf.model.config.hidden_size).astype(np.float32)
+    ids = hf.encode(PROMPT)
+    result = run(estub, trace(invoke(PROMPT, iv(write_module=steer(vector, scale=4.0)),
+                                     iv("h", read_module=I.ReadModule(module="layers.2"))),
+                              max_tokens=6, **GREEDY))
+    tokens = result.tokens()
+    assert tokens != hf.greedy(ids, 6) and len(result.values("h")) == 6
+    seq = list(ids)
+    for step in range(6):
+        ref = hf_steered(hf, seq, 1, lambda rows: rows + 4.0 * torch.from_numpy(vector), len(ids) - 1)
+        assert tokens[step] == int(ref.argmax())
+        seq.append(tokens[step])
+
+
 def test_concurrent_traces_with_different_vectors_equal_their_solo_runs(estub):
     import concurrent.futures
 

@@ -225,11 +225,12 @@ class ModuleHooks:
             if seq is None or seq.error is not None or not (seq.hidden_ops or seq.applied):
                 continue  # (a plan with pattern reads has hidden ops)
             now = seq.ops_at(seq.step)
-            if now.column_reads and seq.blocks(now):  # its row joins a block: reads only, in columns
+            columns = bool(now.column_reads) and seq.blocks(now)
+            if columns:  # its row joins a block: its module reads are columns (its writes: below)
                 self._plan_columns(i, req_id, seq, now.column_paths, int(starts[i]), int(starts[i + 1]),
                                    int(computed[i]))
-                continue
-            ops = [(k, op) for k, op in seq.hidden_ops if op.selects(seq.step)]
+            ops = [(k, op) for k, op in seq.hidden_ops
+                   if op.selects(seq.step) and not (columns and type(op.action) is not P.WriteModule)]
             if not ops and not seq.reads_patterns and not seq.applied:
                 continue
             span = Span.of(len(seq.prompt_ids), self.runner.output_count(req_id),
