@@ -1,8 +1,9 @@
 """One engine step's traced rows, as the hooks carry them from the sampler to the collector.
 
-A row of a request that only reads (batched reads or the drawn token) joins a Block
-of such rows (arrays: a few list entries per row); every other traced row is a Row
-of its own. The Step holds both, and a StepWork hands the step to the collector.
+A row of a request that only reads (batched reads, the drawn token, or whole modules and
+the logit lens at the new token: column reads) joins a Block of such rows (arrays: a few
+list entries per row); every other traced row is a Row of its own. The Step holds both,
+and a StepWork hands the step to the collector.
 Separate from the per-request state (sequences.py), which outlives the step.
 """
 
@@ -50,9 +51,10 @@ class Row:
 
 @dataclass(slots=True)
 class Block:
-    """Traced rows of one step with the same block key and frontend (they only read,
-    and only batched reads or the drawn token): arrays, a few list entries per row.
-    Their steps are counted when the block is formed (no module reads need them)."""
+    """Traced rows of one step with the same block key and frontend (they only read:
+    batched reads, the drawn token, column reads): arrays, a few list entries per row.
+    Their steps are counted when the block is formed (the forward pass, which their
+    column reads need the step for, has run by then)."""
 
     ops: StepOps
     route: int
