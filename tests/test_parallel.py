@@ -163,17 +163,12 @@ def test_module_reads_logit_lens_and_dictionaries(par, hf):
 
 def hf_zeroed(hf, ids, layer):
     """transformers' last-position logits with layer `layer`'s output zeroed at positions 1, 2."""
-    def hook(module, args, output):
-        hidden = (output[0] if isinstance(output, tuple) else output).clone()
-        hidden[0, 1:3] = 0
-        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+    def zero(rows):  # (rows from position 0)
+        rows = rows.clone()
+        rows[1:3] = 0
+        return rows
 
-    handle = hf.model.model.layers[layer].register_forward_hook(hook)
-    try:
-        with torch.no_grad():
-            return hf.model(torch.tensor([ids])).logits[0, -1].float()
-    finally:
-        handle.remove()
+    return hf_steered(hf, ids, layer, zero, 0)
 
 
 def test_module_and_logits_writes(par, hf):

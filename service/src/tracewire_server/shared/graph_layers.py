@@ -6,6 +6,7 @@ their flag lists that this rank holds; both size their buffers for the largest p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,14 @@ def hooked_layers(model: torch.nn.Module, listed: list[int] | str, flag: str) ->
     start = getattr(inner, "start_layer", 0)
     end = getattr(inner, "end_layer", count)  # pipeline parallel: this rank's layers
     return inner, [layer for layer in range(start, end) if listed == "all" or layer in listed]
+
+
+def hook_layers(inner: torch.nn.Module, layers: list[int], hook: Callable[[int, Any], Any]) -> None:
+    """A forward hook on each of `layers` (decoder layer numbers) calling `hook(i, output)`,
+    `i` the layer's index in `layers` (its table or buffer); what `hook` returns replaces
+    the layer's output, as a forward hook's return value does."""
+    for table, layer in enumerate(layers):
+        inner.layers[layer].register_forward_hook(lambda module, args, output, table=table: hook(table, output))
 
 
 def max_tokens(vllm_config: Any) -> int:

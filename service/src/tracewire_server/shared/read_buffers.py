@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .graph_layers import hooked_layers
+from .graph_layers import hook_layers, hooked_layers
 
 # vllm_config.additional_config key: the decoder layers that get read buffers, or "all".
 # Part of vLLM's compile-cache key (as steering.LAYERS is).
@@ -83,10 +83,7 @@ def attach(model: torch.nn.Module, vllm_config: Any, max_tokens: int) -> ReadBuf
     buffers = ReadBuffers(layers, max_tokens, int(vllm_config.model_config.get_hidden_size()),
                           weight.dtype, weight.device)
     inner.tracewire_reads = buffers
-    for table, layer in enumerate(layers):
-        inner.layers[layer].register_forward_hook(
-            lambda module, args, output, table=table: buffers.capture(table, output)
-        )
+    hook_layers(inner, layers, buffers.capture)
     return buffers
 
 

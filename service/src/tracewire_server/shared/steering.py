@@ -34,7 +34,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from . import plan as P
 from . import read_buffers
-from .graph_layers import hooked_layers, max_tokens
+from .graph_layers import hook_layers, hooked_layers, max_tokens
 
 LOAD_FORMAT = "tracewire_steering"
 # model_loader_extra_config keys: the format (and its own extra config) that loads the weights.
@@ -100,10 +100,7 @@ def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
                             hidden=int(vllm_config.model_config.get_hidden_size()),
                             dtype=weight.dtype, device=weight.device)
     inner.tracewire_steering = tables
-    for table, layer in enumerate(layers):
-        inner.layers[layer].register_forward_hook(
-            lambda module, args, output, table=table: tables.apply(table, output)
-        )
+    hook_layers(inner, layers, tables.apply)
     return tables
 
 

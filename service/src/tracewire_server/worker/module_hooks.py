@@ -40,6 +40,12 @@ from .unit_hooks import edit_units, take_rows
 log = logging.getLogger(f"vllm.{__name__}")
 
 
+def computes_new_token(pos0: int, tokens: int, prompt_len: int, drawn: int) -> bool:
+    """Whether a request's `tokens` rows of a pass from position `pos0` end at its new
+    token (a pass that samples it), not inside its prompt (a chunk of a prefill)."""
+    return pos0 + tokens >= prompt_len + drawn
+
+
 @dataclass(slots=True)
 class Span:
     """One request's rows in a forward pass's flat [tokens, hidden] activations."""
@@ -56,7 +62,7 @@ class Span:
     @classmethod
     def of(cls, prompt_len: int, drawn: int, first: int, last: int, pos0: int) -> Span:
         """`drawn`: the tokens the request has drawn before this pass."""
-        samples = pos0 + (last - first) >= prompt_len + drawn
+        samples = computes_new_token(pos0, last - first, prompt_len, drawn)
         return cls(first, last, pos0, prompt_len, samples, recompute.recomputed(pos0, last - first, prompt_len, drawn))
 
     def replays(self, seq: Sequence) -> list[recompute.Replay]:
@@ -259,8 +265,8 @@ class ModuleHooks:
     def _plan_columns(self, i: int, req_id: str, seq: Sequence, paths: tuple[str, ...], first: int,
                       last: int, computed: int) -> None:
         """Batch row `i` reads these modules at its new token: that token's flat row, when
-        this pass computes it (not a chunk of its prompt: Span.samples)."""
-        if computed + last - first < len(seq.prompt_ids) + self.runner.output_count(req_id):
+        this pass computes it (not a chunk of its prompt)."""
+        if not computes_new_token(computed, last - first, len(seq.prompt_ids), self.runner.output_count(req_id)):
             return
         position = computed + last - first - 1
         for path in paths:
