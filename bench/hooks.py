@@ -82,7 +82,8 @@ def _hooked_minus_bare(hooks: PlanHooks, rows: int, vocab: int, steps: int,
 
     run(hooked, before_draw)  # warm-up: plans decoded, caches filled
     samples = [(run(hooked, before_draw) - run(bare, lambda: None)) / (steps * rows) * 1e6 for _ in range(5)]
-    hooks.senders[0].close()
+    for sender in hooks.senders.values():
+        sender.close()
     return statistics.median(samples)
 
 
@@ -90,10 +91,12 @@ STEER = P.Op("", P.StepSet(), None, P.WriteModule("layers.1", P.Positions(), "ad
                                                  np.full(256, 0.01, "<f4").tobytes()))
 
 
-def _decoding(rows: int, ops: tuple[P.Op, ...]) -> types.SimpleNamespace:
+def _decoding(rows: int, ops: tuple[P.Op, ...], routes: int = 1) -> types.SimpleNamespace:
     """A stand-in runner whose pass decodes one token for each of `rows` requests with
-    these ops, after their 2-token prompts (its forward pass does nothing)."""
-    requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops))) for i in range(rows)}
+    these ops, after their 2-token prompts (its forward pass does nothing); request i
+    is frontend i % routes's."""
+    requests = {f"r{i}": request(P.encode_plan(P.SequencePlan(key=f"k{i}", ops=ops, route=i % routes)))
+                for i in range(rows)}
     for state in requests.values():
         state.output_token_ids = []
     engine = runner(requests)
@@ -125,7 +128,7 @@ def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: boo
     return _hooked_minus_bare(hooks, rows, vocab, steps, before_draw)
 
 
-# --compiled-reads: reads served from the read buffers (stand-in model: 4 layers, hidden 256)
+# --compiled-reads: reads served from the read buffers (stand-in model: 4 layers, --hidden wide)
 COMPILED_READS = {
     "layer read every step (compiled, read buffers)": (
         P.Op("h", P.StepSet(), None, P.ReadModule("layers.1", P.Positions())),),
@@ -134,21 +137,22 @@ COMPILED_READS = {
 }
 
 
-def measure_compiled_reads(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: int, address: str) -> float:
+def measure_compiled_reads(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: int, addresses: list[str],
+                           hidden: int) -> float:
     """The same for reads on a compiled engine: each pass planned on the host before
     the forward, its rows taken from the read buffers after it (module_hooks.py), then
     the sampler hooks launch the values (module_reads.py) and the collector sends them.
     The graph's own copies into the buffers are not counted (the buffers hold one
-    random pass throughout)."""
-    hidden = 256
-    engine = _decoding(rows, ops)
+    random pass throughout). The requests are spread over one frontend per address."""
+    engine = _decoding(rows, ops, len(addresses))
     give_model(engine, 4, hidden, vocab)
     buffers = ReadBuffers([0, 1, 2, 3], max_tokens=rows, hidden=hidden, dtype=torch.float32,
                           device=torch.device("cpu"))
     for name in buffers.names:
         getattr(buffers, name).normal_()
     hooks = hooks_over(engine)
-    hooks.senders[0] = Sender(address)
+    for route, address in enumerate(addresses):
+        hooks.senders[route] = Sender(address)
     hooks.install_compiled_reads(buffers)
     return _hooked_minus_bare(hooks, rows, vocab, steps, engine._model_forward)
 
@@ -210,7 +214,8 @@ def main() -> int:
     parser.add_argument("--rows", default="64,256")
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--routes", type=int, default=8, help="frontends for the collector row")
+    parser.add_argument("--routes", type=int, default=8, help="frontends for the collector and compiled rows")
+    parser.add_argument("--hidden", type=int, default=256, help="the compiled rows' stand-in hidden size")
     parser.add_argument("--only", default="", help="only the rows whose name has this text (e.g. compiled)")
     args = parser.parse_args()
     addresses = [f"ipc:///tmp/tracewire-hooks-bench-{time.monotonic_ns()}-{i}" for i in range(args.routes)]
@@ -238,7 +243,7 @@ def main() -> int:
     for name, ops in COMPILED_READS.items():
         if args.only not in name:
             continue
-        cells = [measure_compiled_reads(ops, r, args.vocab, args.steps, address) for r in levels]
+        cells = [measure_compiled_reads(ops, r, args.vocab, args.steps, addresses, args.hidden) for r in levels]
         print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     if args.only not in "collector":
         for reader in readers:

@@ -40,9 +40,10 @@ from .unit_hooks import edit_units, take_rows
 log = logging.getLogger(f"vllm.{__name__}")
 
 
-def computes_new_token(pos0: int, tokens: int, prompt_len: int, drawn: int) -> bool:
+def computes_new_token(pos0: Any, tokens: Any, prompt_len: Any, drawn: Any) -> Any:
     """Whether a request's `tokens` rows of a pass from position `pos0` end at its new
-    token (a pass that samples it), not inside its prompt (a chunk of a prefill)."""
+    token (a pass that samples it), not inside its prompt (a chunk of a prefill). Ints,
+    or numpy arrays of them (one answer per request)."""
     return pos0 + tokens >= prompt_len + drawn
 
 
@@ -226,9 +227,24 @@ class ModuleHooks:
         starts = self.runner.query_starts(len(req_ids))
         computed = self.runner.computed_tokens(len(req_ids))
         compiled = self.buffers is not None  # (its writes: steering_slots.py)
+        # Rows that only read modules at their new token, every step (the common traced
+        # row under load): by the modules they read, their batch rows, prompt lengths and
+        # tokens drawn; planned together below, a few appends each here.
+        only_columns: dict[tuple[str, ...], tuple[list[int], list[int], list[int]]] = {}
+        output_count = self.runner.output_count
         for i, req_id in enumerate(req_ids):
             seq = self.sequences.get(req_id)
-            if seq is None or seq.error is not None or not (seq.hidden_ops or seq.applied):
+            if seq is None or seq.error is not None:
+                continue
+            if seq.column_only:
+                group = only_columns.get(seq.column_only)
+                if group is None:
+                    group = only_columns[seq.column_only] = ([], [], [])
+                group[0].append(i)
+                group[1].append(len(seq.prompt_ids))
+                group[2].append(output_count(req_id))
+                continue
+            if not (seq.hidden_ops or seq.applied):
                 continue  # (a plan with pattern reads has hidden ops)
             now = seq.ops_at(seq.step)
             columns = bool(now.column_reads) and seq.blocks(now)
@@ -261,6 +277,9 @@ class ModuleHooks:
                     continue
                 for key, path in action.module_reads(op.name):
                     self._wants.setdefault(path, []).append(Want(seq, key, rows, wanted))
+        for paths, (batch_rows, prompt_lens, drawn) in only_columns.items():
+            self._plan_column_rows(paths, np.asarray(batch_rows), np.asarray(prompt_lens), np.asarray(drawn),
+                                   starts, computed)
 
     def _plan_columns(self, i: int, req_id: str, seq: Sequence, paths: tuple[str, ...], first: int,
                       last: int, computed: int) -> None:
@@ -276,6 +295,22 @@ class ModuleHooks:
             found.batch_rows.append(i)
             found.rows.append(last - 1)
             found.positions.append(position)
+
+    def _plan_column_rows(self, paths: tuple[str, ...], batch_rows: np.ndarray, prompt_lens: np.ndarray,
+                          drawn: np.ndarray, starts: np.ndarray, computed: np.ndarray) -> None:
+        """`_plan_columns` for many batch rows reading the same modules, in numpy."""
+        first, last, pos0 = starts[batch_rows], starts[batch_rows + 1], computed[batch_rows]
+        new = computes_new_token(pos0, last - first, prompt_lens, drawn)
+        taken = batch_rows[new].tolist()
+        rows = (last[new] - 1).tolist()
+        positions = (pos0[new] + last[new] - first[new] - 1).tolist()
+        for path in paths:
+            found = self._column_rows.get(path)
+            if found is None:
+                found = self._column_rows[path] = PlannedColumn([], [], [])
+            found.batch_rows.extend(taken)
+            found.rows.extend(rows)
+            found.positions.extend(positions)
 
     def _gather_column(self, path: str, value: torch.Tensor, planned: PlannedColumn) -> None:
         """A column read's rows of `value` ([tokens, hidden]) for the batch rows reading

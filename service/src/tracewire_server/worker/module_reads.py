@@ -180,67 +180,75 @@ class Column(NamedTuple):
     positions: np.ndarray
 
 
-def _column_rows(columns: dict[str, Column], path: str, name: str, block: Block) -> tuple[Column, np.ndarray]:
-    """The block's rows of the module's column, all of them there."""
-    column = columns.get(path)
-    rows = column.where[block.index] if column is not None else None
-    if column is None or rows is None or (rows < 0).any():
-        raise RuntimeError(f"read {name!r} of {path!r} saw 0 of 1 positions (its forward pass did not "
-                           "compute the new token)")
-    return column, rows
-
-
 def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: Lens | None) -> None:
     """Launch the blocks' module reads: each module's column (module_hooks.py gathered
-    every block row's new-token value in one pass) goes to the host in one copy, each
-    block pointing at its rows; the logit lens is one lm_head matmul per read over every
-    block row reading it. A column missing a row fails that block's traces."""
-    batches: dict[str, HostBatch] = {}
-    lens_groups: dict[P.ReadLogitLens, list[tuple[Block, str]]] = {}
+    every block row's new-token value in one pass) goes to the host in one copy; the
+    logit lens is one lm_head matmul per read over every block row reading it. A block
+    missing a row of a column fails its own traces, not the other blocks'."""
+    groups: dict[P.ReadModule | P.ReadLogitLens, list[tuple[Block, str]]] = {}
     for block in blocks:
         for name, read in block.ops.column_reads:
-            if type(read) is P.ReadLogitLens:
-                lens_groups.setdefault(read, []).append((block, name))
-                continue
-            try:
-                column, rows = _column_rows(columns, read.module, name, block)
-                batch = batches.get(read.module)
-                if batch is None:
-                    batch = batches[read.module] = HostBatch(to_host(column.values), None)
-                block.reads[name] = ColumnRows(batch, rows.tolist())
-            except Exception as e:  # noqa: BLE001 - fails this block's traces only
-                block.error = block.error or f"{type(e).__name__}: {e}"
-    for read, members in lens_groups.items():
+            groups.setdefault(read, []).append((block, name))
+    for read, members in groups.items():
+        paths = [path for _, path in read.module_reads("")]
+        members = _complete(members, paths, columns)
+        if not members:
+            continue
         try:
-            assert lens is not None
-            _launch_lens_column(read, members, columns, lens)
+            if type(read) is P.ReadLogitLens:
+                assert lens is not None
+                batch = _lens_column(read, members, paths, columns, lens)
+            else:
+                column = columns[read.module]
+                batch = HostBatch(to_host(column.values.index_select(0, _rows_on_device(members, column))), None)
         except Exception as e:  # noqa: BLE001 - fails the blocks reading it
             for block, _ in members:
                 block.error = block.error or f"{type(e).__name__}: {e}"
+            continue
+        offset = 0
+        for block, name in members:  # each block's rows: one range of the column
+            block.reads[name] = ColumnRows(batch, list(range(offset, offset + len(block.index))))
+            offset += len(block.index)
 
 
-def _launch_lens_column(read: P.ReadLogitLens, members: list[tuple[Block, str]], columns: dict[str, Column],
-                        lens: Lens) -> None:
-    """One logit-lens read for every block row reading it: [rows, layers, 1, k] (one
+def _complete(members: list[tuple[Block, str]], paths: list[str],
+              columns: dict[str, Column]) -> list[tuple[Block, str]]:
+    """The members whose block has its every row in each of these columns (the others'
+    blocks fail), a frontend's blocks next to each other: then the rows a frontend reads
+    are one slice of the column (outgoing.py sends a slice without cutting it)."""
+    kept = []
+    for block, name in members:
+        for path in paths:
+            column = columns.get(path)
+            if column is None or (column.where[block.index] < 0).any():
+                block.error = block.error or (f"read {name!r} of {path!r} saw 0 of 1 positions (its forward pass "
+                                              "did not compute the new token)")
+                break
+        else:
+            kept.append((block, name))
+    return sorted(kept, key=lambda member: member[0].route)
+
+
+def _rows_on_device(members: list[tuple[Block, str]], column: Column) -> torch.Tensor:
+    """The members' rows of the column, block after block, as a device index."""
+    rows = np.concatenate([column.where[block.index] for block, _ in members])
+    return on_device(rows, column.values.device, torch.long)
+
+
+def _lens_column(read: P.ReadLogitLens, members: list[tuple[Block, str]], paths: list[str],
+                 columns: dict[str, Column], lens: Lens) -> HostBatch:
+    """One logit-lens read for every member block row: [rows, layers, 1, k] (one
     position: the new token's), its positions a column beside it."""
-    streams, positions = [], None
-    for _, path in read.module_reads(""):
-        picked = [_column_rows(columns, path, name, block) for block, name in members]
-        column = picked[0][0]
-        rows = np.concatenate([rows for _, rows in picked])
-        streams.append(column.values.index_select(0, on_device(rows, column.values.device, torch.long)))
-        positions = column.positions[rows] if positions is None else positions
+    streams = [columns[path].values.index_select(0, _rows_on_device(members, columns[path])) for path in paths]
+    first = columns[paths[0]]
+    positions = first.positions[np.concatenate([first.where[block.index] for block, _ in members])]
     values, ids = lens(torch.stack(streams, dim=1)), None  # [rows, layers, vocab] log-probs
     if read.top_k:  # (top-k of the log-softmax itself, as _launch_lens)
         top = torch.topk(values, read.top_k, dim=-1)
         values, ids = top.values, top.indices.to(torch.int32)
-    batch = HostBatch.of_arrays(to_host(values.unsqueeze(2)).numpy(),
-                                None if ids is None else to_host(ids.unsqueeze(2)).numpy(),
-                                None if positions is None else positions.reshape(-1, 1))
-    offset = 0
-    for block, name in members:
-        block.reads[name] = ColumnRows(batch, list(range(offset, offset + len(block.index))))
-        offset += len(block.index)
+    return HostBatch.of_arrays(to_host(values.unsqueeze(2)).numpy(),
+                               None if ids is None else to_host(ids.unsqueeze(2)).numpy(),
+                               positions.reshape(-1, 1))
 
 
 def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | None = None,

@@ -64,6 +64,10 @@ class Sequence:
     # block's rows at once): not where a read is a patch source (each row's value is
     # stored) or under pipeline parallelism (earlier stages send each row's values).
     column_blocks: bool = True
+    # The modules it reads at every new token as a block row when that is all its module
+    # ops do (no writes, no attention patterns): the module hooks then plan its row by
+    # these alone, vectorized with the others' (module_hooks.py). Empty otherwise.
+    column_only: tuple[str, ...] = ()
     # Attention-pattern reads (attention_patterns.py): whether the plan has any; the
     # keys they need, by read name @ layer; this step's computed chunks, likewise.
     reads_patterns: bool = False
@@ -106,6 +110,9 @@ class Sequence:
             self.constant = StepOps.of(self.plan.ops)
             if self.blocks(self.constant):
                 self.block = (self.plan.route, id(self.constant))  # (held here: the id stays theirs)
+                column_ops = {name for name, _ in self.constant.column_reads}
+                if self.constant.column_paths and all(op.name in column_ops for _, op in self.hidden_ops):
+                    self.column_only = self.constant.column_paths
         lasts = [op.steps.last() for op in self.plan.ops]
         if all(last is not None for last in lasts):
             self.last_step = max(lasts, default=-1)  # type: ignore[type-var]
