@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import numpy as np
 import zmq
 from tracewire_server.shared import sidechannel
@@ -80,10 +81,13 @@ def test_rows_cut_from_the_bytes_equal_numpy_indexing():
     ]
     for array in arrays:
         n = array.shape[0]
-        for rows in ([], [0], [n - 1, 0, n // 2]) if n else ([],):
+        # (a run of rows in order is sent as a view of the array: `n // 2..n`, all of them)
+        for rows in ([], [0], [n - 1, 0, n // 2], list(range(n // 2, n)), list(range(n))) if n else ([],):
             cut = RawTensor.rows_of(array, rows)
             assert cut == RawTensor.from_numpy(array[rows]), (array.shape, array.dtype, rows)
             assert _array(cut).shape == (len(rows), *array.shape[1:])
+            sent = msgspec.msgpack.decode(msgspec.msgpack.encode(cut), type=RawTensor)
+            assert sent == RawTensor.from_numpy(array[rows]) and type(sent.data) is bytes
 
 
 def _batch(key: str) -> StepBatch:

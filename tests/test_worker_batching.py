@@ -136,6 +136,20 @@ def _compiled_runner(requests: dict, hidden: int = 8):
     return engine, buffers
 
 
+def _compiled_hooks(requests: dict, order: list[str]):
+    """tracewire's hooks on a stand-in compiled runner (`_compiled_runner`) whose batch is
+    `order`: the runner, its read buffers, a Sender for frontends 0 and 1, the sampler."""
+    engine, buffers = _compiled_runner(requests)
+    hooks = hooks_over(engine)
+    senders = {0: Sender(), 1: Sender()}
+    hooks.senders.update(senders)
+    sampler = Sampler()
+    hooks.install(sampler)
+    hooks.install_compiled_reads(buffers)
+    engine.input_batch.req_ids = order
+    return engine, buffers, senders, sampler
+
+
 def test_block_module_reads_are_columns_of_each_rows_new_token():
     """Requests that only read modules at the new token travel as blocks, their values one
     gather per module for all of them: each record still gets its own row, beside rows
@@ -162,15 +176,8 @@ def test_block_module_reads_are_columns_of_each_rows_new_token():
             requests[name].sampling_params.extra_args = {}
         requests[name].output_token_ids = []
     requests["chunked"].prompt_token_ids = [1, 2, 3, 4, 5]  # (the others' prompts: 2 tokens)
-    engine, buffers = _compiled_runner(requests)
-    hooks = hooks_over(engine)
-    senders = {0: Sender(), 1: Sender()}
-    hooks.senders.update(senders)
-    sampler = Sampler()
-    hooks.install(sampler)
-    hooks.install_compiled_reads(buffers)
     order = list(plans)
-    engine.input_batch.req_ids = order
+    engine, buffers, senders, sampler = _compiled_hooks(requests, order)
 
     steps = dict.fromkeys(plans, 0)
     for step in range(3):
@@ -221,3 +228,60 @@ def test_block_module_reads_are_columns_of_each_rows_new_token():
         blocked = {key for sender in senders.values() for b in sender.batches[-1].blocks for key in b.keys}
         assert blocked == {k for k in ("a", "b", "chunked", "lens") if k in traced}
     assert steps["chunked"] == 2 and steps["a"] == 3
+
+
+def test_a_frontends_column_rows_go_as_one_slice_and_a_block_missing_a_row_fails_alone(monkeypatch):
+    """Block rows of two frontends, interleaved in the batch: each frontend is sent only
+    its rows of the module's column, as one slice of it (the column is laid out block by
+    block, a frontend's blocks together). A lens block one of whose rows the pass did not
+    compute fails its own traces; the other frontend's lens block is still answered."""
+    monkeypatch.setattr(host, "WHOLE_COLUMN_BYTES", 0)  # cut per frontend, however small
+    read = P.ReadModule("layers.1", P.Positions())
+    lens = P.ReadLogitLens((0, 2), P.Positions(), top_k=3)
+    plans = {
+        "h0": P.SequencePlan(key="h0", route=0, ops=(_op("h", read),)),
+        "h1": P.SequencePlan(key="h1", route=1, ops=(_op("h", read),)),
+        "l0": P.SequencePlan(key="l0", route=0, ops=(_op("l", lens),)),
+        "h2": P.SequencePlan(key="h2", route=0, ops=(_op("h", read),)),
+        "l1": P.SequencePlan(key="l1", route=1, ops=(_op("l", lens),)),
+        "h3": P.SequencePlan(key="h3", route=1, ops=(_op("h", read),)),
+    }
+    requests = {name: request(P.encode_plan(plan)) for name, plan in plans.items()}
+    for state in requests.values():
+        state.output_token_ids = [3]  # after a 2-token prompt and one drawn token
+    order = list(plans)
+    engine, buffers, senders, sampler = _compiled_hooks(requests, order)
+    engine.query_start_loc = types.SimpleNamespace(np=np.arange(len(order) + 1))  # one decode row each
+    # Every row decodes its third token, except that the pass runs l1's row at its first
+    # position (a pass that does not compute its new token, yet vLLM keeps the sample).
+    engine.input_batch.num_computed_tokens_cpu = np.array([0 if k == "l1" else 2 for k in order])
+    engine.discard_request_mask = types.SimpleNamespace(np=np.zeros(len(order), bool))
+    for t, layer in enumerate(buffers.layers):
+        getattr(buffers, buffers.names[t])[:] = (1000 * layer + 10 * torch.arange(64)).unsqueeze(1).float()
+    engine._model_forward()
+    sampler.forward(torch.randn(len(order), VOCAB), None)
+
+    for route, sender in senders.items():
+        batch = sender.batches[-1]
+        got = {r.key: r for r in records(batch)}
+        mine = [k for k in order if plans[k].route == route]
+        assert sorted(got) == sorted(mine)
+        for k in mine:
+            row = order.index(k)
+            if k.startswith("h"):
+                assert got[k].error is None
+                want = np.full(8, 1000 + 10 * row, np.float32)
+                np.testing.assert_array_equal(_array(got[k].values["h"].values), want)
+        # its rows of the layer read: exactly its own, sent as a view of the host copy
+        (h_column,) = [batch.columns[c] for block in batch.blocks for name, c, _ in block.reads if name == "h"]
+        assert h_column.values.shape[0] == sum(k.startswith("h") for k in mine)
+        assert isinstance(h_column.values.data, memoryview)
+    l1 = {r.key: r for r in records(senders[1].batches[-1])}["l1"]
+    assert "saw 0 of 1 positions" in (l1.error or "")
+    l0 = {r.key: r for r in records(senders[0].batches[-1])}["l0"]
+    assert l0.error is None
+    streams = torch.stack([torch.full((8,), 1000.0 * layer + 10 * order.index("l0")) for layer in (0, 2)])
+    with torch.no_grad():
+        top = torch.topk(torch.log_softmax(engine.model.lm_head(engine.model.model.norm(streams)), -1), 3)
+    np.testing.assert_allclose(_array(l0.values["l"].values), top.values.unsqueeze(1).numpy(), rtol=1e-6)
+    np.testing.assert_array_equal(_array(l0.values["l"].token_ids), top.indices.unsqueeze(1).numpy())

@@ -39,19 +39,28 @@ class Lens:
 
     @torch.no_grad()
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, vocab] logits (float32)."""
+        """[rows, hidden] -> [rows, vocab] logits, in lm_head's dtype (as the model's own)."""
         normed = self.norm.forward(streams.to(device=self.weight.device, dtype=self.weight.dtype))
         normed = normed[0] if isinstance(normed, tuple) else normed  # (.forward: not through a hook on "norm")
         logits = normed @ self.weight.t()
         if self.gather is not None:  # [rows, the padded vocab], every rank's slice in order
             logits = self.gather(logits.contiguous())
-        return logits[:, : self.vocab_size].float()
+        return logits[:, : self.vocab_size]
 
     @torch.no_grad()
-    def __call__(self, streams: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> [..., vocab] log-probabilities."""
-        flat = streams.reshape(-1, streams.shape[-1])
-        return torch.log_softmax(self.logits(flat), dim=-1).reshape(*streams.shape[:-1], -1)
+    def __call__(self, streams: torch.Tensor, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[..., hidden] -> [..., vocab] float32 log-probabilities, or (top_k > 0) the top_k
+        of them [..., k] and their ids (int32)."""
+        lead = streams.shape[:-1]
+        logits = self.logits(streams.reshape(-1, streams.shape[-1]))
+        # The float32 log-softmax straight from lm_head's bf16 logits (one kernel: no float32
+        # copy of [rows, vocab] first). The top k are found in the logits themselves, the
+        # same order at half the bytes; their log-probabilities are read off.
+        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        if not top_k:
+            return logprobs.reshape(*lead, -1), None
+        ids = torch.topk(logits, top_k, dim=-1).indices
+        return logprobs.gather(-1, ids).reshape(*lead, top_k), ids.to(torch.int32).reshape(*lead, top_k)
 
 
 def _gathered(row: Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:
@@ -102,11 +111,7 @@ def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
             # every row's layers in order, [layers x positions, hidden] each: one cat for
             # the group (a stack per row was a kernel launch per row per step)
             flat = torch.cat([stream for w in group for stream in w.streams])
-            # (top-k of the log-softmax itself: the same values a full-row read returns)
-            values, ids = lens(flat), None
-            if k:
-                top = torch.topk(values, k, dim=-1)
-                values, ids = top.values, top.indices.to(torch.int32)
+            values, ids = lens(flat, k)
             # One copy to the host for the group, each row a view of its part (a copy per
             # row cost two copy launches per row per step: most of the lens's host time).
             host_values = to_host(values).numpy()
@@ -242,10 +247,7 @@ def _lens_column(read: P.ReadLogitLens, members: list[tuple[Block, str]], paths:
     streams = [columns[path].values.index_select(0, _rows_on_device(members, columns[path])) for path in paths]
     first = columns[paths[0]]
     positions = first.positions[np.concatenate([first.where[block.index] for block, _ in members])]
-    values, ids = lens(torch.stack(streams, dim=1)), None  # [rows, layers, vocab] log-probs
-    if read.top_k:  # (top-k of the log-softmax itself, as _launch_lens)
-        top = torch.topk(values, read.top_k, dim=-1)
-        values, ids = top.values, top.indices.to(torch.int32)
+    values, ids = lens(torch.stack(streams, dim=1), read.top_k)  # [rows, layers, vocab or k]
     return HostBatch.of_arrays(to_host(values.unsqueeze(2)).numpy(),
                                None if ids is None else to_host(ids.unsqueeze(2)).numpy(),
                                positions.reshape(-1, 1))
