@@ -246,6 +246,29 @@ def test_reads_over_the_budget_are_resource_exhausted():
             call=lambda: compile_(request, max_read_bytes=bound - 1))
 
 
+def test_the_lens_work_of_one_step_is_bounded():
+    """A trace's logit-lens reads put at most max_lens_rows streams (layers x positions x
+    sequences) through lm_head at one step: summed over reads and invokes, refused naming
+    the invoke where the sum went over."""
+    limits = dataclasses.replace(EAGER, lens_work=VOCAB * HIDDEN * 40)
+    assert limits.max_lens_rows == 40 and EAGER.max_lens_rows > 1000
+
+    def lens(name: str, layers: list[int], positions: I.Positions | None = None) -> I.Intervention:
+        return iv(name, read_logit_lens=I.ReadLogitLens(layers=layers, positions=positions, top_k=5))
+
+    prompt = I.Positions(all_prompt=I.AllPrompt())
+    every = lens("a", [0, 1, 2, 3], prompt)  # 4 layers x the prompt's 8 positions: 32 streams
+    assert compile_(trace(invoke(PROMPT, every)), limits).ops_by_invoke[0][0].name == "a"
+    # new-token reads count one position; "all" its prompt's at step 0
+    compile_(trace(invoke(PROMPT, every, lens("b", [0, 1, 2, 3]), lens("c", [0, 1, 2, 3]))), limits)
+    words = ("logit-lens", "over this model's limit of 40", "fewer layers or prompt positions")
+    invalid(trace(invoke(PROMPT, every, lens("b", [0, 1, 2, 3], I.Positions(all=I.AllPositions())))),
+            "invokes[0].interventions", "up to 64 residual streams", *words, limits=limits)
+    invalid(trace(invoke(PROMPT, every, n=2)), "invokes[0].interventions", "up to 64", *words, limits=limits)
+    invalid(trace(invoke(PROMPT, every), invoke(PROMPT, lens("a", [0, 1], prompt))),
+            "invokes[1].interventions", "up to 48", *words, limits=limits)
+
+
 # -- interventions: names, steps, actions -------------------------------------
 
 

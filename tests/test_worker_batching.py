@@ -285,3 +285,30 @@ def test_a_frontends_column_rows_go_as_one_slice_and_a_block_missing_a_row_fails
         top = torch.topk(torch.log_softmax(engine.model.lm_head(engine.model.model.norm(streams)), -1), 3)
     np.testing.assert_allclose(_array(l0.values["l"].values), top.values.unsqueeze(1).numpy(), rtol=1e-6)
     np.testing.assert_array_equal(_array(l0.values["l"].token_ids), top.indices.unsqueeze(1).numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows_per_chunk", [1, 3, 1000])
+def test_the_top_k_lens_is_computed_a_bounded_chunk_of_rows_at_a_time(monkeypatch, dtype, rows_per_chunk):
+    """A lens over many layers and positions never holds more than LENS_CHUNK_BYTES of
+    log-probabilities at once, and its chunks together are the whole lens: the top k of
+    log_softmax(lm_head(norm(stream))), in lm_head's dtype as the model computes logits."""
+    from tracewire_server.worker import module_reads
+
+    torch.manual_seed(0)
+    vocab, hidden = 990, 64  # (lm_head padded to 1000 rows, as vLLM pads the vocabulary)
+    norm = torch.nn.RMSNorm(hidden).to(dtype)
+    weight = (0.3 * torch.randn(1000, hidden)).to(dtype)
+    streams = torch.randn(7, 4, hidden).to(dtype)  # [positions, layers, hidden]
+    monkeypatch.setattr(module_reads, "LENS_CHUNK_BYTES", 4 * vocab * rows_per_chunk)
+    seen = []
+    lens = module_reads.Lens(norm, weight, vocab)
+    logits = lens.logits
+    monkeypatch.setattr(lens, "logits", lambda rows: seen.append(rows.shape[0]) or logits(rows))
+    values, ids = lens(streams, 5)
+    with torch.no_grad():
+        want = torch.log_softmax((norm(streams) @ weight.t())[..., :vocab].float(), dim=-1).topk(5)
+    assert max(seen) == min(rows_per_chunk, 28) and sum(seen) == 28
+    assert values.dtype == torch.float32 and ids.dtype == torch.int32 and values.shape == (7, 4, 5)
+    torch.testing.assert_close(values, want.values, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ids, want.indices.to(torch.int32))

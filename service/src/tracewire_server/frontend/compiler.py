@@ -125,7 +125,7 @@ class _Compiler:
         self.check_sequences(request)
         # The trace's own values first, so an error names the message that holds it.
         to_vllm_kwargs(request.sampling_params, self.limits, "sampling_params")
-        drafts, bound = [], 0
+        drafts, bound, lens_rows = [], 0, 0
         for i, invoke in enumerate(request.invokes):
             field = f"invokes[{i}]"
             prompt = to_engine_prompt(invoke.prompt, self.encoder, self.limits, f"{field}.prompt")
@@ -144,6 +144,13 @@ class _Compiler:
                 # model: compute them again for this request.
                 kwargs["skip_reading_prefix_cache"] = True
             bound += n * sum(self.read_bytes(op, max_tokens) for op in ops)
+            lens_rows += n * sum(self.lens_rows(op) for op in ops)
+            if lens_rows > self.limits.max_lens_rows:
+                raise InvalidArgument(
+                    f"{field}.interventions",
+                    f"the trace's logit-lens reads put up to {lens_rows} residual streams (layers x positions x "
+                    f"sequences) through lm_head at one step, over this model's limit of "
+                    f"{self.limits.max_lens_rows}; read fewer layers or prompt positions, or split the trace")
             drafts.append((prompt, kwargs, InvokeDraft(self.prompt_len, n, max_tokens, ops)))
         # Writes taking another invoke's read: resolved with every invoke at hand.
         patches = resolve_patches([d for _, _, d in drafts], self.limits, trace_key)
@@ -228,6 +235,14 @@ class _Compiler:
                     f"{field}.interventions: read {op.name!r} is a patch source on pipeline stage {stage}; "
                     "patch operands are kept on the last stage only")
         return stages
+
+    def lens_rows(self, op: P.Op) -> int:
+        """The streams a logit-lens op puts through lm_head at its busiest step: each of
+        its layers at each prompt position it reads (or at the new token)."""
+        action = op.action
+        if not isinstance(action, P.ReadLogitLens):
+            return 0
+        return len(action.layers) * max(1, len(action.positions.prompt_positions(self.prompt_len)))
 
     def read_bytes(self, op: P.Op, max_tokens: int) -> int:
         """Upper bound on the bytes one sequence's op returns over the generation."""

@@ -9,6 +9,13 @@ from typing import Literal
 EngineMode = Literal["eager", "compiled", "compiled_steering"]
 
 
+# The lm_head work (multiply-adds) a trace's logit-lens reads may ask of one engine step:
+# 65536 residual streams through a 152k x 4096 lm_head (Qwen3-8B), ~0.1 s of an H200's step
+# that every other request waits out. A lens over every layer and prompt position of a long
+# prompt would otherwise stall the engine for seconds.
+LENS_WORK = 65536 * 151936 * 4096
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     vocab_size: int
@@ -43,6 +50,13 @@ class ModelLimits:
     # or lm_head (conditions, the logit lens) runs on the last.
     pipeline_parallel_size: int = 1
     stage_first_layers: tuple[int, ...] = (0,)
+    lens_work: int = LENS_WORK
+
+    @property
+    def max_lens_rows(self) -> int:
+        """The most residual streams a trace's logit-lens reads may put through lm_head at
+        one step (layers x positions x sequences): `lens_work` over lm_head's size."""
+        return max(1, self.lens_work // max(1, self.vocab_size * self.hidden_size))
 
     @property
     def last_stage(self) -> int:

@@ -24,6 +24,10 @@ from .patch_store import PatchStore
 from .pattern_state import joined
 from .unit_hooks import select_units
 
+# A top-k lens computes [rows, vocab] float32 log-probabilities this many bytes of them at
+# a time (~440 rows of a 152k vocabulary; with the bf16 logits beside them ~400 MB).
+LENS_CHUNK_BYTES = 256 << 20
+
 
 class Lens:
     """The model's own final norm and lm_head, applied to residual streams (float32).
@@ -52,15 +56,24 @@ class Lens:
         """[..., hidden] -> [..., vocab] float32 log-probabilities, or (top_k > 0) the top_k
         of them [..., k] and their ids (int32)."""
         lead = streams.shape[:-1]
-        logits = self.logits(streams.reshape(-1, streams.shape[-1]))
+        flat = streams.reshape(-1, streams.shape[-1])
         # The float32 log-softmax straight from lm_head's bf16 logits (one kernel: no float32
-        # copy of [rows, vocab] first). The top k are found in the logits themselves, the
-        # same order at half the bytes; their log-probabilities are read off.
-        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-        if not top_k:
-            return logprobs.reshape(*lead, -1), None
-        ids = torch.topk(logits, top_k, dim=-1).indices
-        return logprobs.gather(-1, ids).reshape(*lead, top_k), ids.to(torch.int32).reshape(*lead, top_k)
+        # copy of [rows, vocab] first).
+        if not top_k:  # (all of it is returned: --max-read-bytes bounds it)
+            return torch.log_softmax(self.logits(flat), dim=-1, dtype=torch.float32).reshape(*lead, -1), None
+        # Top k: [rows, vocab] exists a chunk of rows at a time, so the device memory a
+        # lens over many layers and prompt positions takes is bounded. The top k are found
+        # in the logits themselves (the same order, at half the bytes in bf16), their
+        # log-probabilities read off.
+        chunk = max(1, LENS_CHUNK_BYTES // (4 * self.vocab_size))
+        values, ids = [], []
+        for start in range(0, flat.shape[0], chunk):
+            logits = self.logits(flat[start:start + chunk])
+            top = torch.topk(logits, top_k, dim=-1).indices
+            values.append(torch.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, top))
+            ids.append(top)
+        joined = (values[0], ids[0]) if len(values) == 1 else (torch.cat(values), torch.cat(ids))
+        return joined[0].reshape(*lead, top_k), joined[1].to(torch.int32).reshape(*lead, top_k)
 
 
 def _gathered(row: Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:
