@@ -30,7 +30,8 @@ LENS_CHUNK_BYTES = 256 << 20
 
 
 class Lens:
-    """The model's own final norm and lm_head, applied to residual streams (float32).
+    """The model's own final norm and lm_head, applied to residual streams: log-probabilities
+    in float32 from logits in lm_head's dtype, as the model computes its own.
     `gather`: under tensor parallelism `weight` is this rank's slice of the vocab-parallel
     lm_head; it joins every rank's slice of the logits (runner.vocab_gather)."""
 
