@@ -10,7 +10,8 @@ import re
 import subprocess
 import sys
 
-from tracewire.cli import _Cell, _table
+from tracewire.cli import _Cell, _lens_layers, _table
+from tracewire.rpcs import ModelInfo
 
 PROMPT = "The capital of France is"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -110,3 +111,16 @@ def test_lens_colours_probabilities_on_a_terminal(eager):
     assert re.search(r"' Paris' \x1b\[[0-9;]+m[01]\.\d\d\x1b\[0m", text), text
     plain = [lens_cells(ANSI.sub("", line)) for line in text.splitlines()]
     assert [row[0] for row in plain] == ["layer", "0", "3"]
+
+
+def test_the_lens_defaults_to_the_layers_the_server_lenses():
+    """Every layer on an eager server; a compiled one's readable layers; under pipeline
+    parallelism the last stage's (lm_head is there: the server refuses the others)."""
+    def info(mode: str, readable: list[int], stages: list[int]) -> ModelInfo:
+        return ModelInfo("m", "A", 2048, [0], None, 512, "float32", 6, 256, 1, [], "v", "s", engine_mode=mode,
+                         readable_layers=readable, pipeline_parallel_size=len(stages), stage_first_layers=stages)
+
+    assert _lens_layers(info("eager", [], [0])) == [0, 1, 2, 3, 4, 5]
+    assert _lens_layers(info("compiled", [4, 1], [0])) == [1, 4]
+    assert _lens_layers(info("eager", [], [0, 3])) == [3, 4, 5]
+    assert _lens_layers(info("unspecified", [], [0])) == [0, 1, 2, 3, 4, 5]  # an older server: all

@@ -31,6 +31,7 @@ from trace_requests import cmp, f32, invoke, iv, logits, run, steps, trace
 from tracewire.v1 import dictionary_pb2 as D
 from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2_grpc
+from tracewire_server.shared.limits import LENS_WORK
 from transformers import AutoModelForCausalLM
 
 ATOL = 1e-4  # float32 on both sides; the ranks add all-reduces' reordered sums
@@ -84,6 +85,10 @@ def test_logits_samples_and_logprobs_at_every_step(par, hf):
     with tw.Client(par.target, timeout=60) as client:
         info = client.model_info()
     assert info.tensor_parallel_size == (2 if par.name == "tp2" else 1) and info.engine_mode == "eager"
+    # the stages' layers (the tiny model's 4 over 2 stages), and the lens's bound for its lm_head
+    assert info.pipeline_parallel_size == (2 if par.name == "pp2" else 1)
+    assert info.stage_first_layers == ([0, 2] if par.name == "pp2" else [0])
+    assert info.max_lens_rows == min(LENS_WORK // (info.vocab_size * info.hidden_size), 2**31 - 1)
     n, ids = 6, hf.encode(PROMPT)
     result = run(par.stub, trace(invoke(PROMPT, iv("raw", read_logits=logits(raw=True)),
                                         iv("top", read_logits=logits(k=5)),

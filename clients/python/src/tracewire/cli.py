@@ -132,11 +132,13 @@ def _lens(client: Client, args: argparse.Namespace) -> None:
 
 def _lens_layers(info: ModelInfo) -> list[int]:
     """The lens's default layers: all of them, except on a compiled server that reads only
-    some (--compiled-reads LAYERS: readable_layers). One without read buffers gets all, and
-    refuses them itself, naming the flags that would serve them."""
+    some (--compiled-reads LAYERS: readable_layers), and under pipeline parallelism the
+    last stage's (lm_head is there). One without read buffers gets all, and refuses them
+    itself, naming the flags that would serve them."""
+    layers = list(range(info.stage_first_layers[-1], info.num_layers))
     if info.engine_mode not in ("eager", "unspecified") and info.readable_layers:
-        return sorted(info.readable_layers)
-    return list(range(info.num_layers))
+        return [layer for layer in sorted(info.readable_layers) if layer in layers]
+    return layers
 
 
 def _save_lens_plot(path: str, top: Any, layers: list[int], tokens: list[str], decode: _TokenText) -> None:

@@ -84,6 +84,13 @@ class ModelInfo:
     # Why attention-pattern reads are refused here ("": they are served).
     attention_patterns_refusal: str = ""
     readable_layers: list[int] = field(default_factory=list)
+    # Pipeline stages and the first decoder layer of each (the logit lens and conditions
+    # read only the last stage's layers); 1 and [0] without stages (and from an older server).
+    pipeline_parallel_size: int = 1
+    stage_first_layers: list[int] = field(default_factory=lambda: [0])
+    # The most residual streams a trace's logit-lens reads may put through lm_head at one
+    # step (layers x positions x sequences); 0 from an older server, which does not say.
+    max_lens_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -201,6 +208,9 @@ def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
         intermediate_size=r.intermediate_size,
         attention_patterns_refusal=r.attention_patterns_refusal,
         readable_layers=list(r.readable_layers),
+        pipeline_parallel_size=r.pipeline_parallel_size or 1,
+        stage_first_layers=list(r.stage_first_layers) or [0],
+        max_lens_rows=r.max_lens_rows,
     )
 
 

@@ -55,8 +55,9 @@ class ModelLimits:
     @property
     def max_lens_rows(self) -> int:
         """The most residual streams a trace's logit-lens reads may put through lm_head at
-        one step (layers x positions x sequences): `lens_work` over lm_head's size."""
-        return max(1, self.lens_work // max(1, self.vocab_size * self.hidden_size))
+        one step (layers x positions x sequences): `lens_work` over lm_head's size (and
+        an int32, as ModelInfo carries it)."""
+        return max(1, min(self.lens_work // max(1, self.vocab_size * self.hidden_size), 2**31 - 1))
 
     @property
     def last_stage(self) -> int:

@@ -143,6 +143,15 @@ def _edit_module_output(path: str, output: Any, edits: list[Edit]) -> None:
         target.index_copy_(0, index, new_target.to(target.dtype))
 
 
+class _ColumnIndex(NamedTuple):
+    """A pass's column rows on the device, and the numpy `where` / positions of its Column."""
+
+    rows: list[int]
+    index: torch.Tensor
+    where: np.ndarray
+    positions: np.ndarray
+
+
 class PlannedColumn(NamedTuple):
     """A pass's rows of one module that blocks read (planned before the pass): the batch
     rows reading it, their new tokens' flat rows and token positions."""
@@ -190,6 +199,7 @@ class ModuleHooks:
         # gathered, `columns` holds each path's values for the sampler hooks.
         self._column_rows: dict[str, PlannedColumn] = {}
         self.columns: dict[str, Column] = {}
+        self._column_index: _ColumnIndex | None = None  # the pass's last column's (_gather_column)
 
     def install(self) -> None:
         if self.buffers is not None:  # compiled: planned and read on the host around the pass
@@ -213,7 +223,7 @@ class ModuleHooks:
             self._plan()
         except Exception:  # noqa: BLE001 - never break vLLM's forward pass
             log.exception("planning module hooks failed; no module interventions this step")
-            self._wants, self._edits, self._column_rows = {}, {}, {}
+            self._wants, self._edits, self._column_rows, self._column_index = {}, {}, {}, None
             self.patterns.begin(self.runner.live())
 
     def _plan(self) -> None:
@@ -222,6 +232,7 @@ class ModuleHooks:
         self._edits = {}
         self._column_rows = {}
         self.columns = {}
+        self._column_index = None
         self.patterns.begin(self.runner.live())
         req_ids = self.runner.req_ids
         starts = self.runner.query_starts(len(req_ids))
@@ -314,11 +325,18 @@ class ModuleHooks:
 
     def _gather_column(self, path: str, value: torch.Tensor, planned: PlannedColumn) -> None:
         """A column read's rows of `value` ([tokens, hidden]) for the batch rows reading
-        it, in one gather (a copy: the activations are overwritten by the next pass)."""
-        taken = value.index_select(0, on_device(planned.rows, value.device, torch.long)).to(torch.float32)
-        where = np.full(len(self.runner.req_ids), -1, np.int64)
-        where[planned.batch_rows] = np.arange(len(planned.batch_rows))
-        self.columns[path] = Column(taken, where, np.asarray(planned.positions, np.int32))
+        it, in one gather (a copy: the activations are overwritten by the next pass).
+        Modules read by the same rows as the one before (a lens's layers, most often)
+        share its device index and `where`: one copy to the device for all of them, and
+        the lens orders them once (module_reads._lens_column)."""
+        shared = self._column_index
+        if shared is None or shared.rows != planned.rows:
+            where = np.full(len(self.runner.req_ids), -1, np.int64)
+            where[planned.batch_rows] = np.arange(len(planned.batch_rows))
+            shared = self._column_index = _ColumnIndex(planned.rows, on_device(planned.rows, value.device, torch.long),
+                                                       where, np.asarray(planned.positions, np.int32))
+        self.columns[path] = Column(value.index_select(0, shared.index).to(torch.float32), shared.where,
+                                    shared.positions)
 
     def take_columns(self) -> dict[str, Column]:
         """This step's column reads, for the sampler hooks (once: the next pass makes new ones)."""

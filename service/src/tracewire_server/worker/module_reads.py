@@ -258,7 +258,14 @@ def _lens_column(read: P.ReadLogitLens, members: list[tuple[Block, str]], paths:
                  columns: dict[str, Column], lens: Lens) -> HostBatch:
     """One logit-lens read for every member block row: [rows, layers, 1, k] (one
     position: the new token's), its positions a column beside it."""
-    streams = [columns[path].values.index_select(0, _rows_on_device(members, columns[path])) for path in paths]
+    ordered: dict[int, torch.Tensor] = {}  # by id of a `where`: the layers read by the same rows share it
+    streams = []
+    for path in paths:
+        column = columns[path]
+        rows = ordered.get(id(column.where))
+        if rows is None:
+            rows = ordered[id(column.where)] = _rows_on_device(members, column)
+        streams.append(column.values.index_select(0, rows))
     first = columns[paths[0]]
     positions = first.positions[np.concatenate([first.where[block.index] for block, _ in members])]
     values, ids = lens(torch.stack(streams, dim=1), read.top_k)  # [rows, layers, vocab or k]
