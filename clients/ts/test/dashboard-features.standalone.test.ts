@@ -31,7 +31,7 @@ function step(values: Record<string, ReadResult>): Step {
 
 /** GetModelInfo's fields stripChoices reads, for a 4-layer model. */
 function info(engineMode: v1.EngineMode, readableLayers: number[] = []) {
-  return { engineMode, numLayers: 4, readableLayers, steerableLayers: [] };
+  return { engineMode, numLayers: 4, readableLayers, steerableLayers: [], stageFirstLayers: [0] };
 }
 
 test("the strip offers the server's SAEs it can read, in its order: eager, or on a compiled server's readable layers", () => {

@@ -12,6 +12,7 @@ import {
   inputTokenAt,
   LENS,
   lensColumns,
+  lensFeature,
   moduleFeature,
   norm,
   readableLayers,
@@ -33,8 +34,9 @@ function tensor(shape: number[], data: number[], dtype = Dtype.FLOAT32) {
 }
 
 /** GetModelInfo's fields the views read, for a 4-layer model. */
-function info(engineMode: v1.EngineMode, readableLayers: number[] = [], steerableLayers: number[] = []) {
-  return { engineMode, numLayers: 4, readableLayers, steerableLayers };
+function info(engineMode: v1.EngineMode, readableLayers: number[] = [], steerableLayers: number[] = [],
+              stageFirstLayers: number[] = [0]) {
+  return { engineMode, numLayers: 4, readableLayers, steerableLayers, stageFirstLayers };
 }
 
 function reasonOf(found: ReturnType<typeof moduleFeature>): string {
@@ -59,6 +61,14 @@ test("moduleFeature: eager runs the lens and steering on every layer; without re
   // steering on a plain compiled server: both flags missing
   const both = reasonOf(moduleFeature("Steering", info(v1.EngineMode.COMPILED), true));
   assert.ok(both.includes("needs module reads and writes") && both.includes("Start it with --compiled-reads --compiled-steering"), both);
+});
+
+test("lensFeature: every readable layer, and under pipeline parallelism the last stage's only", () => {
+  assert.deepEqual(lensFeature(info(v1.EngineMode.EAGER)), { available: true, layers: [0, 1, 2, 3] });
+  assert.deepEqual(lensFeature(info(v1.EngineMode.EAGER, [], [], [0, 2])), { available: true, layers: [2, 3] });
+  assert.deepEqual(lensFeature(info(v1.EngineMode.EAGER, [], [], [])), { available: true, layers: [0, 1, 2, 3] });
+  assert.deepEqual(lensFeature(info(v1.EngineMode.COMPILED, [2, 0])), { available: true, layers: [0, 2] });
+  assert.ok(reasonOf(lensFeature(info(v1.EngineMode.COMPILED))).includes("The logit lens needs module reads"));
 });
 
 test("moduleFeature on compiled servers: the lens on the readable layers, steering on those it also writes", () => {

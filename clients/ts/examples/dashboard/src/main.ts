@@ -25,6 +25,7 @@ import {
   forceAt,
   inputTokenAt,
   lensColumns,
+  lensFeature,
   moduleFeature,
   norm,
   sampling,
@@ -179,7 +180,7 @@ class Dashboard {
         const info = await this.client.modelInfo({ timeoutMs: CHECK_TIMEOUT_MS });
         this.resolveSpecials({ eos: info.eosTokenIds, bos: info.bosTokenId });
         const steering = moduleFeature("Steering (its vector is read from the layer it steers)", info, true);
-        this.moduleViews = { lens: moduleFeature("The logit lens", info), steering };
+        this.moduleViews = { lens: lensFeature(info), steering };
         showLensAvailability(this.els, this.moduleViews.lens);
         // Unavailable: every layer listed, the controls disabled, the note saying why.
         setUpSteering(this.els, steering.available ? steering.layers : allLayers(info.numLayers), steering);

@@ -127,6 +127,8 @@ export interface ModuleAccess {
   readonly readableLayers: readonly number[];
   /** Decoder layers a compiled engine writes (--compiled-steering); empty on an eager one. */
   readonly steerableLayers: readonly number[];
+  /** Each pipeline stage's first decoder layer ([0] without stages; empty from an older server). */
+  readonly stageFirstLayers: readonly number[];
 }
 
 /** Every decoder layer, 0 .. numLayers - 1. */
@@ -173,6 +175,17 @@ export function moduleFeature(feature: string, info: ModuleAccess, writes = fals
       : `${feature} needs a read and a write of the same layer; ${has}: no layer both. Give --compiled-reads ` +
         `and --compiled-steering a common layer, or start it with ${eager}.`;
   return { available: false, reason };
+}
+
+/**
+ * Where the logit lens reads: moduleFeature's layers, and under pipeline parallelism only the last
+ * stage's (lm_head is there; the server refuses the others: GetModelInfo stage_first_layers).
+ */
+export function lensFeature(info: ModuleAccess): LayerFeature {
+  const feature = moduleFeature("The logit lens", info);
+  const lastStage = info.stageFirstLayers.at(-1) ?? 0;
+  if (!feature.available || lastStage === 0) return feature;
+  return { available: true, layers: feature.layers.filter((layer) => layer >= lastStage) };
 }
 
 /** The lens read's name in every step's values. */
