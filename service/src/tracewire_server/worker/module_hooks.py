@@ -238,30 +238,29 @@ class ModuleHooks:
         starts = self.runner.query_starts(len(req_ids))
         computed = self.runner.computed_tokens(len(req_ids))
         compiled = self.buffers is not None  # (its writes: steering_slots.py)
-        # Rows that only read modules at their new token, every step (the common traced
-        # row under load): by the modules they read, their batch rows, prompt lengths and
-        # tokens drawn; planned together below, a few appends each here.
-        only_columns: dict[tuple[str, ...], tuple[list[int], list[int], list[int]]] = {}
+        # Block rows reading modules at their new token: by the modules they read, their
+        # batch rows, prompt lengths and tokens drawn; planned together below, a few appends
+        # each here (a row that does nothing else, the common traced row under load, is
+        # looked at no further: Sequence.column_only).
+        column_groups: dict[tuple[str, ...], tuple[list[int], list[int], list[int]]] = {}
         output_count = self.runner.output_count
         for i, req_id in enumerate(req_ids):
             seq = self.sequences.get(req_id)
             if seq is None or seq.error is not None:
                 continue
-            if seq.column_only:
-                group = only_columns.get(seq.column_only)
+            if not (seq.column_only or seq.hidden_ops or seq.applied):
+                continue  # (a plan with pattern reads has hidden ops)
+            now = seq.constant if seq.column_only else seq.ops_at(seq.step)
+            columns = bool(now.column_reads) and seq.blocks(now)
+            if columns:  # its row joins a block: its module reads are columns (its writes: below)
+                group = column_groups.get(now.column_paths)
                 if group is None:
-                    group = only_columns[seq.column_only] = ([], [], [])
+                    group = column_groups[now.column_paths] = ([], [], [])
                 group[0].append(i)
                 group[1].append(len(seq.prompt_ids))
                 group[2].append(output_count(req_id))
-                continue
-            if not (seq.hidden_ops or seq.applied):
-                continue  # (a plan with pattern reads has hidden ops)
-            now = seq.ops_at(seq.step)
-            columns = bool(now.column_reads) and seq.blocks(now)
-            if columns:  # its row joins a block: its module reads are columns (its writes: below)
-                self._plan_columns(i, req_id, seq, now.column_paths, int(starts[i]), int(starts[i + 1]),
-                                   int(computed[i]))
+                if seq.column_only:
+                    continue  # nothing else in the pass
             ops = [(k, op) for k, op in seq.hidden_ops
                    if op.selects(seq.step) and not (columns and type(op.action) is not P.WriteModule)]
             if not ops and not seq.reads_patterns and not seq.applied:
@@ -288,28 +287,15 @@ class ModuleHooks:
                     continue
                 for key, path in action.module_reads(op.name):
                     self._wants.setdefault(path, []).append(Want(seq, key, rows, wanted))
-        for paths, (batch_rows, prompt_lens, drawn) in only_columns.items():
+        for paths, (batch_rows, prompt_lens, drawn) in column_groups.items():
             self._plan_column_rows(paths, np.asarray(batch_rows), np.asarray(prompt_lens), np.asarray(drawn),
                                    starts, computed)
 
-    def _plan_columns(self, i: int, req_id: str, seq: Sequence, paths: tuple[str, ...], first: int,
-                      last: int, computed: int) -> None:
-        """Batch row `i` reads these modules at its new token: that token's flat row, when
-        this pass computes it (not a chunk of its prompt)."""
-        if not computes_new_token(computed, last - first, len(seq.prompt_ids), self.runner.output_count(req_id)):
-            return
-        position = computed + last - first - 1
-        for path in paths:
-            found = self._column_rows.get(path)
-            if found is None:
-                found = self._column_rows[path] = PlannedColumn([], [], [])
-            found.batch_rows.append(i)
-            found.rows.append(last - 1)
-            found.positions.append(position)
-
     def _plan_column_rows(self, paths: tuple[str, ...], batch_rows: np.ndarray, prompt_lens: np.ndarray,
                           drawn: np.ndarray, starts: np.ndarray, computed: np.ndarray) -> None:
-        """`_plan_columns` for many batch rows reading the same modules, in numpy."""
+        """Batch rows reading these modules at their new token: each token's flat row and
+        position, where this pass computes it (not a chunk of its prompt). In numpy, for
+        every block row reading the same modules at once."""
         first, last, pos0 = starts[batch_rows], starts[batch_rows + 1], computed[batch_rows]
         new = computes_new_token(pos0, last - first, prompt_lens, drawn)
         taken = batch_rows[new].tolist()
