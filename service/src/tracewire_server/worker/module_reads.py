@@ -23,9 +23,10 @@ from .host import ColumnRow, ColumnRows, HostBatch, HostRead, on_device, to_host
 from .patch_store import PatchStore
 from .pattern_state import joined
 from .unit_hooks import select_units
+from .vocab_topk import top_k_logprobs, working_bytes
 
-# A top-k lens computes [rows, vocab] float32 log-probabilities this many bytes of them at
-# a time (~440 rows of a 152k vocabulary; with the bf16 logits beside them ~400 MB).
+# A top-k lens holds at most this many bytes of device memory at a time for its logits
+# and their top k (vocab_topk.working_bytes a row: ~210 rows of a 152k vocabulary).
 LENS_CHUNK_BYTES = 256 << 20
 
 
@@ -63,16 +64,14 @@ class Lens:
         if not top_k:  # (all of it is returned: --max-read-bytes bounds it)
             return torch.log_softmax(self.logits(flat), dim=-1, dtype=torch.float32).reshape(*lead, -1), None
         # Top k: [rows, vocab] exists a chunk of rows at a time, so the device memory a
-        # lens over many layers and prompt positions takes is bounded. The top k are found
-        # in the logits themselves (the same order, at half the bytes in bf16), their
-        # log-probabilities read off.
-        chunk = max(1, LENS_CHUNK_BYTES // (4 * self.vocab_size))
+        # lens over many layers and prompt positions takes is bounded; vocab_topk finds
+        # each chunk's top k and log-sum-exp in one pass over its logits.
+        chunk = max(1, LENS_CHUNK_BYTES // working_bytes(self.vocab_size, top_k))
         values, ids = [], []
         for start in range(0, flat.shape[0], chunk):
-            logits = self.logits(flat[start:start + chunk])
-            top = torch.topk(logits, top_k, dim=-1).indices
-            values.append(torch.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, top))
-            ids.append(top)
+            top_values, top_ids = top_k_logprobs(self.logits(flat[start:start + chunk]), top_k)
+            values.append(top_values)
+            ids.append(top_ids)
         joined = (values[0], ids[0]) if len(values) == 1 else (torch.cat(values), torch.cat(ids))
         return joined[0].reshape(*lead, top_k), joined[1].to(torch.int32).reshape(*lead, top_k)
 

@@ -1,0 +1,92 @@
+"""vocab_topk against torch's own top k, log-softmax and log-sum-exp: the same values and
+ids over widths with and without a short last slice, dtypes, strided rows and ties. On a
+machine with a GPU (tests/gpu.sh on the H200) the same checks run the Triton pass too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tracewire_server.worker import vocab_topk
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _logits(rows: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (4 * torch.randn(rows, vocab, generator=g)).to(dtype).to(device)
+
+
+def _first_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: the whole row sorted, largest first, equal values lowest id first."""
+    ordered = torch.sort(logits, dim=-1, descending=True, stable=True)
+    return ordered.values[:, :k], ordered.indices[:, :k]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1280, 1000, 4096 + 77, 151936])
+def test_top_k_logprobs_equal_log_softmax_then_topk(device, dtype, vocab):
+    logits = _logits(9, vocab, dtype, device)
+    for k in (1, 5, 7):
+        want = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)
+        values, ids = vocab_topk.top_k_logprobs(logits, k)
+        assert values.dtype == torch.float32 and ids.dtype == torch.int64 and values.shape == (9, k)
+        torch.testing.assert_close(values, want.values, rtol=1e-5, atol=2e-5)
+        # the same ids, equal logits (bf16 and fp16 have many) lowest id first
+        assert torch.equal(ids, _first_k(logits, k)[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_stats_are_each_slices_max_and_the_rows_log_sum_exp(device):
+    vocab = 3 * vocab_topk.SLICE + 5  # a short last slice
+    logits = _logits(4, vocab, torch.float32, device)
+    found = vocab_topk.stats(logits)
+    pad = torch.full((4, 4 * vocab_topk.SLICE - vocab), float("-inf"), device=device)
+    want_max = torch.cat([logits, pad], dim=1).view(4, 4, vocab_topk.SLICE).amax(-1)
+    assert torch.equal(found.slice_max, want_max)
+    torch.testing.assert_close(found.log_sum_exp, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_with_a_stride_of_their_own(device):
+    """The lens's logits are [:, :vocab] of lm_head's padded vocabulary: rows strided."""
+    padded = _logits(6, 1000 + 24, torch.bfloat16, device, seed=1)
+    logits = padded[:, :1000]
+    values, ids = vocab_topk.top_k_logprobs(logits, 5)
+    want = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(5, dim=-1)
+    torch.testing.assert_close(values, want.values, rtol=1e-5, atol=2e-5)
+    assert torch.equal(ids, _first_k(logits, 5)[1])
+
+
+def test_working_bytes_bound_what_a_row_holds():
+    assert vocab_topk.working_bytes(151936, 5) == 8 * 151936 + 24 * 5 * vocab_topk.SLICE
+    assert vocab_topk.working_bytes(1000, 500) == 8 * 1000 + 24 * 1000  # (candidates: the whole row)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ties_and_a_row_whose_top_k_share_one_slice(device):
+    vocab = 8 * vocab_topk.SLICE
+    logits = torch.zeros(3, vocab, device=device)
+    logits[0, 130:136] = 5.0  # six equal maxima in one slice: any five of them
+    logits[1, [3, 300, 700, 900, 1000]] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], device=device)  # five slices
+    logits[2] = torch.arange(vocab, device=device) % 7  # ties everywhere
+    values, ids = vocab_topk.top_k(logits, 5)
+    want_values, want_ids = _first_k(logits, 5)
+    assert torch.equal(values, want_values) and torch.equal(ids, want_ids)
+    assert ids[0].tolist() == [130, 131, 132, 133, 134]
+    assert ids[1].tolist() == [1000, 900, 700, 300, 3]
+    assert ids[2].tolist() == [6, 13, 20, 27, 34]
+    # equal slice maxima: the lower slices' columns first
+    logits[0] = 0.0
+    logits[0, [900, 5, 260, 520, 130, 700]] = 1.0
+    assert vocab_topk.top_k(logits, 5)[1][0].tolist() == [5, 130, 260, 520, 700]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_narrow_rows_and_no_rows(device):
+    logits = _logits(2, 300, torch.float32, device)  # k x SLICE >= vocab: torch.topk itself
+    values, ids = vocab_topk.top_k(logits, 3)
+    assert torch.equal(values, torch.topk(logits, 3).values) and torch.equal(ids, _first_k(logits, 3)[1])
+    empty = torch.empty(0, 2000, device=device)
+    values, ids = vocab_topk.top_k_logprobs(empty, 4)
+    assert values.shape == (0, 4) and ids.shape == (0, 4)
