@@ -19,6 +19,11 @@ from ..shared.dictionary_spec import DictionaryError, DictionaryInfo, check_tens
 from .host import on_device
 from .runner import RunnerView
 
+# Dictionary arithmetic over many rows at once (a long prompt's positions) goes a chunk of
+# rows at a time, each holding at most about this many bytes of device memory: a 32k-token
+# prompt through a 131k-feature SAE would otherwise hold [32k, 131k] float32 (17 GB).
+CHUNK_BYTES = 512 << 20
+
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -44,6 +49,17 @@ class Dictionary:
     @property
     def dtype(self) -> torch.dtype:
         return self.directions.dtype
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per chunk of CHUNK_BYTES: values() holds ~3 [rows, size] float32 tensors
+        (pre-activations, activations, an SAE's top-k scratch), and a row of the input."""
+        return max(1, CHUNK_BYTES // (12 * self.info.size + 8 * self.info.input_size))
+
+    def chunks(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[rows, hidden] rows as chunks of at most chunk_rows rows (views)."""
+        n = self.chunk_rows
+        return [x] if x.shape[0] <= n else list(x.split(n))
 
     @torch.no_grad()
     def values(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,8 +101,10 @@ class Dictionary:
         """What to add to rows `x` ([rows, hidden]) so each feature's activation becomes
         `value`, the reconstruction error kept: sum_f (value - a_f(x)) * W_dec[f]."""
         index = on_device(list(features), self.directions.device, torch.long)  # (no wait for the device)
-        activations = self.values(x).index_select(1, index)  # [rows, features]
-        return (value - activations) @ self.directions.index_select(0, index).float()
+        directions = self.directions.index_select(0, index).float()
+        deltas = [(value - self.values(chunk).index_select(1, index)) @ directions  # [rows, features] @
+                  for chunk in self.chunks(x)]
+        return deltas[0] if len(deltas) == 1 else torch.cat(deltas)
 
 
 def load(info: DictionaryInfo, path: str, device: torch.device, hidden_size: int) -> Dictionary:

@@ -1,11 +1,11 @@
 """Dictionary reads: a probe's outputs or an SAE's features on the module rows gathered.
 
 The module hooks gather a dictionary read's rows like a module read's (module_reads.py
-joins them at the step's sample); here every row reading one dictionary this step goes
-through it in one batch (one matmul for all of them), and each read then takes what it
-asked for: every value, the top k with their ids, chosen features, or the
-reconstruction error. New-token reads with the same selection travel to the host as one
-column; reads of prompt positions as a value each.
+joins them at the step's sample); here the new-token rows reading one dictionary with the
+same selection go through it in one batch (one matmul for all of them) and travel to the
+host as one column; reads of prompt positions go one by one, as a value each. Each takes
+what it asked for: every value, the top k with their ids, chosen features, or the
+reconstruction error. Many rows go a bounded chunk at a time (Dictionary.chunks).
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from ..shared import plan as P
 from .batch import Row
 from .dictionaries import Dictionaries, Dictionary
 from .host import ColumnRow, HostBatch, HostRead, on_device, to_host
+
+# What a read returns of its rows: values, and ids for a top k.
+Selected = tuple[torch.Tensor, torch.Tensor | None]
 
 
 class DictionaryWant(NamedTuple):
@@ -46,39 +49,35 @@ def launch_dictionary_reads(wants: list[DictionaryWant], dictionaries: Dictionar
 
 
 def _launch(group: list[DictionaryWant], dictionary: Dictionary) -> None:
-    x = torch.cat([want.values for want in group])
-    values = dictionary.values(x)  # [rows, size]: one matmul for every row reading it
-    errors = dictionary.reconstruction_error(x, values) if any(w.read.error for w in group) else None
-    columns: dict[tuple[int | None, tuple[int, ...] | None, bool], list[tuple[DictionaryWant, int]]] = {}
-    offset = 0
+    """New-token reads with the same selection: one computation over all their rows, to
+    the host as one column. Prompt reads: one each."""
+    columns: dict[tuple[int | None, tuple[int, ...] | None, bool], list[DictionaryWant]] = {}
     for want in group:
-        n = want.values.shape[0]
         if want.positions is None:
-            key = (want.read.top_k, want.read.features, want.read.error)
-            columns.setdefault(key, []).append((want, offset))
+            columns.setdefault((want.read.top_k, want.read.features, want.read.error), []).append(want)
         else:
-            chosen, ids = _select(want.read, values[offset:offset + n], errors, offset)
+            chosen, ids = _computed(want.read, dictionary, want.values)
             want.row.reads[want.name] = HostRead(_batch(chosen, ids), positions=want.positions)
-        offset += n
-    for members in columns.values():
-        # (on_device: a pageable copy to a GPU would wait for the forward pass)
-        index = on_device([start for _, start in members], values.device, torch.long)
-        read = members[0][0].read
-        chosen, ids = _select(read, values.index_select(0, index), errors, index)
-        batch = _batch(chosen, ids)
-        for j, (want, _) in enumerate(members):
+    for wants in columns.values():
+        batch = _batch(*_computed(wants[0].read, dictionary, torch.cat([want.values for want in wants])))
+        for j, want in enumerate(wants):
             want.row.reads[want.name] = ColumnRow(batch, j)
 
 
-def _select(read: P.ReadDictionary, values: torch.Tensor, errors: torch.Tensor | None,
-            rows: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What `read` returns of its rows' values: (values, ids for top-k). `rows` locates
-    them in `errors` (the start of a run, or an index)."""
+def _computed(read: P.ReadDictionary, dictionary: Dictionary, x: torch.Tensor) -> Selected:
+    """What `read` returns of rows x, [rows, ...]: a bounded chunk of rows at a time
+    (Dictionary.chunks), so no read holds [rows, size] float32 for a long prompt's rows."""
+    parts = [_select(read, dictionary, chunk) for chunk in dictionary.chunks(x)]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p[0] for p in parts]), None if parts[0][1] is None else torch.cat([p[1] for p in parts])
+
+
+def _select(read: P.ReadDictionary, dictionary: Dictionary, x: torch.Tensor) -> Selected:
+    """What `read` returns of rows x: (values, ids for top-k)."""
+    values = dictionary.values(x)  # [rows, size]: one matmul for the rows
     if read.error:
-        assert errors is not None
-        if isinstance(rows, int):
-            return errors[rows:rows + values.shape[0]], None
-        return errors.index_select(0, rows), None
+        return dictionary.reconstruction_error(x, values), None
     if read.top_k is not None:
         top = torch.topk(values, read.top_k, dim=-1)
         return top.values, top.indices.to(torch.int32)

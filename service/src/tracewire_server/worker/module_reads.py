@@ -42,6 +42,8 @@ class Lens:
         self.weight = weight
         self.vocab_size = vocab_size
         self.gather = gather
+        if weight.is_cuda:  # (Triton compiles vocab_topk's pass at its first call: now, not in a traced step)
+            top_k_logprobs(torch.zeros(1, weight.shape[0], dtype=weight.dtype, device=weight.device)[:, :vocab_size], 1)
 
     @torch.no_grad()
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
