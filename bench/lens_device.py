@@ -6,7 +6,8 @@ through the final norm and an lm_head of `--hidden` x `--vocab` in bf16:
   - each part: norm, the lm_head matmul, top-k, the float32 log-softmax, the gather;
   - top-k variants: torch.topk over the whole row, and in two stages (the top k of
     each of G slices of the row, then of those candidates: the same set);
-  - the whole lens as module_reads.Lens computes it today.
+  - vocab_topk's one Triton kernel, and its torch calls;
+  - the whole lens before vocab_topk and with it.
 Then a stand-in decode step (the Qwen3-8B shape's projections at `--batch` rows, all
 layers, captured in a CUDA graph), replayed back to back with the lens after each replay
 on the same stream, and with the lens on a second stream, overlapping the next replay.
@@ -98,19 +99,8 @@ def main() -> int:
     res["log_softmax fp32 from bf16"] = timed(lambda: torch.log_softmax(logits, -1, dtype=torch.float32))
     res["logsumexp of .float()"] = timed(lambda: torch.logsumexp(logits.float(), -1))
     top = full.indices
-    res["vocab_topk.stats (one pass)"] = timed(lambda: vocab_topk.stats(logits))
-    if vocab_topk.triton is not None:  # the one-pass kernel's block size and warps
-        rows, vocab = logits.shape
-        for block in (1024, 2048, 4096, 8192):
-            blocks = -(-vocab // block)
-            sm = torch.empty(rows, blocks * (block // vocab_topk.SLICE), device=dev)
-            bm, bs = torch.empty(rows, blocks, device=dev), torch.empty(rows, blocks, device=dev)
-            for warps in (4, 8, 16):
-                res[f"stats kernel BLOCK={block} warps={warps}"] = timed(
-                    lambda b=block, w=warps, n=blocks, sm=sm, bm=bm, bs=bs: vocab_topk._stats_kernel[(rows, n)](
-                        logits, logits.stride(0), vocab, sm, bm, bs, n, BLOCK=b, SLICE=vocab_topk.SLICE, num_warps=w))
-    found = vocab_topk.stats(logits)
-    res["vocab_topk.top_k (stats given)"] = timed(lambda: vocab_topk.top_k(logits, k, found))
+    res["vocab_topk.stats + top_k (torch calls)"] = timed(
+        lambda: vocab_topk.top_k(logits, k, vocab_topk.stats(logits)))
     res["vocab_topk.top_k_logprobs"] = timed(lambda: vocab_topk.top_k_logprobs(logits, k))
     for name, lg in (("bf16", logits), ("fp32", logits.float()), ("bf16 padded view", torch.nn.functional.pad(
             logits, (0, 64))[:, :args.vocab])):

@@ -1,6 +1,9 @@
 """vocab_topk against torch's own top k, log-softmax and log-sum-exp: the same values and
-ids over widths with and without a short last slice, dtypes, strided rows and ties. On a
-machine with a GPU (tests/gpu.sh on the H200) the same checks run the Triton pass too."""
+ids over widths with and without a short last slice, dtypes, strided rows and ties, by
+both ways it computes them: torch's calls, and the one Triton kernel a GPU runs. The
+kernel's cases run where Triton can: on a GPU (tests/gpu.sh on the H200), or on the CPU
+under Triton's interpreter (`pip install --target /tmp/tri triton`, then
+`PYTHONPATH=/tmp/tri TRITON_INTERPRET=1 pytest tests/test_vocab_topk.py`)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,19 @@ import torch
 from tracewire_server.worker import vocab_topk
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# (way, device): torch's calls on each device; the Triton kernel where it runs
+WAYS = [("torch", d) for d in DEVICES]
+if vocab_topk.triton is not None and (torch.cuda.is_available() or vocab_topk._interpreted()):
+    WAYS.append(("triton", "cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _top_k_logprobs(way: str, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if way == "triton":
+        assert vocab_topk.fused(logits, k)
+        return vocab_topk._top_k_logprobs_triton(logits, k)
+    found = vocab_topk.stats(logits)
+    values, ids = vocab_topk.top_k(logits, k, found)
+    return values.float() - found.log_sum_exp.unsqueeze(1), ids.to(torch.int32)
 
 
 def _logits(rows: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
@@ -22,18 +38,29 @@ def _first_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ordered.values[:, :k], ordered.indices[:, :k]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("way,device", WAYS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [1280, 1000, 4096 + 77, 151936])
-def test_top_k_logprobs_equal_log_softmax_then_topk(device, dtype, vocab):
+def test_top_k_logprobs_equal_log_softmax_then_topk(way, device, dtype, vocab):
     logits = _logits(9, vocab, dtype, device)
-    for k in (1, 5, 7):
+    for k in (1, 5, 7) + ((32,) if vocab > 32 * vocab_topk.SLICE else ()):
         want = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)
-        values, ids = vocab_topk.top_k_logprobs(logits, k)
-        assert values.dtype == torch.float32 and ids.dtype == torch.int64 and values.shape == (9, k)
+        values, ids = _top_k_logprobs(way, logits, k)
+        assert values.dtype == torch.float32 and ids.dtype == torch.int32 and values.shape == (9, k)
         torch.testing.assert_close(values, want.values, rtol=1e-5, atol=2e-5)
         # the same ids, equal logits (bf16 and fp16 have many) lowest id first
-        assert torch.equal(ids, _first_k(logits, k)[1])
+        assert torch.equal(ids.long(), _first_k(logits, k)[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_logprobs_takes_the_kernel_where_it_runs(device):
+    logits = _logits(3, 4096, torch.bfloat16, device)
+    expect = vocab_topk.triton is not None and (device == "cuda" or vocab_topk._interpreted())
+    assert vocab_topk.fused(logits, 5) == expect
+    assert not vocab_topk.fused(logits, vocab_topk.FUSED_K + 1)  # (torch's calls: any k)
+    values, ids = vocab_topk.top_k_logprobs(logits, vocab_topk.FUSED_K + 1)
+    want = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(vocab_topk.FUSED_K + 1, dim=-1)
+    torch.testing.assert_close(values, want.values, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -47,15 +74,15 @@ def test_the_stats_are_each_slices_max_and_the_rows_log_sum_exp(device):
     torch.testing.assert_close(found.log_sum_exp, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_rows_with_a_stride_of_their_own(device):
+@pytest.mark.parametrize("way,device", WAYS)
+def test_rows_with_a_stride_of_their_own(way, device):
     """The lens's logits are [:, :vocab] of lm_head's padded vocabulary: rows strided."""
     padded = _logits(6, 1000 + 24, torch.bfloat16, device, seed=1)
     logits = padded[:, :1000]
-    values, ids = vocab_topk.top_k_logprobs(logits, 5)
+    values, ids = _top_k_logprobs(way, logits, 5)
     want = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(5, dim=-1)
     torch.testing.assert_close(values, want.values, rtol=1e-5, atol=2e-5)
-    assert torch.equal(ids, _first_k(logits, 5)[1])
+    assert torch.equal(ids.long(), _first_k(logits, 5)[1])
 
 
 def test_working_bytes_bound_what_a_row_holds():
@@ -63,23 +90,23 @@ def test_working_bytes_bound_what_a_row_holds():
     assert vocab_topk.working_bytes(1000, 500) == 8 * 1000 + 24 * 1000  # (candidates: the whole row)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_ties_and_a_row_whose_top_k_share_one_slice(device):
+@pytest.mark.parametrize("way,device", WAYS)
+def test_ties_and_a_row_whose_top_k_share_one_slice(way, device):
     vocab = 8 * vocab_topk.SLICE
-    logits = torch.zeros(3, vocab, device=device)
-    logits[0, 130:136] = 5.0  # six equal maxima in one slice: any five of them
+    logits = torch.zeros(4, vocab, device=device)
+    logits[0, 130:136] = 5.0  # six equal maxima in one slice: the five lowest ids
     logits[1, [3, 300, 700, 900, 1000]] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], device=device)  # five slices
     logits[2] = torch.arange(vocab, device=device) % 7  # ties everywhere
-    values, ids = vocab_topk.top_k(logits, 5)
-    want_values, want_ids = _first_k(logits, 5)
-    assert torch.equal(values, want_values) and torch.equal(ids, want_ids)
-    assert ids[0].tolist() == [130, 131, 132, 133, 134]
-    assert ids[1].tolist() == [1000, 900, 700, 300, 3]
-    assert ids[2].tolist() == [6, 13, 20, 27, 34]
-    # equal slice maxima: the lower slices' columns first
-    logits[0] = 0.0
-    logits[0, [900, 5, 260, 520, 130, 700]] = 1.0
-    assert vocab_topk.top_k(logits, 5)[1][0].tolist() == [5, 130, 260, 520, 700]
+    logits[3, [900, 5, 260, 520, 130, 700]] = 1.0  # equal slice maxima: the lower slices' columns first
+    values, ids = _top_k_logprobs(way, logits, 5)
+    assert ids.tolist() == [[130, 131, 132, 133, 134], [1000, 900, 700, 300, 3], [6, 13, 20, 27, 34],
+                            [5, 130, 260, 520, 700]]
+    torch.testing.assert_close(values, torch.log_softmax(logits, -1).gather(1, ids.long()))
+    # a row of -inf but for three: the first three, then the lowest ids of -inf
+    logits[0] = float("-inf")
+    logits[0, [700, 10, 400]] = 0.0
+    values, ids = _top_k_logprobs(way, logits, 5)
+    assert ids[0].tolist() == [10, 400, 700, 0, 1] and values[0, 3:].isneginf().all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -87,6 +114,7 @@ def test_narrow_rows_and_no_rows(device):
     logits = _logits(2, 300, torch.float32, device)  # k x SLICE >= vocab: torch.topk itself
     values, ids = vocab_topk.top_k(logits, 3)
     assert torch.equal(values, torch.topk(logits, 3).values) and torch.equal(ids, _first_k(logits, 3)[1])
-    empty = torch.empty(0, 2000, device=device)
-    values, ids = vocab_topk.top_k_logprobs(empty, 4)
-    assert values.shape == (0, 4) and ids.shape == (0, 4)
+    for way, on in WAYS:
+        if on == device:
+            values, ids = _top_k_logprobs(way, torch.empty(0, 2000, device=device), 4)
+            assert values.shape == (0, 4) and ids.shape == (0, 4)

@@ -4,7 +4,8 @@ A dictionary's weights are loaded once (the frontend asks every worker through
 collective_rpc: extension.py) and kept on the device in their file's dtype. Reads
 apply it to module rows the hooks gathered (dictionary_reads.py: one matmul per dictionary,
 selection and step for every new-token row using it, a bounded chunk of rows at a time);
-writes add its directions or clamp its features in the forward pass (module_hooks.py). The arithmetic is dictionary.proto's, in one place.
+writes add its directions or clamp its features in the forward pass (module_hooks.py). The
+arithmetic is dictionary.proto's, in one place.
 """
 
 from __future__ import annotations

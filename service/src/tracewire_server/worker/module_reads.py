@@ -67,7 +67,8 @@ class Lens:
             return torch.log_softmax(self.logits(flat), dim=-1, dtype=torch.float32).reshape(*lead, -1), None
         # Top k: [rows, vocab] exists a chunk of rows at a time, so the device memory a
         # lens over many layers and prompt positions takes is bounded; vocab_topk finds
-        # each chunk's top k and log-sum-exp in one pass over its logits.
+        # each chunk's top k and log-sum-exp in one pass over its logits (on a GPU one
+        # kernel: each torch call here lets go of the GIL).
         chunk = max(1, LENS_CHUNK_BYTES // working_bytes(self.vocab_size, top_k))
         values, ids = [], []
         for start in range(0, flat.shape[0], chunk):
@@ -75,7 +76,7 @@ class Lens:
             values.append(top_values)
             ids.append(top_ids)
         joined = (values[0], ids[0]) if len(values) == 1 else (torch.cat(values), torch.cat(ids))
-        return joined[0].reshape(*lead, top_k), joined[1].to(torch.int32).reshape(*lead, top_k)
+        return joined[0].reshape(*lead, top_k), joined[1].reshape(*lead, top_k)
 
 
 def _gathered(row: Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:

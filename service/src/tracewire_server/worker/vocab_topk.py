@@ -1,21 +1,24 @@
-"""Top k and log-sum-exp of rows a vocabulary wide, from one read of the rows.
+"""The top k log-probabilities of rows a vocabulary wide, from one read of the rows.
 
-The logit lens takes the top k log-probabilities of [rows, vocab] logits. torch.topk
-over a 152k-wide row and the float32 log-softmax each take as long on an H200 as the
-lm_head matmul that made the logits (0.42 and 0.28 ms against 0.43 ms for 256 rows of
-Qwen3-8B's head, bench/lens_device.py): a block per row, several passes over it. Both
-need less than that:
+The logit lens takes the top k log-probabilities of [rows, vocab] logits. On an H200,
+torch.topk over a 152k-wide row and the float32 log-softmax each take about as long as
+the lm_head matmul that made the logits (0.43 and 0.28 ms against 0.45 ms for 256 rows
+of Qwen3-8B's head: bench/lens_device.py). Both need less:
 
 - The top k of a row lie in the k slices of it whose maxima are largest (each of the
   k elements lies in some slice; a slice outside those k has k slices above it, each
   holding an element at least its maximum). So one pass takes each SLICE columns' max,
-  a small top k picks k slices, and the top k of their k x SLICE values are the row's.
+  then k slices are picked, and the top k of their k x SLICE values are the row's.
 - A log-probability is a logit less the row's log-sum-exp, which the same pass finds in
-  float32 a block at a time (each block's max and sum of exponentials, then combined).
+  float32 (a running max and sum of exponentials).
 
-On a GPU the pass is one Triton kernel over a [rows, blocks] grid; elsewhere (the CPU
-build, or no Triton) torch computes the same two statistics, and what follows is the
-same code either way.
+Equal logits (bf16 has many) come lowest id first, on every device.
+
+On a GPU all of it is one Triton kernel, a program per row: the engine's thread makes
+one launch (each torch call lets go of the GIL, and a lens made of twenty small torch
+calls ran at 0.58x of raw vLLM where the old three ran at 0.80x, bench/results
+2026-12-04). Elsewhere (the CPU build, no Triton, k over FUSED_K) torch computes the same
+in a few calls: `stats`, then `top_k`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import NamedTuple
 import torch
 
 SLICE = 128  # columns per slice whose maximum the pass keeps
-_BLOCK = 4096  # columns per Triton program (a multiple of SLICE)
+FUSED_K = 32  # the Triton kernel's largest k (its candidates: k x SLICE values in registers)
+_SLICES_PER_STEP = 32  # slices the kernel's first pass reads at a time (4096 columns)
 
 try:  # (not in the CPU build)
     import triton
@@ -42,17 +46,44 @@ class VocabStats(NamedTuple):
     log_sum_exp: torch.Tensor
 
 
+def working_bytes(vocab: int, k: int) -> int:
+    """The most device memory top_k_logprobs holds per row of logits, the logits
+    included: them (float32 at most), a float32 copy (torch's statistics), and the
+    candidates' values, ids and their keys."""
+    return 8 * vocab + 24 * min(k * SLICE, vocab)
+
+
+def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, vocab] logits (rows may have a stride of their own) -> the top k of each
+    row's log_softmax in float32, largest first, and their ids (int32)."""
+    rows, vocab = logits.shape
+    if fused(logits, k):
+        return _top_k_logprobs_triton(logits, k)
+    found = stats(logits)
+    values, ids = top_k(logits, k, found)
+    return values.float() - found.log_sum_exp.unsqueeze(1), ids.to(torch.int32)
+
+
+def fused(logits: torch.Tensor, k: int) -> bool:
+    """Whether top_k_logprobs makes these logits' top k in one Triton kernel."""
+    return (triton is not None and (logits.is_cuda or _interpreted()) and 1 <= k <= FUSED_K
+            and k * SLICE < logits.shape[1] and logits.stride(1) == 1)
+
+
 def stats(logits: torch.Tensor) -> VocabStats:
-    """[rows, vocab] logits (a row stride of their own allowed, unit column stride) ->
-    their VocabStats, in float32 whatever the logits' dtype."""
-    if logits.is_cuda and triton is not None and logits.stride(1) == 1:
-        return _stats_triton(logits)
-    return _stats_torch(logits)
+    """[rows, vocab] logits -> their VocabStats, in float32 whatever the logits' dtype."""
+    rows, vocab = logits.shape
+    whole = vocab // SLICE * SLICE
+    maxima = [logits[:, :whole].reshape(rows, whole // SLICE, SLICE).amax(-1)]
+    if whole < vocab:
+        maxima.append(logits[:, whole:].amax(-1, keepdim=True))
+    slice_max = torch.cat(maxima, dim=1) if len(maxima) > 1 else maxima[0]
+    return VocabStats(slice_max.float(), torch.logsumexp(logits.float(), dim=-1))
 
 
 def top_k(logits: torch.Tensor, k: int, found: VocabStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits of each row, largest first, in the logits' dtype, and their
-    ids (int64); equal logits (bf16 has many) lowest id first, on every device."""
+    ids (int64)."""
     rows, vocab = logits.shape
     if k * SLICE >= vocab:  # (a narrow row: nothing to gain)
         picked = _first_k(logits, k)
@@ -78,59 +109,71 @@ def _first_k(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(keys, k, dim=-1).indices
 
 
-def working_bytes(vocab: int, k: int) -> int:
-    """The most device memory top_k_logprobs holds per row of logits, the logits
-    included: them (float32 at most), a float32 copy (torch's statistics), and the
-    candidates' values, ids and their sort."""
-    return 8 * vocab + 24 * min(k * SLICE, vocab)
+def _interpreted() -> bool:
+    """Triton's interpreter (TRITON_INTERPRET=1) runs the kernel on the CPU: the tests'
+    way to check it without a GPU."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top k of log_softmax(logits) in float32 per row, largest first, and their ids
-    (int64), from one pass over the logits and a few small kernels."""
-    found = stats(logits)
-    values, ids = top_k(logits, k, found)
-    return values.float() - found.log_sum_exp.unsqueeze(1), ids
-
-
-def _stats_torch(logits: torch.Tensor) -> VocabStats:
+def _top_k_logprobs_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, vocab = logits.shape
-    whole = vocab // SLICE * SLICE
-    maxima = [logits[:, :whole].reshape(rows, whole // SLICE, SLICE).amax(-1)]
-    if whole < vocab:
-        maxima.append(logits[:, whole:].amax(-1, keepdim=True))
-    slice_max = torch.cat(maxima, dim=1) if len(maxima) > 1 else maxima[0]
-    return VocabStats(slice_max.float(), torch.logsumexp(logits.float(), dim=-1))
-
-
-def _stats_triton(logits: torch.Tensor) -> VocabStats:
-    rows, vocab = logits.shape
-    slices, blocks = triton.cdiv(vocab, SLICE), triton.cdiv(vocab, _BLOCK)
-    slice_max = torch.empty(rows, blocks * (_BLOCK // SLICE), device=logits.device, dtype=torch.float32)
-    block_max = torch.empty(rows, blocks, device=logits.device, dtype=torch.float32)
-    block_sum = torch.empty_like(block_max)
+    slices = triton.next_power_of_2(triton.cdiv(vocab, SLICE))
+    scratch = torch.empty(rows, slices, device=logits.device, dtype=torch.float32)
+    values = torch.empty(rows, k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(rows, k, device=logits.device, dtype=torch.int32)
     if rows:
-        _stats_kernel[(rows, blocks)](logits, logits.stride(0), vocab, slice_max, block_max, block_sum, blocks,
-                                      BLOCK=_BLOCK, SLICE=SLICE)
-    most = block_max.amax(-1, keepdim=True)
-    log_sum_exp = (block_sum * torch.exp(block_max - most)).sum(-1).log() + most.squeeze(1)
-    return VocabStats(slice_max[:, :slices], log_sum_exp)
+        _top_k_kernel[(rows,)](logits, logits.stride(0), vocab, scratch, values, ids, k, SLICES=slices,
+                               SLICE=SLICE, STEP=_SLICES_PER_STEP, K=triton.next_power_of_2(k), num_warps=8)
+    return values, ids
 
 
 if triton is not None:
 
     @triton.jit
-    def _stats_kernel(x, row_stride, vocab, slice_max, block_max, block_sum, blocks,
-                      BLOCK: tl.constexpr, SLICE: tl.constexpr):
-        """One program: BLOCK columns of one row, as [BLOCK // SLICE, SLICE] -> their
-        slices' maxima, the block's max and its sum of exp(x - max), in float32."""
+    def _top_k_kernel(x, row_stride, vocab, scratch, values, ids, k,
+                      SLICES: tl.constexpr, SLICE: tl.constexpr, STEP: tl.constexpr, K: tl.constexpr):
+        """One row: its slices' maxima (into `scratch`) and log-sum-exp in one pass, the k
+        slices with the largest maxima, then the top k of their columns, less the
+        log-sum-exp, into `values` and `ids`."""
         row = tl.program_id(0).to(tl.int64)
-        block = tl.program_id(1)
-        per_block = BLOCK // SLICE
-        cols = block * BLOCK + tl.arange(0, per_block)[:, None] * SLICE + tl.arange(0, SLICE)[None, :]
-        v = tl.load(x + row * row_stride + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        per_slice = tl.max(v, axis=1)
-        tl.store(slice_max + (row * blocks + block) * per_block + tl.arange(0, per_block), per_slice)
-        most = tl.max(per_slice, axis=0)
-        tl.store(block_max + row * blocks + block, most)
-        tl.store(block_sum + row * blocks + block, tl.sum(tl.sum(tl.exp(v - most), axis=1), axis=0))
+        base = x + row * row_stride
+        own = scratch + row * SLICES
+        n_slices = tl.cdiv(vocab, SLICE)
+        most = tl.full((), float("-inf"), tl.float32)
+        total = tl.zeros((), tl.float32)
+        for start in range(0, vocab, STEP * SLICE):
+            cols = start + tl.arange(0, STEP)[:, None] * SLICE + tl.arange(0, SLICE)[None, :]
+            v = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            per_slice = tl.max(v, axis=1)
+            at = start // SLICE + tl.arange(0, STEP)
+            tl.store(own + at, per_slice, mask=at < n_slices)
+            new_most = tl.maximum(most, tl.max(per_slice, axis=0))
+            total = total * tl.exp(most - new_most) + tl.sum(tl.sum(tl.exp(v - new_most), axis=1), axis=0)
+            most = new_most
+        log_sum_exp = most + tl.log(total)
+        tl.debug_barrier()  # (the scratch written above is read below by other threads)
+
+        # the k slices with the largest maxima, of equal maxima the lower
+        slice_ids = tl.arange(0, SLICES)
+        left = slice_ids < n_slices
+        maxima = tl.load(own + slice_ids, mask=left, other=float("-inf"))
+        slots = tl.arange(0, K)
+        chosen = tl.zeros((K,), tl.int32)
+        for j in range(k):
+            best = tl.max(tl.where(left, maxima, float("-inf")), axis=0)
+            first = tl.min(tl.where(left & (maxima == best), slice_ids, SLICES), axis=0)
+            chosen = tl.where(slots == j, first, chosen)
+            left = left & (slice_ids != first)
+
+        # their columns' top k, equal values the lowest id first
+        cols = chosen[:, None] * SLICE + tl.arange(0, SLICE)[None, :]
+        left = (slots[:, None] < k) & (cols < vocab)
+        v = tl.load(base + cols, mask=left, other=float("-inf")).to(tl.float32)
+        for j in range(k):
+            best = tl.max(tl.max(tl.where(left, v, float("-inf")), axis=1), axis=0)
+            first = tl.min(tl.min(tl.where(left & (v == best), cols, vocab), axis=1), axis=0)
+            left = left & (cols != first)
+            tl.store(values + row * k + j, best - log_sum_exp)
+            tl.store(ids + row * k + j, first)
