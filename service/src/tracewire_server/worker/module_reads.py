@@ -43,7 +43,7 @@ class Lens:
         self.vocab_size = vocab_size
         self.gather = gather
         if weight.is_cuda:  # (Triton compiles vocab_topk's pass at its first call: now, not in a traced step)
-            top_k_logprobs(torch.zeros(1, weight.shape[0], dtype=weight.dtype, device=weight.device)[:, :vocab_size], 1)
+            top_k_logprobs(torch.zeros(1, weight.shape[0], dtype=weight.dtype, device=weight.device)[:, :vocab_size], 5)
 
     @torch.no_grad()
     def logits(self, streams: torch.Tensor) -> torch.Tensor:

@@ -125,13 +125,15 @@ def _top_k_logprobs_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     ids = torch.empty(rows, k, device=logits.device, dtype=torch.int32)
     if rows:
         _top_k_kernel[(rows,)](logits, logits.stride(0), vocab, scratch, values, ids, k, SLICES=slices,
-                               SLICE=SLICE, STEP=_SLICES_PER_STEP, K=triton.next_power_of_2(k), num_warps=8)
+                               SLICE=SLICE, STEP=_SLICES_PER_STEP, K=FUSED_K, num_warps=8)
     return values, ids
 
 
 if triton is not None:
 
-    @triton.jit
+    # One compiled kernel per model and dtype, whatever k (K is FUSED_K's slots, k a value
+    # Triton does not specialize on): a compile in a traced step would stall every request.
+    @triton.jit(do_not_specialize=["k"])
     def _top_k_kernel(x, row_stride, vocab, scratch, values, ids, k,
                       SLICES: tl.constexpr, SLICE: tl.constexpr, STEP: tl.constexpr, K: tl.constexpr):
         """One row: its slices' maxima (into `scratch`) and log-sum-exp in one pass, the k
