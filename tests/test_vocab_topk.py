@@ -86,8 +86,12 @@ def test_rows_with_a_stride_of_their_own(way, device):
 
 
 def test_working_bytes_bound_what_a_row_holds():
-    assert vocab_topk.working_bytes(151936, 5) == 8 * 151936 + 24 * 5 * vocab_topk.SLICE
-    assert vocab_topk.working_bytes(1000, 500) == 8 * 1000 + 24 * 1000  # (candidates: the whole row)
+    cpu = torch.device("cpu")
+    if not vocab_topk._interpreted():
+        assert vocab_topk.working_bytes(151936, 5, cpu) == 8 * 151936 + 24 * 5 * vocab_topk.SLICE
+    assert vocab_topk.working_bytes(1000, 500, cpu) == 8 * 1000 + 24 * 1000  # (candidates: the whole row)
+    if vocab_topk.triton is not None:  # the kernel: the logits and a float32 max per slice (2048 slots)
+        assert vocab_topk.working_bytes(151936, 5, torch.device("cuda")) == 4 * 151936 + 4 * 2048
 
 
 @pytest.mark.parametrize("way,device", WAYS)

@@ -300,7 +300,8 @@ def test_the_top_k_lens_is_computed_a_bounded_chunk_of_rows_at_a_time(monkeypatc
     norm = torch.nn.RMSNorm(hidden).to(dtype)
     weight = (0.3 * torch.randn(1000, hidden)).to(dtype)
     streams = torch.randn(7, 4, hidden).to(dtype)  # [positions, layers, hidden]
-    monkeypatch.setattr(module_reads, "LENS_CHUNK_BYTES", module_reads.working_bytes(vocab, 5) * rows_per_chunk)
+    row_bytes = module_reads.working_bytes(vocab, 5, weight.device)
+    monkeypatch.setattr(module_reads, "LENS_CHUNK_BYTES", row_bytes * rows_per_chunk)
     seen = []
     lens = module_reads.Lens(norm, weight, vocab)
     logits = lens.logits

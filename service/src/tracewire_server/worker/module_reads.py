@@ -26,7 +26,7 @@ from .unit_hooks import select_units
 from .vocab_topk import top_k_logprobs, working_bytes
 
 # A top-k lens holds at most this many bytes of device memory at a time for its logits
-# and their top k (vocab_topk.working_bytes a row: ~210 rows of a 152k vocabulary).
+# and their top k (vocab_topk.working_bytes a row: on a GPU ~440 rows of a 152k vocabulary).
 LENS_CHUNK_BYTES = 256 << 20
 
 
@@ -69,7 +69,7 @@ class Lens:
         # lens over many layers and prompt positions takes is bounded; vocab_topk finds
         # each chunk's top k and log-sum-exp in one pass over its logits (on a GPU one
         # kernel: each torch call here lets go of the GIL).
-        chunk = max(1, LENS_CHUNK_BYTES // working_bytes(self.vocab_size, top_k))
+        chunk = max(1, LENS_CHUNK_BYTES // working_bytes(self.vocab_size, top_k, self.weight.device))
         values, ids = [], []
         for start in range(0, flat.shape[0], chunk):
             top_values, top_ids = top_k_logprobs(self.logits(flat[start:start + chunk]), top_k)

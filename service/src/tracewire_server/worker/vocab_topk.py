@@ -46,17 +46,18 @@ class VocabStats(NamedTuple):
     log_sum_exp: torch.Tensor
 
 
-def working_bytes(vocab: int, k: int) -> int:
-    """The most device memory top_k_logprobs holds per row of logits, the logits
-    included: them (float32 at most), a float32 copy (torch's statistics), and the
-    candidates' values, ids and their keys."""
+def working_bytes(vocab: int, k: int, device: torch.device) -> int:
+    """The most device memory top_k_logprobs holds per row of logits on `device`, the
+    logits included (float32 at most). The kernel: them and its scratch. Torch's calls:
+    them, a float32 copy (the log-sum-exp), and the candidates' values, ids and keys."""
+    if _fuses(device, vocab, k):
+        return 4 * vocab + 4 * triton.next_power_of_2(triton.cdiv(vocab, SLICE))
     return 8 * vocab + 24 * min(k * SLICE, vocab)
 
 
 def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, vocab] logits (rows may have a stride of their own) -> the top k of each
     row's log_softmax in float32, largest first, and their ids (int32)."""
-    rows, vocab = logits.shape
     if fused(logits, k):
         return _top_k_logprobs_triton(logits, k)
     found = stats(logits)
@@ -66,8 +67,12 @@ def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 
 def fused(logits: torch.Tensor, k: int) -> bool:
     """Whether top_k_logprobs makes these logits' top k in one Triton kernel."""
-    return (triton is not None and (logits.is_cuda or _interpreted()) and 1 <= k <= FUSED_K
-            and k * SLICE < logits.shape[1] and logits.stride(1) == 1)
+    return _fuses(logits.device, logits.shape[1], k) and logits.stride(1) == 1
+
+
+def _fuses(device: torch.device, vocab: int, k: int) -> bool:
+    return (triton is not None and (device.type == "cuda" or _interpreted()) and 1 <= k <= FUSED_K
+            and k * SLICE < vocab)
 
 
 def stats(logits: torch.Tensor) -> VocabStats:
