@@ -23,7 +23,7 @@ from .host import ColumnRow, ColumnRows, HostBatch, HostRead, on_device, to_host
 from .patch_store import PatchStore
 from .pattern_state import joined
 from .unit_hooks import select_units
-from .vocab_topk import top_k_logprobs, working_bytes
+from .vocab_topk import top_k_logprobs, warm_up, working_bytes
 
 # A top-k lens holds at most this many bytes of device memory at a time for its logits
 # and their top k (vocab_topk.working_bytes a row: on a GPU ~440 rows of a 152k vocabulary).
@@ -42,8 +42,8 @@ class Lens:
         self.weight = weight
         self.vocab_size = vocab_size
         self.gather = gather
-        if weight.is_cuda:  # (Triton compiles vocab_topk's pass at its first call: now, not in a traced step)
-            top_k_logprobs(torch.zeros(1, weight.shape[0], dtype=weight.dtype, device=weight.device)[:, :vocab_size], 5)
+        # (logits as self.logits makes them: rows of the padded vocabulary, lm_head's dtype)
+        warm_up(torch.zeros(1, weight.shape[0], dtype=weight.dtype, device=weight.device)[:, :vocab_size])
 
     @torch.no_grad()
     def logits(self, streams: torch.Tensor) -> torch.Tensor:

