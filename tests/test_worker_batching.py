@@ -136,11 +136,14 @@ def _compiled_runner(requests: dict, hidden: int = 8):
     return engine, buffers
 
 
-def _compiled_hooks(requests: dict, order: list[str]):
+def _compiled_hooks(requests: dict, order: list[str], dictionaries: tuple = ()):
     """tracewire's hooks on a stand-in compiled runner (`_compiled_runner`) whose batch is
-    `order`: the runner, its read buffers, a Sender for frontends 0 and 1, the sampler."""
+    `order`, holding `dictionaries`: the runner, its read buffers, a Sender for frontends
+    0 and 1, the sampler."""
     engine, buffers = _compiled_runner(requests)
     hooks = hooks_over(engine)
+    for dictionary in dictionaries:
+        hooks.dictionaries.put(dictionary)
     senders = {0: Sender(), 1: Sender()}
     hooks.senders.update(senders)
     sampler = Sampler()
@@ -154,9 +157,17 @@ def test_block_module_reads_are_columns_of_each_rows_new_token():
     """Requests that only read modules at the new token travel as blocks, their values one
     gather per module for all of them: each record still gets its own row, beside rows
     that read the same module one by one (a mean, a patch source), an untraced request
-    and a request whose prompt is still being prefilled in chunks."""
+    and a request whose prompt is still being prefilled in chunks. The same for the
+    logit lens and for a probe's values."""
+    from tracewire_server.shared.dictionary_spec import DictionaryInfo
+    from tracewire_server.worker.dictionaries import Dictionary
+
     read = P.ReadModule("layers.1", P.Positions())
     lens = P.ReadLogitLens((0, 2), P.Positions(), top_k=3)
+    weights = torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
+    probe = Dictionary(DictionaryInfo(name="p", kind="probe", module="layers.2", input_size=8, size=3,
+                                      dtype="float32", device_bytes=0), {"W": weights, "b": torch.ones(3)})
+    probe_read = P.ReadDictionary(P.DictRef("p", 0, "layers.2", 3), P.Positions(), top_k=2)
     plans = {
         "a": P.SequencePlan(key="a", ops=(_op("h", read), _op("top", P.ReadLogits("processed", top_k=3)))),
         "idle": None,
@@ -168,6 +179,9 @@ def test_block_module_reads_are_columns_of_each_rows_new_token():
         # (with a mean: not a block, its lens computed on its own)
         "lens_row": P.SequencePlan(key="lens_row", ops=(
             _op("l", lens), _op("m", P.ReadModule("layers.0", P.Positions(), mean=True)))),
+        "probe": P.SequencePlan(key="probe", route=1, ops=(_op("p", probe_read), _op("h", read))),
+        "probe_row": P.SequencePlan(key="probe_row", ops=(
+            _op("p", probe_read), _op("m", P.ReadModule("layers.0", P.Positions(), mean=True)))),
     }
     requests = {}
     for name, plan in plans.items():
@@ -177,7 +191,7 @@ def test_block_module_reads_are_columns_of_each_rows_new_token():
         requests[name].output_token_ids = []
     requests["chunked"].prompt_token_ids = [1, 2, 3, 4, 5]  # (the others' prompts: 2 tokens)
     order = list(plans)
-    engine, buffers, senders, sampler = _compiled_hooks(requests, order)
+    engine, buffers, senders, sampler = _compiled_hooks(requests, order, (probe,))
 
     steps = dict.fromkeys(plans, 0)
     for step in range(3):
@@ -223,10 +237,15 @@ def test_block_module_reads_are_columns_of_each_rows_new_token():
                 np.testing.assert_array_equal(_array(got_lens.token_ids), top.indices.unsqueeze(1).numpy())
                 position = int(engine.input_batch.num_computed_tokens_cpu[i]) + counts[i] - 1
                 np.testing.assert_array_equal(_array(got_lens.positions), [position])
+            if k.startswith("probe"):  # the top 2 of W @ stream + b on layers.2's new token
+                top = torch.topk(weights @ torch.full((8,), 2000.0 + 10 * row + step) + 1, 2)
+                got_probe = record.values["p"]
+                np.testing.assert_allclose(_array(got_probe.values), top.values.numpy(), rtol=1e-6)
+                np.testing.assert_array_equal(_array(got_probe.token_ids), top.indices.numpy())
         for k in traced:
             requests[k].output_token_ids.append(int(drawn[order.index(k)]))
         blocked = {key for sender in senders.values() for b in sender.batches[-1].blocks for key in b.keys}
-        assert blocked == {k for k in ("a", "b", "chunked", "lens") if k in traced}
+        assert blocked == {k for k in ("a", "b", "chunked", "lens", "probe") if k in traced}
     assert steps["chunked"] == 2 and steps["a"] == 3
 
 
@@ -250,7 +269,7 @@ def test_a_frontends_column_rows_go_as_one_slice_and_a_block_missing_a_row_fails
     for state in requests.values():
         state.output_token_ids = [3]  # after a 2-token prompt and one drawn token
     order = list(plans)
-    engine, buffers, senders, sampler = _compiled_hooks(requests, order)
+    engine, buffers, senders, sampler = _compiled_hooks(requests, order, (probe,))
     engine.query_start_loc = types.SimpleNamespace(np=np.arange(len(order) + 1))  # one decode row each
     # Every row decodes its third token, except that the pass runs l1's row at its first
     # position (a pass that does not compute its new token, yet vLLM keeps the sample).

@@ -59,9 +59,14 @@ def _launch(group: list[DictionaryWant], dictionary: Dictionary) -> None:
             chosen, ids = _computed(want.read, dictionary, want.values)
             want.row.reads[want.name] = HostRead(_batch(chosen, ids), positions=want.positions)
     for wants in columns.values():
-        batch = _batch(*_computed(wants[0].read, dictionary, torch.cat([want.values for want in wants])))
+        batch = column(wants[0].read, dictionary, torch.cat([want.values for want in wants]))
         for j, want in enumerate(wants):
             want.row.reads[want.name] = ColumnRow(batch, j)
+
+
+def column(read: P.ReadDictionary, dictionary: Dictionary, x: torch.Tensor) -> HostBatch:
+    """`read` of rows x (a row each: new tokens), on its way to the host as one batch."""
+    return _batch(*_computed(read, dictionary, x))
 
 
 def _computed(read: P.ReadDictionary, dictionary: Dictionary, x: torch.Tensor) -> Selected:

@@ -260,7 +260,7 @@ class PlanHooks:
             if row.selected.module_reads:
                 fired.append(row)
         if self.modules is not None:  # blocks' module reads: a column per module
-            launch_column_reads(step.blocks, self.modules.take_columns(), self.modules.lens)
+            launch_column_reads(step.blocks, self.modules.take_columns(), self.modules.lens, self.dictionaries)
         try:
             launch_module_reads(fired, self.modules.lens if self.modules is not None else None, self.patches,
                                 self.dictionaries)

@@ -19,6 +19,7 @@ from ..shared import plan as P
 from .batch import Block, Row
 from .dictionaries import Dictionaries
 from .dictionary_reads import DictionaryWant, launch_dictionary_reads
+from .dictionary_reads import column as dictionary_column
 from .host import ColumnRow, ColumnRows, HostBatch, HostRead, on_device, to_host
 from .patch_store import PatchStore
 from .pattern_state import joined
@@ -201,12 +202,14 @@ class Column(NamedTuple):
     positions: np.ndarray
 
 
-def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: Lens | None) -> None:
+def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: Lens | None,
+                        dictionaries: Dictionaries | None = None) -> None:
     """Launch the blocks' module reads: each module's column (module_hooks.py gathered
     every block row's new-token value in one pass) goes to the host in one copy; the
-    logit lens is one lm_head matmul per read over every block row reading it. A block
-    missing a row of a column fails its own traces, not the other blocks'."""
-    groups: dict[P.ReadModule | P.ReadLogitLens, list[tuple[Block, str]]] = {}
+    logit lens is one lm_head matmul per read over every block row reading it, a
+    dictionary read one matmul. A block missing a row of a column fails its own traces,
+    not the other blocks'."""
+    groups: dict[P.ReadModule | P.ReadLogitLens | P.ReadDictionary, list[tuple[Block, str]]] = {}
     for block in blocks:
         for name, read in block.ops.column_reads:
             groups.setdefault(read, []).append((block, name))
@@ -219,8 +222,13 @@ def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: L
             if type(read) is P.ReadLogitLens:
                 assert lens is not None
                 batch = _lens_column(read, members, paths, columns, lens)
+            elif type(read) is P.ReadDictionary:
+                assert dictionaries is not None
+                column = columns[paths[0]]  # (a deleted or replaced dictionary fails these blocks)
+                x = column.values.index_select(0, _rows_on_device(members, column))
+                batch = dictionary_column(read, dictionaries.get(read.dictionary), x)
             else:
-                column = columns[read.module]
+                column = columns[paths[0]]
                 batch = HostBatch(to_host(column.values.index_select(0, _rows_on_device(members, column))), None)
         except Exception as e:  # noqa: BLE001 - fails the blocks reading it
             for block, _ in members:

@@ -21,8 +21,9 @@ class LogitsReadOp(NamedTuple):
     read: P.LogitsRead
 
 
-# A block's module read: its name, and a module's whole value or the logit lens, at the new token.
-ColumnRead = tuple[str, P.ReadModule | P.ReadLogitLens]
+# A block's module read: its name, and a module's whole value, the logit lens or a
+# dictionary (probe, SAE) on a module, at the new token.
+ColumnRead = tuple[str, P.ReadModule | P.ReadLogitLens | P.ReadDictionary]
 
 
 class BlockKey(NamedTuple):
@@ -36,11 +37,14 @@ class BlockKey(NamedTuple):
 
 def _column_read(op: P.Op) -> bool:
     """A read each row takes as one row of a column over the batch: a module's whole
-    value, or the logit lens, at the new token (module_hooks.py gathers the modules'
-    rows for all such rows at once; module_reads.py launches the column)."""
+    value, the logit lens, or a dictionary's values (not a condition's), at the new token
+    (module_hooks.py gathers the modules' rows for all such rows at once; module_reads.py
+    launches the column)."""
     a = op.action
     if type(a) is P.ReadModule:
         return not a.mean and a.positions.kind == "new_token" and P.unit_kind(a.module) is None
+    if type(a) is P.ReadDictionary:
+        return a.positions.kind == "new_token" and not a.internal
     return type(a) is P.ReadLogitLens and a.positions.kind == "new_token"
 
 
@@ -85,7 +89,8 @@ class StepOps:
         internal = frozenset(op.name for op, read in reads if isinstance(read, P.ReadDictionary) and read.internal)
         plain = len(reads) == len(drawn) and all(op.condition is None for op in drawn) and not internal
         blockable = bool(ops) and plain and all(_column_read(op) for op in module_reads)
-        column_reads = (tuple((op.name, cast("P.ReadModule | P.ReadLogitLens", op.action)) for op in module_reads)
+        column_reads = (tuple((op.name, cast("P.ReadModule | P.ReadLogitLens | P.ReadDictionary", op.action))
+                              for op in module_reads)
                         if blockable else ())
         found = cls(
             ops,
