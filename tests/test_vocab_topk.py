@@ -24,7 +24,7 @@ def _top_k_logprobs(way: str, logits: torch.Tensor, k: int) -> tuple[torch.Tenso
         return vocab_topk._top_k_logprobs_triton(logits, k)
     found = vocab_topk.stats(logits)
     values, ids = vocab_topk.top_k(logits, k, found)
-    return values.float() - found.log_sum_exp.unsqueeze(1), ids.to(torch.int32)
+    return found.logprobs(values), ids.to(torch.int32)
 
 
 def _logits(rows: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
@@ -72,6 +72,18 @@ def test_the_stats_are_each_slices_max_and_the_rows_log_sum_exp(device):
     want_max = torch.cat([logits, pad], dim=1).view(4, 4, vocab_topk.SLICE).amax(-1)
     assert torch.equal(found.slice_max, want_max)
     torch.testing.assert_close(found.log_sum_exp, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("way,device", WAYS)
+def test_log_probabilities_near_zero_keep_their_precision(way, device):
+    """A confident row (one logit far above the rest) at a large offset: its top
+    log-probability is near 0, where a logit less the log-sum-exp (~32) would lose
+    several 1e-6 to cancellation. Against float64."""
+    logits = _logits(8, 5000, torch.float32, device, seed=3) + 20.0
+    logits[:, 17] += 12.0
+    values, ids = _top_k_logprobs(way, logits, 3)
+    exact = torch.log_softmax(logits.double(), dim=-1).gather(1, ids.long())
+    torch.testing.assert_close(values.double(), exact, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("way,device", WAYS)

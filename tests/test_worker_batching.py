@@ -269,7 +269,7 @@ def test_a_frontends_column_rows_go_as_one_slice_and_a_block_missing_a_row_fails
     for state in requests.values():
         state.output_token_ids = [3]  # after a 2-token prompt and one drawn token
     order = list(plans)
-    engine, buffers, senders, sampler = _compiled_hooks(requests, order, (probe,))
+    engine, buffers, senders, sampler = _compiled_hooks(requests, order)
     engine.query_start_loc = types.SimpleNamespace(np=np.arange(len(order) + 1))  # one decode row each
     # Every row decodes its third token, except that the pass runs l1's row at its first
     # position (a pass that does not compute its new token, yet vLLM keeps the sample).

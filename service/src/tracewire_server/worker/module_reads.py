@@ -24,7 +24,7 @@ from .host import ColumnRow, ColumnRows, HostBatch, HostRead, on_device, to_host
 from .patch_store import PatchStore
 from .pattern_state import joined
 from .unit_hooks import select_units
-from .vocab_topk import top_k_logprobs, warm_up, working_bytes
+from .vocab_topk import stats, top_k_logprobs, warm_up, working_bytes
 
 # A top-k lens holds at most this many bytes of device memory at a time for its logits
 # and their top k (vocab_topk.working_bytes a row: on a GPU ~440 rows of a 152k vocabulary).
@@ -62,10 +62,8 @@ class Lens:
         of them [..., k] and their ids (int32)."""
         lead = streams.shape[:-1]
         flat = streams.reshape(-1, streams.shape[-1])
-        # The float32 log-softmax straight from lm_head's bf16 logits (one kernel: no float32
-        # copy of [rows, vocab] first).
-        if not top_k:  # (all of it is returned: --max-read-bytes bounds it)
-            return torch.log_softmax(self.logits(flat), dim=-1, dtype=torch.float32).reshape(*lead, -1), None
+        if not top_k:  # every log-probability (all returned: --max-read-bytes bounds them)
+            return self._full(flat).reshape(*lead, -1), None
         # Top k: [rows, vocab] exists a chunk of rows at a time, so the device memory a
         # lens over many layers and prompt positions takes is bounded; vocab_topk finds
         # each chunk's top k and log-sum-exp in one pass over its logits (on a GPU one
@@ -78,6 +76,17 @@ class Lens:
             ids.append(top_ids)
         joined = (values[0], ids[0]) if len(values) == 1 else (torch.cat(values), torch.cat(ids))
         return joined[0].reshape(*lead, top_k), joined[1].reshape(*lead, top_k)
+
+    def _full(self, flat: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] float32 log-probabilities, a chunk of rows at a time, in the top-k
+        reads' arithmetic (vocab_topk.VocabStats.logprobs): a full row and a top-k read
+        of the same stream agree to float32 rounding."""
+        chunk = max(1, LENS_CHUNK_BYTES // (12 * self.vocab_size))  # (logits, a float32 copy, exponentials)
+        parts = []
+        for start in range(0, flat.shape[0], chunk):
+            logits = self.logits(flat[start:start + chunk])
+            parts.append(stats(logits).logprobs(logits))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _gathered(row: Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:

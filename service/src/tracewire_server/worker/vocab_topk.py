@@ -9,8 +9,8 @@ of Qwen3-8B's head: bench/lens_device.py). Both need less:
   k elements lies in some slice; a slice outside those k has k slices above it, each
   holding an element at least its maximum). So one pass takes each SLICE columns' max,
   then k slices are picked, and the top k of their k x SLICE values are the row's.
-- A log-probability is a logit less the row's log-sum-exp, which the same pass finds in
-  float32 (a running max and sum of exponentials).
+- A log-probability is (logit - the row's max) - log(sum(exp(logits - max))), as
+  log_softmax computes it; the same pass finds both in float32 (a running max and sum).
 
 Equal logits (bf16 has many) come lowest id first, on every device.
 
@@ -39,11 +39,22 @@ except ImportError:  # pragma: no cover - depends on the build
 
 
 class VocabStats(NamedTuple):
-    """Per row of logits: each slice's maximum [rows, slices] and the log-sum-exp [rows],
-    both float32."""
+    """Per row of logits, in float32: each slice's maximum [rows, slices], the row's
+    maximum [rows] and log(sum(exp(logits - maximum))) [rows]. A log-probability is
+    (logit - maximum) - log_sum, as log_softmax computes it (a logit less the log-sum-exp
+    loses ~1e-6 to cancellation next to log-probabilities near 0)."""
 
     slice_max: torch.Tensor
-    log_sum_exp: torch.Tensor
+    row_max: torch.Tensor
+    log_sum: torch.Tensor
+
+    @property
+    def log_sum_exp(self) -> torch.Tensor:
+        return self.row_max + self.log_sum
+
+    def logprobs(self, values: torch.Tensor) -> torch.Tensor:
+        """[rows, k] logits of these rows -> their log-probabilities, float32."""
+        return (values.float() - self.row_max.unsqueeze(1)) - self.log_sum.unsqueeze(1)
 
 
 def working_bytes(vocab: int, k: int, device: torch.device) -> int:
@@ -62,7 +73,7 @@ def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
         return _top_k_logprobs_triton(logits, k)
     found = stats(logits)
     values, ids = top_k(logits, k, found)
-    return values.float() - found.log_sum_exp.unsqueeze(1), ids.to(torch.int32)
+    return found.logprobs(values), ids.to(torch.int32)
 
 
 def warm_up(logits: torch.Tensor) -> None:
@@ -98,8 +109,9 @@ def stats(logits: torch.Tensor) -> VocabStats:
     maxima = [logits[:, :whole].reshape(rows, whole // SLICE, SLICE).amax(-1)]
     if whole < vocab:
         maxima.append(logits[:, whole:].amax(-1, keepdim=True))
-    slice_max = torch.cat(maxima, dim=1) if len(maxima) > 1 else maxima[0]
-    return VocabStats(slice_max.float(), torch.logsumexp(logits.float(), dim=-1))
+    slice_max = (torch.cat(maxima, dim=1) if len(maxima) > 1 else maxima[0]).float()
+    row_max = slice_max.amax(-1)
+    return VocabStats(slice_max, row_max, (logits.float() - row_max.unsqueeze(1)).exp().sum(-1).log())
 
 
 def top_k(logits: torch.Tensor, k: int, found: VocabStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,9 +169,10 @@ if triton is not None:
     @triton.jit(do_not_specialize=["k"])
     def _top_k_kernel(x, row_stride, vocab, scratch, values, ids, k,
                       SLICES: tl.constexpr, SLICE: tl.constexpr, STEP: tl.constexpr, K: tl.constexpr):
-        """One row: its slices' maxima (into `scratch`) and log-sum-exp in one pass, the k
-        slices with the largest maxima, then the top k of their columns, less the
-        log-sum-exp, into `values` and `ids`."""
+        """One row: its slices' maxima (into `scratch`), its maximum and sum of exponentials
+        in one pass, the k slices with the largest maxima, then the top k of their
+        columns as log-probabilities (VocabStats.logprobs' arithmetic), into `values` and
+        `ids`."""
         row = tl.program_id(0).to(tl.int64)
         base = x + row * row_stride
         own = scratch + row * SLICES
@@ -175,7 +188,7 @@ if triton is not None:
             new_most = tl.maximum(most, tl.max(per_slice, axis=0))
             total = total * tl.exp(most - new_most) + tl.sum(tl.sum(tl.exp(v - new_most), axis=1), axis=0)
             most = new_most
-        log_sum_exp = most + tl.log(total)
+        log_sum = tl.log(total)
         tl.debug_barrier()  # (the scratch written above is read below by other threads)
 
         # the k slices with the largest maxima, of equal maxima the lower
@@ -198,5 +211,5 @@ if triton is not None:
             best = tl.max(tl.max(tl.where(left, v, float("-inf")), axis=1), axis=0)
             first = tl.min(tl.min(tl.where(left & (v == best), cols, vocab), axis=1), axis=0)
             left = left & (cols != first)
-            tl.store(values + row * k + j, best - log_sum_exp)
+            tl.store(values + row * k + j, (best - most) - log_sum)
             tl.store(ids + row * k + j, first)
