@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tracewire_server.worker import vocab_topk
+from tracewire_server.worker import triton_kernels, vocab_topk
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # (way, device): torch's calls on each device; the Triton kernel where it runs
 WAYS = [("torch", d) for d in DEVICES]
-if vocab_topk.triton is not None and (torch.cuda.is_available() or vocab_topk._interpreted()):
+if vocab_topk.triton is not None and (torch.cuda.is_available() or triton_kernels.interpreted()):
     WAYS.append(("triton", "cuda" if torch.cuda.is_available() else "cpu"))
 
 
@@ -55,7 +55,7 @@ def test_top_k_logprobs_equal_log_softmax_then_topk(way, device, dtype, vocab):
 @pytest.mark.parametrize("device", DEVICES)
 def test_top_k_logprobs_takes_the_kernel_where_it_runs(device):
     logits = _logits(3, 4096, torch.bfloat16, device)
-    expect = vocab_topk.triton is not None and (device == "cuda" or vocab_topk._interpreted())
+    expect = vocab_topk.triton is not None and (device == "cuda" or triton_kernels.interpreted())
     assert vocab_topk.fused(logits, 5) == expect
     assert not vocab_topk.fused(logits, vocab_topk.FUSED_K + 1)  # (torch's calls: any k)
     values, ids = vocab_topk.top_k_logprobs(logits, vocab_topk.FUSED_K + 1)
@@ -99,7 +99,7 @@ def test_rows_with_a_stride_of_their_own(way, device):
 
 def test_working_bytes_bound_what_a_row_holds():
     cpu = torch.device("cpu")
-    if not vocab_topk._interpreted():
+    if not triton_kernels.interpreted():
         assert vocab_topk.working_bytes(151936, 5, cpu) == 8 * 151936 + 24 * 5 * vocab_topk.SLICE
     assert vocab_topk.working_bytes(1000, 500, cpu) == 8 * 1000 + 24 * 1000  # (candidates: the whole row)
     if vocab_topk.triton is not None:  # the kernel: the logits and a float32 max per slice (2048 slots)

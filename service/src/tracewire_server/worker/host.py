@@ -40,10 +40,10 @@ def on_device(values: np.ndarray | list[int], device: torch.device, dtype: torch
     pageable memory would synchronize it, a non-blocking one from pinned memory does not."""
     if isinstance(values, np.ndarray) and not values.flags.writeable:
         values = values.copy()  # torch wants writable memory (frombuffer over plan bytes is not)
-    cpu = torch.as_tensor(values).to(dtype)
     if device.type == "cpu":
-        return cpu
-    return cpu.pin_memory().to(device, non_blocking=True)
+        return torch.as_tensor(values, dtype=dtype)
+    # Two calls (each lets go of the GIL): the pinned copy made at once, then the copy over.
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class HostBatch:

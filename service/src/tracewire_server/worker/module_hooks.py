@@ -144,12 +144,15 @@ def _edit_module_output(path: str, output: Any, edits: list[Edit]) -> None:
 
 
 class _ColumnIndex(NamedTuple):
-    """A pass's column rows on the device, and the numpy `where` / positions of its Column."""
+    """The rows a pass's column reads take (shared by the modules the same rows read):
+    the flat rows, the numpy `where` / positions of their Columns, and (eager engines,
+    which copy the rows out in the hook) the rows as a device index."""
 
-    rows: list[int]
-    index: torch.Tensor
+    planned: list[int]
+    rows: np.ndarray
     where: np.ndarray
     positions: np.ndarray
+    index: torch.Tensor | None
 
 
 class PlannedColumn(NamedTuple):
@@ -199,7 +202,7 @@ class ModuleHooks:
         # gathered, `columns` holds each path's values for the sampler hooks.
         self._column_rows: dict[str, PlannedColumn] = {}
         self.columns: dict[str, Column] = {}
-        self._column_index: _ColumnIndex | None = None  # the pass's last column's (_gather_column)
+        self._column_index: _ColumnIndex | None = None  # the pass's last column's (_shared_index)
 
     def install(self) -> None:
         if self.buffers is not None:  # compiled: planned and read on the host around the pass
@@ -310,19 +313,28 @@ class ModuleHooks:
             found.positions.extend(positions)
 
     def _gather_column(self, path: str, value: torch.Tensor, planned: PlannedColumn) -> None:
-        """A column read's rows of `value` ([tokens, hidden]) for the batch rows reading
-        it, in one gather (a copy: the activations are overwritten by the next pass).
-        Modules read by the same rows as the one before (a lens's layers, most often)
-        share its device index and `where`: one copy to the device for all of them, and
-        the lens orders them once (module_reads._lens_column)."""
+        """An eager pass's column of `value` ([tokens, hidden]) for the batch rows reading
+        it, in one gather (a copy: later modules of the pass reuse the activations'
+        memory); its rows in the Column are then 0..n-1."""
+        shared = self._shared_index(planned, value.device)
+        assert shared.index is not None
+        copied = value.index_select(0, shared.index).to(torch.float32)
+        self.columns[path] = Column(copied, np.arange(len(planned.rows)), shared.where, shared.positions)
+
+    def _shared_index(self, planned: PlannedColumn, device: torch.device | None) -> _ColumnIndex:
+        """The column index of `planned` rows: the last one made when the rows are the same
+        (a lens's layers, most often: one copy of the index to the device for all of them,
+        and the lens orders them once, module_reads._lens_column). `device`: where the
+        rows are gathered in a hook (eager), None when they are read from buffers."""
         shared = self._column_index
-        if shared is None or shared.rows != planned.rows:
+        if shared is None or shared.planned != planned.rows or (device is not None and shared.index is None):
+            rows = np.asarray(planned.rows, np.int64)
             where = np.full(len(self.runner.req_ids), -1, np.int64)
             where[planned.batch_rows] = np.arange(len(planned.batch_rows))
-            shared = self._column_index = _ColumnIndex(planned.rows, on_device(planned.rows, value.device, torch.long),
-                                                       where, np.asarray(planned.positions, np.int32))
-        self.columns[path] = Column(value.index_select(0, shared.index).to(torch.float32), shared.where,
-                                    shared.positions)
+            shared = self._column_index = _ColumnIndex(
+                planned.rows, rows, where, np.asarray(planned.positions, np.int32),
+                on_device(rows, device, torch.long) if device is not None else None)
+        return shared
 
     def take_columns(self) -> dict[str, Column]:
         """This step's column reads, for the sampler hooks (once: the next pass makes new ones)."""
@@ -384,10 +396,15 @@ class ModuleHooks:
         assert self.buffers is not None
         tokens = self.runner.pass_tokens(len(self.runner.req_ids))
         for path, planned in columns.items():
+            # No device work here: the column is the layer's buffer and the rows its
+            # readers take (they launch at this step's sample, before the next pass
+            # overwrites the buffer, and on the same stream: module_reads.Column).
             try:
-                self._gather_column(path, self.buffers.stream(P.layer_number(path), tokens), planned)
+                shared = self._shared_index(planned, None)
+                self.columns[path] = Column(self.buffers.stream(P.layer_number(path), tokens), shared.rows,
+                                            shared.where, shared.positions)
             except Exception:  # noqa: BLE001 - the blocks reading it fail (no column)
-                log.exception("read buffer gather of %s failed", path)
+                log.exception("read buffer column of %s failed", path)
         for path, path_wants in wants.items():
             try:
                 value = self.buffers.stream(P.layer_number(path), tokens)

@@ -9,7 +9,7 @@ final norm and lm_head applied to them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -23,6 +23,7 @@ from .dictionary_reads import column as dictionary_column
 from .host import ColumnRow, ColumnRows, HostBatch, HostRead, on_device, to_host
 from .patch_store import PatchStore
 from .pattern_state import joined
+from .stream_norm import StreamNorm
 from .unit_hooks import select_units
 from .vocab_topk import stats, top_k_logprobs, warm_up, working_bytes
 
@@ -39,19 +40,19 @@ class Lens:
 
     def __init__(self, norm: torch.nn.Module, weight: torch.Tensor, vocab_size: int,
                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        self.norm = norm
+        self.norm = StreamNorm(norm, weight.dtype, weight.device)
         self.weight = weight
+        self.head = weight.t()  # (a view made once: a .t() a chunk is a host call a chunk)
         self.vocab_size = vocab_size
         self.gather = gather
         # (logits as self.logits makes them: rows of the padded vocabulary, lm_head's dtype)
         warm_up(torch.zeros(1, weight.shape[0], dtype=weight.dtype, device=weight.device)[:, :vocab_size])
 
     @torch.no_grad()
-    def logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, vocab] logits, in lm_head's dtype (as the model's own)."""
-        normed = self.norm.forward(streams.to(device=self.weight.device, dtype=self.weight.dtype))
-        normed = normed[0] if isinstance(normed, tuple) else normed  # (.forward: not through a hook on "norm")
-        logits = normed @ self.weight.t()
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] normalized streams (StreamNorm's) -> [rows, vocab] logits, in
+        lm_head's dtype (as the model's own)."""
+        logits = normed @ self.head
         if self.gather is not None:  # [rows, the padded vocab], every rank's slice in order
             logits = self.gather(logits.contiguous())
         return logits[:, : self.vocab_size]
@@ -62,31 +63,37 @@ class Lens:
         of them [..., k] and their ids (int32)."""
         lead = streams.shape[:-1]
         flat = streams.reshape(-1, streams.shape[-1])
-        if not top_k:  # every log-probability (all returned: --max-read-bytes bounds them)
-            return self._full(flat).reshape(*lead, -1), None
-        # Top k: [rows, vocab] exists a chunk of rows at a time, so the device memory a
-        # lens over many layers and prompt positions takes is bounded; vocab_topk finds
-        # each chunk's top k and log-sum-exp in one pass over its logits (on a GPU one
-        # kernel: each torch call here lets go of the GIL).
-        chunk = max(1, LENS_CHUNK_BYTES // working_bytes(self.vocab_size, top_k, self.weight.device))
-        values, ids = [], []
-        for start in range(0, flat.shape[0], chunk):
-            top_values, top_ids = top_k_logprobs(self.logits(flat[start:start + chunk]), top_k)
-            values.append(top_values)
-            ids.append(top_ids)
-        joined = (values[0], ids[0]) if len(values) == 1 else (torch.cat(values), torch.cat(ids))
-        return joined[0].reshape(*lead, top_k), joined[1].reshape(*lead, top_k)
+        values, ids = self.of_rows([flat], np.arange(flat.shape[0]).reshape(-1, 1), top_k)
+        return values.reshape(*lead, -1), None if ids is None else ids.reshape(*lead, top_k)
 
-    def _full(self, flat: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] float32 log-probabilities, a chunk of rows at a time, in the top-k
-        reads' arithmetic (vocab_topk.VocabStats.logprobs): a full row and a top-k read
-        of the same stream agree to float32 rounding."""
+    @torch.no_grad()
+    def of_rows(self, sources: list[torch.Tensor], rows: np.ndarray,
+                top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lens of rows[r, l] of sources[l] ([tokens, hidden] each, any float dtype):
+        [n, L, vocab] log-probabilities, or (top_k > 0) [n, L, k] and their ids."""
+        n, layers = rows.shape
+        if top_k:
+            chunk = max(1, LENS_CHUNK_BYTES // working_bytes(self.vocab_size, top_k, self.weight.device))
+            pairs = [top_k_logprobs(logits, top_k) for logits in self._logit_chunks(sources, rows, chunk)]
+            values, ids = (pairs[0] if len(pairs) == 1
+                           else (torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])))
+            return values.reshape(n, layers, top_k), ids.reshape(n, layers, top_k)
+        # every log-probability (all returned: --max-read-bytes bounds them), in the top-k
+        # reads' arithmetic (vocab_topk.VocabStats.logprobs): a full row and a top-k
+        # read of the same stream agree to float32 rounding
         chunk = max(1, LENS_CHUNK_BYTES // (12 * self.vocab_size))  # (logits, a float32 copy, exponentials)
-        parts = []
-        for start in range(0, flat.shape[0], chunk):
-            logits = self.logits(flat[start:start + chunk])
-            parts.append(stats(logits).logprobs(logits))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts = [stats(logits).logprobs(logits) for logits in self._logit_chunks(sources, rows, chunk)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(n, layers, -1), None
+
+    def _logit_chunks(self, sources: list[torch.Tensor], rows: np.ndarray, chunk: int) -> Iterator[torch.Tensor]:
+        """The rows' logits in order, [chunk, vocab] at a time (a few hundred rows of a
+        large vocabulary fill LENS_CHUNK_BYTES); their normalized streams a bounded
+        number of rows at a time too (in lm_head's dtype)."""
+        per_norm = max(1, LENS_CHUNK_BYTES // (self.weight.element_size() * self.weight.shape[1] * rows.shape[1]))
+        for first in range(0, rows.shape[0], per_norm):
+            normed = self.norm(sources, rows[first:first + per_norm])
+            for start in range(0, normed.shape[0], chunk):
+                yield self.logits(normed[start:start + chunk])
 
 
 def _gathered(row: Row, key: str, module: str, positions_of: P.Positions) -> tuple[torch.Tensor, list[int]]:
@@ -203,12 +210,26 @@ def _pattern_value(row: Row, name: str, read: P.ReadAttentionPattern) -> HostRea
 
 
 class Column(NamedTuple):
-    """A module's new-token values for the block rows reading it this step: [n, hidden]
-    float32; for each batch row its row of `values` (-1: none); each row's token position."""
+    """A module's new-token values for the block rows reading it this step: `rows` of
+    `source` ([tokens, hidden]); for each batch row its index into `rows` (-1: none);
+    each row's token position. On a compiled engine `source` is the layer's read buffer
+    as the pass left it (no copy: its readers launch at this step's sample, on the
+    pass's stream, before the next pass overwrites it); on an eager one the rows the
+    hook copied out (float32, `rows` 0..n-1)."""
 
-    values: torch.Tensor
+    source: torch.Tensor
+    rows: np.ndarray
     where: np.ndarray
     positions: np.ndarray
+
+    def rows_of(self, members: list[tuple[Block, str]]) -> np.ndarray:
+        """The members' rows of `source`, block after block."""
+        return self.rows[np.concatenate([self.where[block.index] for block, _ in members])]
+
+    def take(self, members: list[tuple[Block, str]]) -> torch.Tensor:
+        """The members' values, [rows, hidden] float32."""
+        index = on_device(self.rows_of(members), self.source.device, torch.long)
+        return self.source.index_select(0, index).to(torch.float32)
 
 
 def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: Lens | None,
@@ -233,12 +254,10 @@ def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: L
                 batch = _lens_column(read, members, paths, columns, lens)
             elif type(read) is P.ReadDictionary:
                 assert dictionaries is not None
-                column = columns[paths[0]]  # (a deleted or replaced dictionary fails these blocks)
-                x = column.values.index_select(0, _rows_on_device(members, column))
+                x = columns[paths[0]].take(members)  # (a deleted or replaced dictionary fails these blocks)
                 batch = dictionary_column(read, dictionaries.get(read.dictionary), x)
             else:
-                column = columns[paths[0]]
-                batch = HostBatch(to_host(column.values.index_select(0, _rows_on_device(members, column))), None)
+                batch = HostBatch(to_host(columns[paths[0]].take(members)), None)
         except Exception as e:  # noqa: BLE001 - fails the blocks reading it
             for block, _ in members:
                 block.error = block.error or f"{type(e).__name__}: {e}"
@@ -267,27 +286,15 @@ def _complete(members: list[tuple[Block, str]], paths: list[str],
     return sorted(kept, key=lambda member: member[0].route)
 
 
-def _rows_on_device(members: list[tuple[Block, str]], column: Column) -> torch.Tensor:
-    """The members' rows of the column, block after block, as a device index."""
-    rows = np.concatenate([column.where[block.index] for block, _ in members])
-    return on_device(rows, column.values.device, torch.long)
-
-
 def _lens_column(read: P.ReadLogitLens, members: list[tuple[Block, str]], paths: list[str],
                  columns: dict[str, Column], lens: Lens) -> HostBatch:
     """One logit-lens read for every member block row: [rows, layers, 1, k] (one
-    position: the new token's), its positions a column beside it."""
-    ordered: dict[int, torch.Tensor] = {}  # by id of a `where`: the layers read by the same rows share it
-    streams = []
-    for path in paths:
-        column = columns[path]
-        rows = ordered.get(id(column.where))
-        if rows is None:
-            rows = ordered[id(column.where)] = _rows_on_device(members, column)
-        streams.append(column.values.index_select(0, rows))
+    position: the new token's), its positions a column beside it. The layers' rows go
+    to the lens as they lie (Lens.of_rows: on a GPU one norm kernel over them all)."""
+    rows = np.stack([columns[path].rows_of(members) for path in paths], axis=1)  # [rows, layers]
     first = columns[paths[0]]
     positions = first.positions[np.concatenate([first.where[block.index] for block, _ in members])]
-    values, ids = lens(torch.stack(streams, dim=1), read.top_k)  # [rows, layers, vocab or k]
+    values, ids = lens.of_rows([columns[path].source for path in paths], rows, read.top_k)
     return HostBatch.of_arrays(to_host(values.unsqueeze(2)).numpy(),
                                None if ids is None else to_host(ids.unsqueeze(2)).numpy(),
                                positions.reshape(-1, 1))

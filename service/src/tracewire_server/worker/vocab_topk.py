@@ -27,15 +27,14 @@ from typing import NamedTuple
 
 import torch
 
+from .triton_kernels import compile_quietly, runs_on, triton
+
+if triton is not None:
+    import triton.language as tl
+
 SLICE = 128  # columns per slice whose maximum the pass keeps
 FUSED_K = 32  # the Triton kernel's largest k (its candidates: k x SLICE values in registers)
 _SLICES_PER_STEP = 32  # slices the kernel's first pass reads at a time (4096 columns)
-
-try:  # (not in the CPU build)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the build
-    triton = None
 
 
 class VocabStats(NamedTuple):
@@ -77,19 +76,10 @@ def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 
 
 def warm_up(logits: torch.Tensor) -> None:
-    """Compile the kernel for logits like these now (at the engine's start), not at a traced
-    step's first lens, where the compile would stall every request. Out of sight of vLLM's
-    JIT monitor (`--jit-monitor-mode error` would fail a compile it sees after the
-    engine's own warm-up): this compile is part of a warm-up too."""
-    if not fused(logits, 1):
-        return
-    runtime = triton.knobs.runtime
-    hook = getattr(runtime, "jit_post_compile_hook", None)
-    runtime.jit_post_compile_hook = None
-    try:
-        _top_k_logprobs_triton(logits, 1)
-    finally:
-        runtime.jit_post_compile_hook = hook
+    """Compile the kernel for logits like these now, at the engine's start
+    (triton_kernels.compile_quietly)."""
+    if fused(logits, 1):
+        compile_quietly(lambda: _top_k_logprobs_triton(logits, 1))
 
 
 def fused(logits: torch.Tensor, k: int) -> bool:
@@ -98,8 +88,7 @@ def fused(logits: torch.Tensor, k: int) -> bool:
 
 
 def _fuses(device: torch.device, vocab: int, k: int) -> bool:
-    return (triton is not None and (device.type == "cuda" or _interpreted()) and 1 <= k <= FUSED_K
-            and k * SLICE < vocab)
+    return runs_on(device) and 1 <= k <= FUSED_K and k * SLICE < vocab
 
 
 def stats(logits: torch.Tensor) -> VocabStats:
@@ -140,14 +129,6 @@ def _first_k(values: torch.Tensor, k: int) -> torch.Tensor:
     column = torch.arange(values.shape[-1], device=values.device)
     keys = ordered.long() * (1 << 32) + ((1 << 32) - 1 - column)
     return torch.topk(keys, k, dim=-1).indices
-
-
-def _interpreted() -> bool:
-    """Triton's interpreter (TRITON_INTERPRET=1) runs the kernel on the CPU: the tests'
-    way to check it without a GPU."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _top_k_logprobs_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
