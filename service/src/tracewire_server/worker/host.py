@@ -42,8 +42,8 @@ def on_device(values: np.ndarray | list[int], device: torch.device, dtype: torch
         values = values.copy()  # torch wants writable memory (frombuffer over plan bytes is not)
     if device.type == "cpu":
         return torch.as_tensor(values, dtype=dtype)
-    # Two calls (each lets go of the GIL): the pinned copy made at once, then the copy over.
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    # (torch.tensor(..., pin_memory=True) refuses numpy arrays: a pinned copy, then over)
+    return torch.as_tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 class HostBatch:
