@@ -210,10 +210,11 @@ INTERVAL_ROW = "top-20 logits every step, 50 ms stream interval"
 GPU_ROWS = ("trace, no interventions", "top-20 logits every step", INTERVAL_ROW, "forced token at step 0")
 # --hidden: module hooks need eager engines (both engines run --enforce-eager then).
 PATTERN_ROW = "attention pattern (top-5, layer 1, all heads) every step"
+LENS_ROW = "logit lens top-5 (4 layers) every step"
 PROBE_ROW = "probe read (k=16, layer 1) every step"
 SAE_ROW = "SAE top-20 (layer 1) every step"
 HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step",
-               "head read every step", PATTERN_ROW, PROBE_ROW, SAE_ROW)
+               "head read every step", PATTERN_ROW, PROBE_ROW, SAE_ROW, LENS_ROW)
 # The dictionary rows' probe and SAE: random weights of the model's hidden size, made at
 # start (write_dictionaries); --sae-features sets the SAE's width.
 DICTIONARY_ROWS = (PROBE_ROW, SAE_ROW)
@@ -224,7 +225,6 @@ COMPILED_STEERING_ROWS = ("trace, no interventions", "top-20 logits every step",
 # --compiled-reads: both engines compiled (CUDA graphs on a GPU), the server with read
 # buffers on every layer (and steering tables: a read of a steered layer is the common
 # research loop); the issue's targets are the layer read and the 4-layer lens.
-LENS_ROW = "logit lens top-5 (4 layers) every step"
 COMPILED_READS_ROWS = ("trace, no interventions", "layer read every step", LENS_ROW, PROBE_ROW, SAE_ROW,
                        "steering write every step")
 SERVER_FLAGS: list[str] = []  # tracewire's own options for the server (not the raw engine's)

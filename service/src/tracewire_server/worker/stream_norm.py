@@ -95,8 +95,13 @@ def _reproducible(norm: torch.nn.Module, device: torch.device) -> bool:
     return (type(norm) is RMSNorm and getattr(norm, "has_weight", False)
             and getattr(norm, "variance_size_override", 0) is None
             and isinstance(getattr(norm, "variance_epsilon", None), float)
-            and isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.device == device
+            and isinstance(weight, torch.Tensor) and weight.dim() == 1 and _same_device(weight.device, device)
             and weight.shape[0] <= MAX_KERNEL_HIDDEN)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """(torch.device("cuda") != torch.device("cuda:0"): an index left out is the current one)"""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def _kernel_takes(sources: list[torch.Tensor]) -> bool:
