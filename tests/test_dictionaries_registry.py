@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -141,8 +142,14 @@ def test_upload_over_the_limit_stops_at_the_chunk(stub) -> None:
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
     assert e.value.details().startswith("chunk[")
     assert "--max-dictionary-bytes" in e.value.details()
+    # The server stops at the chunk that crosses the room (less than the limit when other
+    # tests' uploads hold some of it); chunk[0] is the safetensors header.
     limit_chunks = SHARED_MAX_DICTIONARY_BYTES // chunk
-    assert limit_chunks < sent < limit_chunks + 20, sent  # (grpc reads a few messages ahead)
+    index = int(re.match(r"chunk\[(\d+)\]", e.value.details())[1])
+    assert 1 <= index <= limit_chunks + 1, e.value.details()
+    # grpc's client reads ahead by its flow-control window, which grows under load (30 chunks
+    # seen in a full run): what matters is that the 100 MiB stream was not read to its end.
+    assert index <= sent < 80, sent
 
 
 def test_the_operators_and_missing_names_are_refused(client) -> None:
