@@ -7,6 +7,7 @@ under Triton's interpreter (`pip install --target /tmp/tri triton`, then
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tracewire_server.worker import triton_kernels, vocab_topk
@@ -21,7 +22,7 @@ if vocab_topk.triton is not None and (torch.cuda.is_available() or triton_kernel
 def _top_k_logprobs(way: str, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if way == "triton":
         assert vocab_topk.fused(logits, k)
-        return vocab_topk._top_k_logprobs_triton(logits, k)
+        return vocab_topk.unpacked(vocab_topk._top_k_logprobs_triton(logits, k), k)
     found = vocab_topk.stats(logits)
     values, ids = vocab_topk.top_k(logits, k, found)
     return found.logprobs(values), ids.to(torch.int32)
@@ -134,3 +135,19 @@ def test_narrow_rows_and_no_rows(device):
         if on == device:
             values, ids = _top_k_logprobs(way, torch.empty(0, 2000, device=device), 4)
             assert values.shape == (0, 4) and ids.shape == (0, 4)
+
+
+@pytest.mark.parametrize("way,device", WAYS)
+def test_the_packed_top_k_unpacks_on_the_host_to_the_same_values_and_ids(way, device):
+    """What a lens read sends to the host: one float32 tensor, its ids' bits beside the
+    values, viewed apart in numpy (no copy: the copy off the device may not be done yet)."""
+    logits = _logits(6, 4096 + 77, torch.bfloat16, device)
+    packed = (vocab_topk._top_k_logprobs_triton(logits, 5) if way == "triton"
+              else vocab_topk.top_k_packed(logits, 5))
+    assert packed.shape == (6, 10) and packed.dtype == torch.float32
+    host = packed.cpu().numpy()
+    values, ids = vocab_topk.unpacked(host, 5)
+    assert values.base is not None and ids.base is not None  # (views of the host copy)
+    want = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(5, dim=-1)
+    np.testing.assert_allclose(values, want.values.cpu().numpy(), rtol=1e-5, atol=2e-5)
+    assert ids.dtype == np.int32 and np.array_equal(ids, _first_k(logits, 5)[1].cpu().numpy())

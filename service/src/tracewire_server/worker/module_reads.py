@@ -25,7 +25,7 @@ from .patch_store import PatchStore
 from .pattern_state import joined
 from .stream_norm import StreamNorm
 from .unit_hooks import select_units
-from .vocab_topk import stats, top_k_logprobs, warm_up, working_bytes
+from .vocab_topk import stats, top_k_packed, unpacked, warm_up, working_bytes
 
 # A top-k lens holds at most this many bytes of device memory at a time for its logits
 # and their top k (vocab_topk.working_bytes a row: on a GPU ~440 rows of a 152k vocabulary).
@@ -55,7 +55,7 @@ class Lens:
         logits = normed @ self.head
         if self.gather is not None:  # [rows, the padded vocab], every rank's slice in order
             logits = self.gather(logits.contiguous())
-        return logits[:, : self.vocab_size]
+        return logits if logits.shape[1] == self.vocab_size else logits[:, : self.vocab_size]
 
     @torch.no_grad()
     def __call__(self, streams: torch.Tensor, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,10 +73,7 @@ class Lens:
         [n, L, vocab] log-probabilities, or (top_k > 0) [n, L, k] and their ids."""
         n, layers = rows.shape
         if top_k:
-            chunk = max(1, LENS_CHUNK_BYTES // working_bytes(self.vocab_size, top_k, self.weight.device))
-            pairs = [top_k_logprobs(logits, top_k) for logits in self._logit_chunks(sources, rows, chunk)]
-            values, ids = (pairs[0] if len(pairs) == 1
-                           else (torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])))
+            values, ids = unpacked(self.top_k_of_rows(sources, rows, top_k), top_k)
             return values.reshape(n, layers, top_k), ids.reshape(n, layers, top_k)
         # every log-probability (all returned: --max-read-bytes bounds them), in the top-k
         # reads' arithmetic (vocab_topk.VocabStats.logprobs): a full row and a top-k
@@ -84,6 +81,14 @@ class Lens:
         chunk = max(1, LENS_CHUNK_BYTES // (12 * self.vocab_size))  # (logits, a float32 copy, exponentials)
         parts = [stats(logits).logprobs(logits) for logits in self._logit_chunks(sources, rows, chunk)]
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(n, layers, -1), None
+
+    @torch.no_grad()
+    def top_k_of_rows(self, sources: list[torch.Tensor], rows: np.ndarray, top_k: int) -> torch.Tensor:
+        """of_rows' top k as one tensor, [n * L, 2 * top_k] (vocab_topk.top_k_packed): what
+        the lens's reads send to the host, in one copy."""
+        chunk = max(1, LENS_CHUNK_BYTES // working_bytes(self.vocab_size, top_k, self.weight.device))
+        parts = [top_k_packed(logits, top_k) for logits in self._logit_chunks(sources, rows, chunk)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _logit_chunks(self, sources: list[torch.Tensor], rows: np.ndarray, chunk: int) -> Iterator[torch.Tensor]:
         """The rows' logits in order, [chunk, vocab] at a time (a few hundred rows of a
@@ -144,11 +149,16 @@ def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
             # every row's layers in order, [layers x positions, hidden] each: one cat for
             # the group (a stack per row was a kernel launch per row per step)
             flat = torch.cat([stream for w in group for stream in w.streams])
-            values, ids = lens(flat, k)
+            every = np.arange(flat.shape[0]).reshape(-1, 1)
             # One copy to the host for the group, each row a view of its part (a copy per
-            # row cost two copy launches per row per step: most of the lens's host time).
-            host_values = to_host(values).numpy()
-            host_ids = None if ids is None else to_host(ids).numpy()
+            # row cost two copy launches per row per step: most of the lens's host time);
+            # a top k's values and ids in that one copy (Lens.top_k_of_rows). The views
+            # below only split the leading axis: numpy never copies for that (a copy
+            # would read the host buffer before the device's copy into it is done).
+            if k:
+                host_values, host_ids = unpacked(to_host(lens.top_k_of_rows([flat], every, k)).numpy(), k)
+            else:
+                host_values, host_ids = to_host(lens.of_rows([flat], every)[0][:, 0]).numpy(), None
             offset = 0
             for w in group:
                 n = len(w.streams) * len(w.positions)
@@ -294,10 +304,13 @@ def _lens_column(read: P.ReadLogitLens, members: list[tuple[Block, str]], paths:
     rows = np.stack([columns[path].rows_of(members) for path in paths], axis=1)  # [rows, layers]
     first = columns[paths[0]]
     positions = first.positions[np.concatenate([first.where[block.index] for block, _ in members])]
-    values, ids = lens.of_rows([columns[path].source for path in paths], rows, read.top_k)
-    return HostBatch.of_arrays(to_host(values.unsqueeze(2)).numpy(),
-                               None if ids is None else to_host(ids.unsqueeze(2)).numpy(),
-                               positions.reshape(-1, 1))
+    sources = [columns[path].source for path in paths]
+    if read.top_k:  # (one copy to the host: the top k's values and ids packed together)
+        host = to_host(lens.top_k_of_rows(sources, rows, read.top_k)).numpy()
+        values, ids = unpacked(host.reshape(len(rows), len(paths), 1, -1), read.top_k)
+        return HostBatch.of_arrays(values, ids, positions.reshape(-1, 1))
+    values, _ = lens.of_rows(sources, rows)
+    return HostBatch.of_arrays(to_host(values.unsqueeze(2)).numpy(), None, positions.reshape(-1, 1))
 
 
 def launch_module_reads(rows: list[Row], lens: Lens | None, store: PatchStore | None = None,

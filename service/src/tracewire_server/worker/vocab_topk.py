@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .triton_kernels import compile_quietly, runs_on, triton
@@ -68,11 +69,25 @@ def working_bytes(vocab: int, k: int, device: torch.device) -> int:
 def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, vocab] logits (rows may have a stride of their own) -> the top k of each
     row's log_softmax in float32, largest first, and their ids (int32)."""
+    return unpacked(top_k_packed(logits, k), k)
+
+
+def top_k_packed(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """top_k_logprobs in one float32 tensor [rows, 2k]: the k log-probabilities, then
+    their ids' int32 bits (`unpacked`). One tensor is one copy to the host where two
+    were two copy launches and two host calls more on the engine's thread."""
     if fused(logits, k):
         return _top_k_logprobs_triton(logits, k)
     found = stats(logits)
     values, ids = top_k(logits, k, found)
-    return found.logprobs(values), ids.to(torch.int32)
+    return torch.cat([found.logprobs(values), ids.to(torch.int32).view(torch.float32)], dim=1)
+
+
+def unpacked(packed: torch.Tensor | np.ndarray, k: int) -> tuple:
+    """top_k_packed's [..., 2k] -> its log-probabilities [..., k] and their ids [..., k]
+    (int32): views, of a tensor or of its host copy's numpy array."""
+    ids = packed[..., k:]
+    return packed[..., :k], ids.view(torch.int32) if isinstance(ids, torch.Tensor) else ids.view(np.int32)
 
 
 def warm_up(logits: torch.Tensor) -> None:
@@ -135,12 +150,11 @@ def _top_k_logprobs_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     rows, vocab = logits.shape
     slices = triton.next_power_of_2(triton.cdiv(vocab, SLICE))
     scratch = torch.empty(rows, slices, device=logits.device, dtype=torch.float32)
-    values = torch.empty(rows, k, device=logits.device, dtype=torch.float32)
-    ids = torch.empty(rows, k, device=logits.device, dtype=torch.int32)
+    packed = torch.empty(rows, 2 * k, device=logits.device, dtype=torch.float32)
     if rows:
-        _top_k_kernel[(rows,)](logits, logits.stride(0), vocab, scratch, values, ids, k, SLICES=slices,
+        _top_k_kernel[(rows,)](logits, logits.stride(0), vocab, scratch, packed, k, SLICES=slices,
                                SLICE=SLICE, STEP=_SLICES_PER_STEP, K=FUSED_K, num_warps=8)
-    return values, ids
+    return packed
 
 
 if triton is not None:
@@ -148,12 +162,12 @@ if triton is not None:
     # One compiled kernel per model and dtype, whatever k (K is FUSED_K's slots, k a value
     # Triton does not specialize on): a compile in a traced step would stall every request.
     @triton.jit(do_not_specialize=["k"])
-    def _top_k_kernel(x, row_stride, vocab, scratch, values, ids, k,
+    def _top_k_kernel(x, row_stride, vocab, scratch, packed, k,
                       SLICES: tl.constexpr, SLICE: tl.constexpr, STEP: tl.constexpr, K: tl.constexpr):
         """One row: its slices' maxima (into `scratch`), its maximum and sum of exponentials
         in one pass, the k slices with the largest maxima, then the top k of their
-        columns as log-probabilities (VocabStats.logprobs' arithmetic), into `values` and
-        `ids`."""
+        columns as log-probabilities (VocabStats.logprobs' arithmetic) and their ids'
+        bits, into the row of `packed` (top_k_packed)."""
         row = tl.program_id(0).to(tl.int64)
         base = x + row * row_stride
         own = scratch + row * SLICES
@@ -192,5 +206,5 @@ if triton is not None:
             best = tl.max(tl.max(tl.where(left, v, float("-inf")), axis=1), axis=0)
             first = tl.min(tl.min(tl.where(left & (v == best), cols, vocab), axis=1), axis=0)
             left = left & (cols != first)
-            tl.store(values + row * k + j, (best - most) - log_sum)
-            tl.store(ids + row * k + j, first)
+            tl.store(packed + row * 2 * k + j, (best - most) - log_sum)
+            tl.store(packed + row * 2 * k + k + j, first.to(tl.int32).to(tl.float32, bitcast=True))
