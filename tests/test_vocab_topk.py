@@ -144,10 +144,12 @@ def test_the_packed_top_k_unpacks_on_the_host_to_the_same_values_and_ids(way, de
     logits = _logits(6, 4096 + 77, torch.bfloat16, device)
     packed = (vocab_topk._top_k_logprobs_triton(logits, 5) if way == "triton"
               else vocab_topk.top_k_packed(logits, 5))
-    assert packed.shape == (6, 10) and packed.dtype == torch.float32
+    assert packed.shape == (2, 6, 5) and packed.dtype == torch.float32
     host = packed.cpu().numpy()
     values, ids = vocab_topk.unpacked(host, 5)
-    assert values.base is not None and ids.base is not None  # (views of the host copy)
+    # views of the host copy, each contiguous (the collector cuts rows from their bytes)
+    assert values.base is not None and ids.base is not None
+    assert values.flags.c_contiguous and ids.flags.c_contiguous
     want = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(5, dim=-1)
     np.testing.assert_allclose(values, want.values.cpu().numpy(), rtol=1e-5, atol=2e-5)
     assert ids.dtype == np.int32 and np.array_equal(ids, _first_k(logits, 5)[1].cpu().numpy())

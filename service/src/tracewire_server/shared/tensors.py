@@ -42,7 +42,7 @@ class RawTensor(msgspec.Struct, array_like=True, frozen=True):
         if _big_endian(array) or array.ndim == 0 or not array.shape[0]:
             return cls.from_numpy(array[rows])
         one_slice = bool(rows) and rows[-1] - rows[0] + 1 == len(rows) and rows == list(range(rows[0], rows[0] + len(rows)))
-        if not array.flags.c_contiguous:  # (a view of a packed host copy: the lens's top k)
+        if not array.flags.c_contiguous:  # (a strided view: its one slice without fancy indexing)
             return cls.from_numpy(array[rows[0]:rows[-1] + 1] if one_slice else array[rows])
         flat = memoryview(array).cast("B")
         size = array.nbytes // array.shape[0]

@@ -84,11 +84,11 @@ class Lens:
 
     @torch.no_grad()
     def top_k_of_rows(self, sources: list[torch.Tensor], rows: np.ndarray, top_k: int) -> torch.Tensor:
-        """of_rows' top k as one tensor, [n * L, 2 * top_k] (vocab_topk.top_k_packed): what
+        """of_rows' top k as one tensor, [2, n * L, top_k] (vocab_topk.top_k_packed): what
         the lens's reads send to the host, in one copy."""
         chunk = max(1, LENS_CHUNK_BYTES // working_bytes(self.vocab_size, top_k, self.weight.device))
         parts = [top_k_packed(logits, top_k) for logits in self._logit_chunks(sources, rows, chunk)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _logit_chunks(self, sources: list[torch.Tensor], rows: np.ndarray, chunk: int) -> Iterator[torch.Tensor]:
         """The rows' logits in order, [chunk, vocab] at a time (a few hundred rows of a
@@ -153,8 +153,9 @@ def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
             # One copy to the host for the group, each row a view of its part (a copy per
             # row cost two copy launches per row per step: most of the lens's host time);
             # a top k's values and ids in that one copy (Lens.top_k_of_rows). The views
-            # below only split the leading axis: numpy never copies for that (a copy
-            # would read the host buffer before the device's copy into it is done).
+            # below only split the leading axis of contiguous arrays: numpy never copies
+            # for that (a copy would read the host buffer before the device's copy into
+            # it is done).
             if k:
                 host_values, host_ids = unpacked(to_host(lens.top_k_of_rows([flat], every, k)).numpy(), k)
             else:
@@ -307,8 +308,9 @@ def _lens_column(read: P.ReadLogitLens, members: list[tuple[Block, str]], paths:
     sources = [columns[path].source for path in paths]
     if read.top_k:  # (one copy to the host: the top k's values and ids packed together)
         host = to_host(lens.top_k_of_rows(sources, rows, read.top_k)).numpy()
-        values, ids = unpacked(host.reshape(len(rows), len(paths), 1, -1), read.top_k)
-        return HostBatch.of_arrays(values, ids, positions.reshape(-1, 1))
+        values, ids = unpacked(host, read.top_k)
+        shape = (len(rows), len(paths), 1, read.top_k)
+        return HostBatch.of_arrays(values.reshape(shape), ids.reshape(shape), positions.reshape(-1, 1))
     values, _ = lens.of_rows(sources, rows)
     return HostBatch.of_arrays(to_host(values.unsqueeze(2)).numpy(), None, positions.reshape(-1, 1))
 

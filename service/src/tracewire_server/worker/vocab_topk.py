@@ -73,21 +73,22 @@ def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 
 
 def top_k_packed(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """top_k_logprobs in one float32 tensor [rows, 2k]: the k log-probabilities, then
+    """top_k_logprobs in one float32 tensor [2, rows, k]: the log-probabilities, then
     their ids' int32 bits (`unpacked`). One tensor is one copy to the host where two
-    were two copy launches and two host calls more on the engine's thread."""
+    were two copy launches and two host calls more on the engine's thread; each half
+    stays contiguous (a strided view costs the collector a copy that lets go of the GIL)."""
     if fused(logits, k):
         return _top_k_logprobs_triton(logits, k)
     found = stats(logits)
     values, ids = top_k(logits, k, found)
-    return torch.cat([found.logprobs(values), ids.to(torch.int32).view(torch.float32)], dim=1)
+    return torch.stack([found.logprobs(values), ids.to(torch.int32).view(torch.float32)])
 
 
 def unpacked(packed: torch.Tensor | np.ndarray, k: int) -> tuple:
-    """top_k_packed's [..., 2k] -> its log-probabilities [..., k] and their ids [..., k]
-    (int32): views, of a tensor or of its host copy's numpy array."""
-    ids = packed[..., k:]
-    return packed[..., :k], ids.view(torch.int32) if isinstance(ids, torch.Tensor) else ids.view(np.int32)
+    """top_k_packed's [2, rows, k] -> its log-probabilities [rows, k] and their ids
+    [rows, k] (int32): contiguous views, of a tensor or of its host copy's numpy array."""
+    values, ids = packed[0], packed[1]
+    return values, ids.view(torch.int32) if isinstance(ids, torch.Tensor) else ids.view(np.int32)
 
 
 def warm_up(logits: torch.Tensor) -> None:
@@ -150,9 +151,9 @@ def _top_k_logprobs_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     rows, vocab = logits.shape
     slices = triton.next_power_of_2(triton.cdiv(vocab, SLICE))
     scratch = torch.empty(rows, slices, device=logits.device, dtype=torch.float32)
-    packed = torch.empty(rows, 2 * k, device=logits.device, dtype=torch.float32)
+    packed = torch.empty(2, rows, k, device=logits.device, dtype=torch.float32)
     if rows:
-        _top_k_kernel[(rows,)](logits, logits.stride(0), vocab, scratch, packed, k, SLICES=slices,
+        _top_k_kernel[(rows,)](logits, logits.stride(0), vocab, scratch, packed, rows, k, SLICES=slices,
                                SLICE=SLICE, STEP=_SLICES_PER_STEP, K=FUSED_K, num_warps=8)
     return packed
 
@@ -161,8 +162,8 @@ if triton is not None:
 
     # One compiled kernel per model and dtype, whatever k (K is FUSED_K's slots, k a value
     # Triton does not specialize on): a compile in a traced step would stall every request.
-    @triton.jit(do_not_specialize=["k"])
-    def _top_k_kernel(x, row_stride, vocab, scratch, packed, k,
+    @triton.jit(do_not_specialize=["rows", "k"])
+    def _top_k_kernel(x, row_stride, vocab, scratch, packed, rows, k,
                       SLICES: tl.constexpr, SLICE: tl.constexpr, STEP: tl.constexpr, K: tl.constexpr):
         """One row: its slices' maxima (into `scratch`), its maximum and sum of exponentials
         in one pass, the k slices with the largest maxima, then the top k of their
@@ -206,5 +207,5 @@ if triton is not None:
             best = tl.max(tl.max(tl.where(left, v, float("-inf")), axis=1), axis=0)
             first = tl.min(tl.min(tl.where(left & (v == best), cols, vocab), axis=1), axis=0)
             left = left & (cols != first)
-            tl.store(packed + row * 2 * k + j, (best - most) - log_sum)
-            tl.store(packed + row * 2 * k + k + j, first.to(tl.int32).to(tl.float32, bitcast=True))
+            tl.store(packed + row * k + j, (best - most) - log_sum)
+            tl.store(packed + (rows + row) * k + j, first.to(tl.int32).to(tl.float32, bitcast=True))
