@@ -76,7 +76,7 @@ def test_rows_cut_from_the_bytes_equal_numpy_indexing():
         np.ones((1, 3), np.float32),
         rng.standard_normal((4, 3, 2)).astype(np.float32),
         rng.standard_normal((5, 4)).astype(np.float32)[:, ::2],  # not contiguous
-        # a strided view of other bits (rows cut from its one slice, or by numpy)
+        # a strided view of other bits
         rng.standard_normal((4, 2, 1, 6)).astype(np.float32)[..., 3:].view(np.int32),
         rng.standard_normal((4, 3)).astype(">f4"),  # big-endian
         np.zeros((0, 3), np.float32),

@@ -22,7 +22,7 @@ if vocab_topk.triton is not None and (torch.cuda.is_available() or triton_kernel
 def _top_k_logprobs(way: str, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if way == "triton":
         assert vocab_topk.fused(logits, k)
-        return vocab_topk.unpacked(vocab_topk._top_k_logprobs_triton(logits, k), k)
+        return vocab_topk.unpacked(vocab_topk._top_k_logprobs_triton(logits, k))
     found = vocab_topk.stats(logits)
     values, ids = vocab_topk.top_k(logits, k, found)
     return found.logprobs(values), ids.to(torch.int32)
@@ -139,14 +139,14 @@ def test_narrow_rows_and_no_rows(device):
 
 @pytest.mark.parametrize("way,device", WAYS)
 def test_the_packed_top_k_unpacks_on_the_host_to_the_same_values_and_ids(way, device):
-    """What a lens read sends to the host: one float32 tensor, its ids' bits beside the
-    values, viewed apart in numpy (no copy: the copy off the device may not be done yet)."""
+    """What a lens read sends to the host: one float32 tensor, the values then the ids'
+    bits, viewed apart in numpy (no copy: the copy off the device may not be done yet)."""
     logits = _logits(6, 4096 + 77, torch.bfloat16, device)
     packed = (vocab_topk._top_k_logprobs_triton(logits, 5) if way == "triton"
               else vocab_topk.top_k_packed(logits, 5))
     assert packed.shape == (2, 6, 5) and packed.dtype == torch.float32
     host = packed.cpu().numpy()
-    values, ids = vocab_topk.unpacked(host, 5)
+    values, ids = vocab_topk.unpacked(host)
     # views of the host copy, each contiguous (the collector cuts rows from their bytes)
     assert values.base is not None and ids.base is not None
     assert values.flags.c_contiguous and ids.flags.c_contiguous

@@ -39,14 +39,11 @@ class RawTensor(msgspec.Struct, array_like=True, frozen=True):
         """`array[rows]`, cut from its bytes. numpy's fancy indexing lets go of the GIL
         above a few hundred elements, and the worker's collector thread, which sends
         these, waits to get the GIL back from the engine's busy thread each time."""
-        if _big_endian(array) or array.ndim == 0 or not array.shape[0]:
+        if _big_endian(array) or not array.flags.c_contiguous or array.ndim == 0 or not array.shape[0]:
             return cls.from_numpy(array[rows])
-        one_slice = bool(rows) and rows[-1] - rows[0] + 1 == len(rows) and rows == list(range(rows[0], rows[0] + len(rows)))
-        if not array.flags.c_contiguous:  # (a strided view: its one slice without fancy indexing)
-            return cls.from_numpy(array[rows[0]:rows[-1] + 1] if one_slice else array[rows])
         flat = memoryview(array).cast("B")
         size = array.nbytes // array.shape[0]
-        if one_slice:
+        if rows and rows[-1] - rows[0] + 1 == len(rows) and rows == list(range(rows[0], rows[0] + len(rows))):
             # One slice (a frontend's rows of a column laid out frontend by frontend): a
             # view, copied once by the encoder, not cut and then copied again. It keeps
             # `array` alive; it is only ever encoded, never stored.

@@ -73,7 +73,7 @@ class Lens:
         [n, L, vocab] log-probabilities, or (top_k > 0) [n, L, k] and their ids."""
         n, layers = rows.shape
         if top_k:
-            values, ids = unpacked(self.top_k_of_rows(sources, rows, top_k), top_k)
+            values, ids = unpacked(self.top_k_of_rows(sources, rows, top_k))
             return values.reshape(n, layers, top_k), ids.reshape(n, layers, top_k)
         # every log-probability (all returned: --max-read-bytes bounds them), in the top-k
         # reads' arithmetic (vocab_topk.VocabStats.logprobs): a full row and a top-k
@@ -149,7 +149,6 @@ def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
             # every row's layers in order, [layers x positions, hidden] each: one cat for
             # the group (a stack per row was a kernel launch per row per step)
             flat = torch.cat([stream for w in group for stream in w.streams])
-            every = np.arange(flat.shape[0]).reshape(-1, 1)
             # One copy to the host for the group, each row a view of its part (a copy per
             # row cost two copy launches per row per step: most of the lens's host time);
             # a top k's values and ids in that one copy (Lens.top_k_of_rows). The views
@@ -157,9 +156,10 @@ def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
             # for that (a copy would read the host buffer before the device's copy into
             # it is done).
             if k:
-                host_values, host_ids = unpacked(to_host(lens.top_k_of_rows([flat], every, k)).numpy(), k)
+                every = np.arange(flat.shape[0]).reshape(-1, 1)
+                host_values, host_ids = unpacked(to_host(lens.top_k_of_rows([flat], every, k)).numpy())
             else:
-                host_values, host_ids = to_host(lens.of_rows([flat], every)[0][:, 0]).numpy(), None
+                host_values, host_ids = to_host(lens(flat)[0]).numpy(), None
             offset = 0
             for w in group:
                 n = len(w.streams) * len(w.positions)
@@ -308,7 +308,7 @@ def _lens_column(read: P.ReadLogitLens, members: list[tuple[Block, str]], paths:
     sources = [columns[path].source for path in paths]
     if read.top_k:  # (one copy to the host: the top k's values and ids packed together)
         host = to_host(lens.top_k_of_rows(sources, rows, read.top_k)).numpy()
-        values, ids = unpacked(host, read.top_k)
+        values, ids = unpacked(host)
         shape = (len(rows), len(paths), 1, read.top_k)
         return HostBatch.of_arrays(values.reshape(shape), ids.reshape(shape), positions.reshape(-1, 1))
     values, _ = lens.of_rows(sources, rows)

@@ -69,7 +69,7 @@ def working_bytes(vocab: int, k: int, device: torch.device) -> int:
 def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, vocab] logits (rows may have a stride of their own) -> the top k of each
     row's log_softmax in float32, largest first, and their ids (int32)."""
-    return unpacked(top_k_packed(logits, k), k)
+    return unpacked(top_k_packed(logits, k))
 
 
 def top_k_packed(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -84,7 +84,7 @@ def top_k_packed(logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.stack([found.logprobs(values), ids.to(torch.int32).view(torch.float32)])
 
 
-def unpacked(packed: torch.Tensor | np.ndarray, k: int) -> tuple:
+def unpacked(packed: torch.Tensor | np.ndarray) -> tuple:
     """top_k_packed's [2, rows, k] -> its log-probabilities [rows, k] and their ids
     [rows, k] (int32): contiguous views, of a tensor or of its host copy's numpy array."""
     values, ids = packed[0], packed[1]
@@ -147,7 +147,7 @@ def _first_k(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(keys, k, dim=-1).indices
 
 
-def _top_k_logprobs_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_k_logprobs_triton(logits: torch.Tensor, k: int) -> torch.Tensor:
     rows, vocab = logits.shape
     slices = triton.next_power_of_2(triton.cdiv(vocab, SLICE))
     scratch = torch.empty(rows, slices, device=logits.device, dtype=torch.float32)
