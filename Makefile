@@ -3,7 +3,8 @@
 #                gRPC on PORT and Connect / gRPC-Web for browsers on HTTP_PORT; the first run
 #                installs .venv (one line per step; uv after torch, USE_UV=0: pip alone).
 #                The SDK and CLI are in .venv: source .venv/bin/activate
-#   make test    run the whole test suite (proto drift check included), then test-ts
+#   make test    run the whole test suite (proto drift check included), then test-kernels and test-ts
+#   make test-kernels  the GPU's Triton kernels on the CPU, under Triton's interpreter
 #   make test-ts the TypeScript client's Node tests against a real server, and the dashboard's
 #                browser test (Debian's Chromium: installed with apt-get when missing, as root)
 #   make dashboard  the browser dashboard (Vite dev server on DASHBOARD_PORT, 5173), against the
@@ -57,7 +58,7 @@ PYTEST_ARGS ?=
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup chromium h2load serve dashboard test test-ts proto proto-check lint bench bench-gpu soak clean
+.PHONY: setup chromium h2load serve dashboard test test-kernels test-ts proto proto-check lint bench bench-gpu soak clean
 
 setup: $(STAMP) $(NODE_STAMP) $(DASH_STAMP)
 
@@ -135,7 +136,15 @@ dashboard: setup
 
 test: setup chromium proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-kernels
 	$(MAKE) --no-print-directory test-ts
+
+# The GPU's Triton kernels (worker/vocab_topk.py, worker/stream_norm.py) run on the CPU under
+# Triton's interpreter, against the same float64 and torch references as on a GPU: a GPU is
+# not always at hand. (vLLM's CPU build installs Triton; only the interpreter runs it here.)
+test-kernels: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_ARGS) \
+		tests/test_vocab_topk.py tests/test_stream_norm.py
 
 # Builds the TS client (tsc, strict) and the dashboard (tsc + vite build), and runs the Node
 # tests; they start one real server (.venv's python -m tracewire_server, float32) and stop it

@@ -1,9 +1,9 @@
-"""vocab_topk against torch's own top k, log-softmax and log-sum-exp: the same values and
-ids over widths with and without a short last slice, dtypes, strided rows and ties, by
-both ways it computes them: torch's calls, and the one Triton kernel a GPU runs. The
-kernel's cases run where Triton can: on a GPU (tests/gpu.sh on the H200), or on the CPU
-under Triton's interpreter (`pip install --target /tmp/tri triton`, then
-`PYTHONPATH=/tmp/tri TRITON_INTERPRET=1 pytest tests/test_vocab_topk.py`)."""
+"""vocab_topk against a float64 log-softmax and torch's own top k and log-sum-exp: the same
+values and ids over widths with and without a short last slice, dtypes, strided rows and
+ties, by both ways it computes them: torch's calls, and the one Triton kernel a GPU runs.
+The kernel's cases run where Triton can: on a GPU (tests/gpu.sh on the H200), or on the
+CPU under Triton's interpreter (`make test-kernels`, which `make test` runs:
+`TRITON_INTERPRET=1 pytest` of this file and tests/test_stream_norm.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-try:  # (not in the CPU build)
+try:  # (vLLM's CPU build installs it; a build without it runs torch's calls)
     import triton
 except ImportError:  # pragma: no cover - depends on the build
     triton = None

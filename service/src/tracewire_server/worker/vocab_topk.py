@@ -17,8 +17,8 @@ Equal logits (bf16 has many) come lowest id first, on every device.
 On a GPU all of it is one Triton kernel, a program per row: the engine's thread makes
 one launch (each torch call lets go of the GIL, and a lens made of twenty small torch
 calls ran at 0.58x of raw vLLM where the old three ran at 0.80x, bench/results
-2026-12-04). Elsewhere (the CPU build, no Triton, k over FUSED_K) torch computes the same
-in a few calls: `stats`, then `top_k`.
+2026-12-04). Elsewhere (a CPU, but under the tests' Triton interpreter; no Triton; k
+over FUSED_K) torch computes the same in a few calls: `stats`, then `top_k`.
 """
 
 from __future__ import annotations
