@@ -134,10 +134,19 @@ dashboard: setup
 			"(the page waits for it)"
 	cd $(DASH) && npm run dev -- --port $(DASHBOARD_PORT) --strictPort
 
-test: setup chromium proto-check lint
-	$(PY) -m pytest $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-kernels
-	$(MAKE) --no-print-directory test-ts
+# Each stage is timed (.ci/timed) into $(TEST_STAGES) and the table printed at the end
+# (.ci/stages); .ci/run passes a clock of its own (its install stage first), prints it
+# itself, and fails a run over its budget with it.
+export TEST_STAGES ?= $(abspath build/test-stages.tsv)
+OWN_CLOCK := $(filter file,$(origin TEST_STAGES))
+test:
+	@mkdir -p $(dir $(TEST_STAGES))$(if $(OWN_CLOCK), && : > $(TEST_STAGES))
+	@.ci/timed setup $(MAKE) --no-print-directory setup chromium
+	@.ci/timed lint $(MAKE) --no-print-directory proto-check lint
+	@.ci/timed pytest $(PY) -m pytest $(PYTEST_ARGS)
+	@.ci/timed kernels $(MAKE) --no-print-directory test-kernels
+	@.ci/timed ts $(MAKE) --no-print-directory test-ts
+	$(if $(OWN_CLOCK),@.ci/stages $(TEST_STAGES))
 
 # The GPU's Triton kernels (worker/vocab_topk.py, worker/stream_norm.py) run on the CPU under
 # Triton's interpreter, against the same float64 and torch references as on a GPU: a GPU is

@@ -34,6 +34,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+# wall time per file and the servers each started, in the terminal summary
+pytest_plugins = ["suite_timing"]
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path(os.environ.get("TRACEWIRE_TEST_MODEL", ROOT / "models" / "tracewire-tiny"))
 # float32 so values can be compared with transformers at tight tolerances.
@@ -186,6 +189,7 @@ def _start_server_once(
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=server_env,
                                    start_new_session=own_session)
+    spawned = time.monotonic()
     scheme = "https" if credentials is not None else "http"
     server = ServerProcess(f"127.0.0.1:{port}", process, log_path,
                            f"{scheme}://127.0.0.1:{http_port}" if http else "", credentials=credentials)
@@ -199,6 +203,9 @@ def _start_server_once(
     except BaseException:
         process.kill()
         raise
+    import suite_timing  # (the plugin pytest_plugins loaded: imported here, after it was)
+
+    suite_timing.record_start(list(extra), time.monotonic() - spawned)
     return server
 
 
