@@ -453,7 +453,7 @@ export class InvokeBuilder {
 
   constructor(prompt: PromptInput, sampling?: Sampling) {
     this.prompt = toPrompt(prompt);
-    this.sampling = sampling;
+    this.sampling = checkSampling(sampling);
   }
 
   /** Read at the selected steps (every step by default); values come back under `name`. */
@@ -520,7 +520,7 @@ export function traceRequest(
     throw new TracewireError("a trace needs at least one invoke", Code.InvalidArgument);
   }
   return create(TraceRequestSchema, {
-    samplingParams: sampling,
+    samplingParams: checkSampling(sampling),
     invokes: list.map((inv) => inv.message()),
     options,
   });
@@ -539,7 +539,66 @@ export function toPrompt(prompt: PromptInput): Prompt {
 
 /** The SamplingParams message (unset fields stay unset: the server's / vLLM's defaults). */
 export function samplingParams(sampling: Sampling = {}): SamplingParams {
-  return create(SamplingParamsSchema, sampling);
+  return create(SamplingParamsSchema, checkSampling(sampling));
+}
+
+/** Every key SamplingParams carries, as this client spells it (camelCase). */
+const SAMPLING_KEYS: readonly string[] = SamplingParamsSchema.fields.map((f) => f.localName);
+
+/**
+ * `sampling` as given, or INVALID_ARGUMENT naming the first key SamplingParams does not carry:
+ * protobuf-es's create() drops unknown keys, so plain JavaScript's `{ temprature: 0 }` would
+ * otherwise sample at the default temperature (the Python SDK, the CLI and the server refuse it).
+ */
+export function checkSampling<T extends Sampling | undefined>(sampling: T): T {
+  if (sampling === undefined || sampling === null) {
+    return sampling;
+  }
+  if (typeof sampling !== "object" || Array.isArray(sampling)) {
+    throw new TracewireError("sampling parameters are an object of SamplingParams fields", Code.InvalidArgument,
+      "sampling_params");
+  }
+  if ("$typeName" in sampling) {
+    return sampling; // a SamplingParams message: its fields are the schema's
+  }
+  for (const key of Object.keys(sampling)) {
+    if (!SAMPLING_KEYS.includes(key)) {
+      const close = closestKey(key, SAMPLING_KEYS);
+      throw new TracewireError(
+        `unknown sampling parameter "${key}".${close ? ` Did you mean "${close}"?` : ""} ` +
+          `Valid ones: ${SAMPLING_KEYS.join(", ")}`,
+        Code.InvalidArgument,
+        key,
+      );
+    }
+  }
+  return sampling;
+}
+
+/** The key within two edits of `key` (a typo), or undefined. */
+function closestKey(key: string, keys: readonly string[]): string | undefined {
+  let best: string | undefined;
+  let bestDistance = 3;
+  for (const candidate of keys) {
+    const d = editDistance(key.toLowerCase(), candidate.toLowerCase());
+    if (d < bestDistance) {
+      best = candidate;
+      bestDistance = d;
+    }
+  }
+  return best;
+}
+
+function editDistance(a: string, b: string): number {
+  let row = Array.from({ length: b.length + 1 }, (_, j) => j);
+  for (let i = 1; i <= a.length; i++) {
+    const next = [i];
+    for (let j = 1; j <= b.length; j++) {
+      next.push(Math.min(row[j]! + 1, next[j - 1]! + 1, row[j - 1]! + (a[i - 1] === b[j - 1] ? 0 : 1)));
+    }
+    row = next;
+  }
+  return row[b.length]!;
 }
 
 function isTokenIds(prompt: readonly number[] | Prompt): prompt is readonly number[] {
