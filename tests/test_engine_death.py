@@ -1,5 +1,6 @@
 """The engine dying under in-flight calls: each gets UNAVAILABLE (Generate answered INTERNAL
-with an ExceptionGroup), and the server stops with exit code 1."""
+with an ExceptionGroup), and the server stops with exit code 1, saying why. (One engine start
+checks both: the server's exit after a dead engine was test_lifecycle's own start before.)"""
 
 from __future__ import annotations
 
@@ -33,4 +34,5 @@ def test_in_flight_calls_get_unavailable_when_the_engine_dies(tmp_path):
         for call in calls:
             with pytest.raises(tracewire.Unavailable):
                 call.result(timeout=120)
-    assert server.process.wait(timeout=120) == 1
+    assert server.process.wait(timeout=120) == 1, server.log()[-3000:]
+    assert "engine has died" in server.log()

@@ -91,20 +91,6 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
         httpx.post(server.http_url + "/tracewire.v1.TraceService/Tokenize", json={"text": "a"}, timeout=5)
 
 
-def test_a_dead_engine_stops_the_server_with_exit_1(tmp_path):
-    import psutil
-
-    server = start_server(tmp_path)
-    children = psutil.Process(server.process.pid).children(recursive=True)
-    engine_core = [p for p in children if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
-    assert engine_core, [(p.name(), p.cmdline()) for p in children]
-    for p in engine_core:
-        p.kill()
-    code = server.process.wait(timeout=120)
-    assert code == 1, server.log()[-3000:]
-    assert "engine has died" in server.log()
-
-
 # What a log must not show after a clean stop: the engine dying under the drain, and
 # the noise of a dirty exit.
 DIRTY_EXIT = ("Traceback", "EngineCore encountered a fatal error", "died unexpectedly",
