@@ -5,6 +5,7 @@ pages of usage; a good start says what is served where."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import re
@@ -38,40 +39,76 @@ def last_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[-1]
 
 
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    """A port another server listens on."""
-    with socket.socket() as other:
+FLAGS = [("--port", "gRPC"), ("--http-port", "HTTP"), ("--metrics-port", "metrics")]
+MISSING_MODELS = ["/no/such/model", "models/no-such-model", "./no-such-model"]
+GRAPH_FLAGS = ["--compiled-steering", "--compiled-reads"]
+
+
+class Starts:
+    """Every start this file's tests make, all begun at once and run on every core: each is a
+    process of its own that spends ~10 s importing vLLM (its argument parser is vLLM's) and
+    exits, so one after another they were most of this file's time. A test takes its own
+    start's result by name; none depends on another's. `taken`: a port another socket
+    listens on for as long as the starts run."""
+
+    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor, taken: int, not_a_model: Path) -> None:
+        self.taken = taken
+        self.not_a_model = not_a_model
+        self._runs: dict[str, concurrent.futures.Future[subprocess.CompletedProcess[str]]] = {}
+        for flag, _ in FLAGS:
+            ports = {"--port": "0", "--http-port": "0", "--metrics-port": "0", flag: str(taken)}
+            self._submit(pool, f"port {flag}", *[word for item in ports.items() for word in item])
+            # --frontends N: the second frontend's metrics port is the flag's + 1.
+            free = {f: _free_port() for f, _ in FLAGS}
+            free[flag] = taken - 1 if flag == "--metrics-port" else taken
+            self._submit(pool, f"frontends {flag}", "--frontends", "2",
+                         *[word for f, port in free.items() for word in (f, str(port))])
+        for model in MISSING_MODELS:
+            self._submit(pool, f"model {model}", "--port", "0", "--model", model)
+        self._submit(pool, "not a model", "--port", "0", "--model", str(not_a_model))
+        self._submit(pool, "unknown flag", "--port", "0", "--max-num-seqz", "3")
+        self._submit(pool, "frontends 0", "--frontends", "0")
+        for flag in GRAPH_FLAGS:
+            self._submit(pool, f"pp {flag}", "--pipeline-parallel-size", "2", flag)
+
+    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, name: str, *args: str) -> None:
+        self._runs[name] = pool.submit(start, *args)
+
+    def __getitem__(self, name: str) -> subprocess.CompletedProcess[str]:
+        return self._runs[name].result()
+
+
+@pytest.fixture(scope="module")
+def starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Starts]:
+    with socket.socket() as other, concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
         other.bind(("127.0.0.1", 0))
         other.listen()
-        yield int(other.getsockname()[1])
+        runs = Starts(pool, int(other.getsockname()[1]), tmp_path_factory.mktemp("not-a-model"))
+        yield runs
+        for name in list(runs._runs):
+            runs[name]  # every start has ended before the socket closes
 
 
-@pytest.mark.parametrize(("flag", "what"), [("--port", "gRPC"), ("--http-port", "HTTP"),
-                                            ("--metrics-port", "metrics")])
-def test_port_in_use_is_one_line(taken_port: int, flag: str, what: str) -> None:
-    ports = {"--port": "0", "--http-port": "0", "--metrics-port": "0", flag: str(taken_port)}
-    result = start(*[word for item in ports.items() for word in item])
+@pytest.mark.parametrize(("flag", "what"), FLAGS)
+def test_port_in_use_is_one_line(starts: Starts, flag: str, what: str) -> None:
+    result = starts[f"port {flag}"]
     assert result.returncode == 1
     assert last_line(result) == (
-        f"tracewire: cannot listen on 127.0.0.1:{taken_port} for {what}: address already in use "
+        f"tracewire: cannot listen on 127.0.0.1:{starts.taken} for {what}: address already in use "
         f"(another server is listening there); stop what uses it or choose another {flag}"
     )
     assert "Event loop is closed" not in result.stderr
 
 
-@pytest.mark.parametrize(("flag", "what"), [("--port", "gRPC"), ("--http-port", "HTTP"),
-                                            ("--metrics-port", "metrics")])
-def test_port_in_use_is_one_line_with_several_frontends(taken_port: int, flag: str, what: str) -> None:
+@pytest.mark.parametrize(("flag", "what"), FLAGS)
+def test_port_in_use_is_one_line_with_several_frontends(starts: Starts, flag: str, what: str) -> None:
     """With --frontends N each frontend binds in a process of its own, once the engine core
     is up: the ports are checked first, so a taken one is the same line, at once. The second
     frontend's metrics port is the flag's + 1."""
-    free = {flag: _free_port() for flag in ("--port", "--http-port", "--metrics-port")}
-    taken = taken_port - 1 if flag == "--metrics-port" else taken_port
-    result = start("--frontends", "2", *[word for f, port in {**free, flag: taken}.items() for word in (f, str(port))])
+    result = starts[f"frontends {flag}"]
     assert result.returncode == 1
     assert last_line(result) == (
-        f"tracewire: cannot listen on 127.0.0.1:{taken_port} for {what}: address already in use "
+        f"tracewire: cannot listen on 127.0.0.1:{starts.taken} for {what}: address already in use "
         f"(another server is listening there); stop what uses it or choose another {flag}"
     )
     assert "died" not in result.stderr
@@ -83,19 +120,19 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.mark.parametrize("model", ["/no/such/model", "models/no-such-model", "./no-such-model"])
-def test_missing_model_path_is_named(model: str) -> None:
-    result = start("--port", "0", "--model", model)
+@pytest.mark.parametrize("model", MISSING_MODELS)
+def test_missing_model_path_is_named(starts: Starts, model: str) -> None:
+    result = starts[f"model {model}"]
     assert result.returncode == 1
     line = last_line(result)
     assert line.startswith(f"tracewire: --model {model}: no such directory ("), line
     assert str((ROOT / model).resolve()) in line, line  # where it looked
 
 
-def test_directory_without_config_is_not_a_model(tmp_path: Path) -> None:
-    result = start("--port", "0", "--model", str(tmp_path))
+def test_directory_without_config_is_not_a_model(starts: Starts) -> None:
+    result, path = starts["not a model"], starts.not_a_model
     assert result.returncode == 1
-    assert last_line(result) == f"tracewire: --model {tmp_path}: {tmp_path} holds no config.json: not a model directory"
+    assert last_line(result) == f"tracewire: --model {path}: {path} holds no config.json: not a model directory"
 
 
 def test_paths_and_hub_ids_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,26 +144,26 @@ def test_paths_and_hub_ids_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> No
         assert not looks_like_path(hub_id), hub_id
 
 
-def test_unknown_engine_flag_is_one_line() -> None:
-    result = start("--port", "0", "--max-num-seqz", "3")
+def test_unknown_engine_flag_is_one_line(starts: Starts) -> None:
+    result = starts["unknown flag"]
     assert result.returncode == 2
     assert last_line(result) == ("tracewire: unknown option --max-num-seqz (did you mean --max-num-seqs?); "
                                  "run 'python -m tracewire_server --help' for every option")
     assert result.stdout == ""
 
 
-def test_other_argument_errors_are_one_line() -> None:
-    result = start("--frontends", "0")
+def test_other_argument_errors_are_one_line(starts: Starts) -> None:
+    result = starts["frontends 0"]
     assert result.returncode == 2
     assert last_line(result) == ("tracewire: --frontends must be >= 1 "
                                  "(run 'python -m tracewire_server --help' for every option)")
 
 
-@pytest.mark.parametrize("flag", ["--compiled-steering", "--compiled-reads"])
-def test_graph_hooks_under_pipeline_parallel_are_refused_in_one_line(flag: str) -> None:
+@pytest.mark.parametrize("flag", GRAPH_FLAGS)
+def test_graph_hooks_under_pipeline_parallel_are_refused_in_one_line(starts: Starts, flag: str) -> None:
     """Earlier stages' steering tables would stay empty and their read buffers unread:
     the hooks of a compiled engine run on the last stage."""
-    result = start("--pipeline-parallel-size", "2", flag)
+    result = starts[f"pp {flag}"]
     assert result.returncode == 2
     assert last_line(result).startswith(f"tracewire: {flag} needs --pipeline-parallel-size 1: ")
 
