@@ -3,7 +3,8 @@
 #                gRPC on PORT and Connect / gRPC-Web for browsers on HTTP_PORT; the first run
 #                installs .venv (one line per step; uv after torch, USE_UV=0: pip alone).
 #                The SDK and CLI are in .venv: source .venv/bin/activate
-#   make test    run the whole test suite (proto drift check included), then test-kernels and test-ts
+#   make test    run the whole test suite (proto drift check included): pytest, then test-kernels,
+#                with test-ts beside them
 #   make test-kernels  the GPU's Triton kernels on the CPU, under Triton's interpreter
 #   make test-ts the TypeScript client's Node tests against a real server, and the dashboard's
 #                browser test (Debian's Chromium: installed with apt-get when missing, as root)
@@ -58,7 +59,7 @@ PYTEST_ARGS ?=
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup chromium h2load serve dashboard test test-kernels test-ts proto proto-check lint bench bench-gpu soak clean
+.PHONY: setup chromium h2load serve dashboard test test-python test-kernels test-ts proto proto-check lint bench bench-gpu soak clean
 
 setup: $(STAMP) $(NODE_STAMP) $(DASH_STAMP)
 
@@ -139,14 +140,21 @@ dashboard: setup
 # itself, and fails a run over its budget with it.
 export TEST_STAGES ?= $(abspath build/test-stages.tsv)
 OWN_CLOCK := $(filter file,$(origin TEST_STAGES))
+# The TS suite runs beside pytest and the kernels (.ci/beside: its output is printed after
+# theirs): both are mostly one engine start or step at a time on a 2-core machine.
+TS_LOG := $(abspath build/test-ts.log)
 test:
 	@mkdir -p $(dir $(TEST_STAGES))$(if $(OWN_CLOCK), && : > $(TEST_STAGES))
 	@.ci/timed setup $(MAKE) --no-print-directory setup chromium
 	@.ci/timed lint $(MAKE) --no-print-directory proto-check lint
+	@.ci/beside ts $(TS_LOG) "$(MAKE) --no-print-directory test-ts" \
+		$(MAKE) --no-print-directory test-python
+	$(if $(OWN_CLOCK),@.ci/stages $(TEST_STAGES))
+
+# make test's Python stages (pytest, then the kernels), timed
+test-python:
 	@.ci/timed pytest $(PY) -m pytest $(PYTEST_ARGS)
 	@.ci/timed kernels $(MAKE) --no-print-directory test-kernels
-	@.ci/timed ts $(MAKE) --no-print-directory test-ts
-	$(if $(OWN_CLOCK),@.ci/stages $(TEST_STAGES))
 
 # The GPU's Triton kernels (worker/vocab_topk.py, worker/stream_norm.py) run on the CPU under
 # Triton's interpreter, against the same float64 and torch references as on a GPU: a GPU is
@@ -157,11 +165,13 @@ test-kernels: setup
 
 # Builds the TS client (tsc, strict) and the dashboard (tsc + vite build), and runs the Node
 # tests; they start one real server (.venv's python -m tracewire_server, float32) and stop it
-# when done. test/dashboard.test.ts drives the built dashboard in headless Chromium.
+# when done (unpinned, one thread each, as pytest's: tests/conftest.py's ONE_THREAD_UNPINNED).
+# test/dashboard.test.ts drives the built dashboard in headless Chromium.
 test-ts: setup chromium
 	cd $(TS) && npm run --silent build
 	cd $(DASH) && npm run --silent build -- --logLevel warn
-	cd $(TS) && TRACEWIRE_CHROMIUM=$(CHROMIUM) node dist/test/run.js
+	cd $(TS) && VLLM_CPU_OMP_THREADS_BIND=$${VLLM_CPU_OMP_THREADS_BIND:-nobind} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
+		TRACEWIRE_CHROMIUM=$(CHROMIUM) node dist/test/run.js
 
 # buf.gen.yaml generates both from proto/, run from here with the venv's python3 first on PATH
 # (its Python plugin runs grpcio-tools' protoc).

@@ -33,6 +33,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_pool import Prepared, ServerPool, ServerSpec, plan_of
 
 # wall time per file and the servers each started, in the terminal summary
 pytest_plugins = ["suite_timing"]
@@ -45,6 +46,14 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs",
                "--trace-buffer-bytes", str(2 << 20), "--enable-fault-injection",
                *shlex.split(os.environ.get("TRACEWIRE_TEST_ENGINE_ARGS", ""))]
 START_TIMEOUT = 600.0
+# vLLM's CPU build pins each engine's worker to core 0 ("auto" binding keeps the other
+# core for the server's own processes), so every test server, and every server the pool
+# starts in the background, would share one core while the other idled. Unpinned, the OS
+# spreads them over both; one OpenMP thread each, as the pinning gives (the same sums in
+# the same order: values as `make serve` computes them). Tests that bind cores themselves
+# (test_parallel's rank per core) pass their own; the environment's own setting wins.
+ONE_THREAD_UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                       "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 def free_port() -> int:
@@ -160,16 +169,18 @@ class PortTaken(RuntimeError):
 
 def start_server(
     tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None = None, own_session: bool = False,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, owner: str | None = None,
 ) -> ServerProcess:
     """A server on fresh ports. Ports are free when picked but can be taken before the
     server binds them (vLLM's engines pick random free ports too): then again, on others.
     `credentials`: the server serves TLS (`extra` has --tls-cert), connect with these.
     `own_session`: the server leads a session and process group of its own, for
-    `ServerProcess.signal_group`. `env`: set in the server's environment (over this one's)."""
+    `ServerProcess.signal_group`. `env`: set in the server's environment (over this one's).
+    `owner`: the test file the start is timed for (by default the one running now)."""
     for attempt in range(3):
         try:
-            return _start_server_once(tmp_dir, *extra, credentials=credentials, own_session=own_session, env=env)
+            return _start_server_once(tmp_dir, *extra, credentials=credentials, own_session=own_session, env=env,
+                                      owner=owner)
         except PortTaken:
             if attempt == 2:
                 raise
@@ -178,11 +189,13 @@ def start_server(
 
 def _start_server_once(
     tmp_dir: Path, *extra: str, credentials: grpc.ChannelCredentials | None, own_session: bool,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, owner: str | None = None,
 ) -> ServerProcess:
     port, http_port = free_ports(2)
+    tmp_dir.mkdir(parents=True, exist_ok=True)
     log_path = tmp_dir / f"server-{port}.log"
-    server_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
+    server_env = {**os.environ, **ONE_THREAD_UNPINNED,
+                  "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
     http = http_unavailable() is None
     cmd = [sys.executable, "-m", "tracewire_server", "--model", str(MODEL), "--port", str(port),
            *(["--http-port", str(http_port)] if http else []), *ENGINE_ARGS, *extra]
@@ -205,7 +218,7 @@ def _start_server_once(
         raise
     import suite_timing  # (the plugin pytest_plugins loaded: imported here, after it was)
 
-    suite_timing.record_start(list(extra), time.monotonic() - spawned)
+    suite_timing.record_start(list(extra), time.monotonic() - spawned, owner)
     return server
 
 
@@ -245,11 +258,76 @@ def _reap_stopped_servers() -> Iterator[None]:
     assert not hung, f"servers still running 120 s after SIGTERM: {hung}"
 
 
+# -- servers started ahead (server_pool.py) ------------------------------------------------
+
+AHEAD = int(os.environ.get("TRACEWIRE_TEST_SERVERS_AHEAD", "2"))
+_pool: ServerPool | None = None
+
+
+def start_spec(spec: ServerSpec, directory: Path, owner: str | None = None) -> ServerProcess:
+    """start_server for a spec, in `directory` (its prepare's files and the log)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    prepared = spec.prepare(directory) if spec.prepare is not None else Prepared()
+    proc = start_server(directory, *spec.args, *prepared.args, credentials=prepared.credentials,
+                        own_session=spec.own_session, env=dict(spec.env), owner=owner)
+    if prepared.metrics_port is not None:
+        proc.metrics_base = f"http://127.0.0.1:{prepared.metrics_port}/metrics"
+    proc.access_log = prepared.access_log
+    return proc
+
+
+def take(spec: ServerSpec) -> ServerProcess:
+    """A fresh server of `spec` for the test running now: prestarted by the pool when a
+    `servers` mark (or a session fixture) planned it, started here otherwise."""
+    import suite_timing
+
+    owner = suite_timing.current_file()
+    if _pool is None:  # (outside a pytest session's fixtures)
+        raise RuntimeError("take() needs the session's server pool (conftest's _server_pool fixture)")
+    proc = _pool.take(spec, owner)
+    suite_timing.record_wait(owner, _pool.waited[spec.name])
+    return proc
+
+
+def _session_specs(item: pytest.Item) -> list[ServerSpec]:
+    """The session servers an item's fixtures take (conftest's own fixtures, not a module's
+    fixture of the same name, as test_connection_limits' `server`)."""
+    defs = getattr(item, "_fixtureinfo", None)
+    if defs is None:
+        return []
+    specs = []
+    for name, spec in SESSION_SPECS.items():
+        chain = defs.name2fixturedefs.get(name)
+        if chain and getattr(chain[-1].func, "__module__", "") == __name__:
+            specs.append(spec)
+    return specs
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _server_pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                 _reap_stopped_servers: None) -> Iterator[ServerPool]:
+    """The pool, planned from every collected test (torn down before the reaper, which
+    waits for the untaken servers it stops)."""
+    global _pool
+    plan = plan_of(request.session.items, _session_specs)
+    _pool = ServerPool(plan, start_spec, tmp_path_factory.mktemp("servers"), AHEAD)
+    _pool.fill()
+    yield _pool
+    for proc in _pool.close():
+        stop_soon(proc)
+    _pool = None
+
+
+def _shipped() -> tuple[str, ...]:
+    return ("--dictionaries", str(DICTIONARIES)) if DICTIONARIES.is_dir() else ()  # (another model's: none)
+
+
+DEFAULT = ServerSpec("default", (*_shipped(), "--max-dictionary-bytes", str(SHARED_MAX_DICTIONARY_BYTES)))
+
+
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    shipped = ["--dictionaries", str(DICTIONARIES)] if DICTIONARIES.is_dir() else []  # (another model's: none)
-    proc = start_server(tmp_path_factory.mktemp("server"), *shipped,
-                        "--max-dictionary-bytes", str(SHARED_MAX_DICTIONARY_BYTES))
+def server(_server_pool: ServerPool) -> Iterator[ServerProcess]:
+    proc = take(DEFAULT)
     yield proc
     stop_soon(proc)
 
@@ -274,30 +352,39 @@ ALLOWED_HOST = "dash.example.test"
 GRAPH_ARGS = ("--compiled-steering", "0,1,2", "--compiled-reads", "0,1,2", "--max-num-batched-tokens", "64")
 
 
+GRAPH = ServerSpec("graph", (*GRAPH_ARGS, *_shipped()))
+
+
 @pytest.fixture(scope="session")
-def graph(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def graph(_server_pool: ServerPool) -> Iterator[ServerProcess]:
     """One compiled server with steering tables and read buffers (test_compiled_steering,
     test_compiled_reads)."""
-    shipped = ["--dictionaries", str(DICTIONARIES)] if DICTIONARIES.is_dir() else []
-    proc = start_server(tmp_path_factory.mktemp("graph"), *GRAPH_ARGS, *shipped)
+    proc = take(GRAPH)
     yield proc
     stop_soon(proc)
+
+
+def _eager_files(directory: Path) -> Prepared:
+    # (the metrics port needs the HTTP stack: without it, the tests reading it fail and the rest run)
+    metrics_port = None if http_unavailable() else free_port()
+    metrics = () if metrics_port is None else ("--metrics-port", str(metrics_port))
+    return Prepared((*metrics, "--access-log", str(directory / "access.log")), metrics_port=metrics_port,
+                    access_log=directory / "access.log")
+
+
+EAGER = ServerSpec("eager", (*EAGER_ARGS, "--allowed-host", ALLOWED_HOST, *_shipped()), prepare=_eager_files)
 
 
 @pytest.fixture(scope="session")
-def eager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def eager(_server_pool: ServerPool) -> Iterator[ServerProcess]:
     """One eager server (module hooks fire only in eager steps) for the whole session."""
-    tmp = tmp_path_factory.mktemp("eager")
-    metrics_port = free_port()
-    shipped = ["--dictionaries", str(DICTIONARIES)] if DICTIONARIES.is_dir() else []  # (as `make serve`)
-    # (the metrics port needs the HTTP stack: without it, the tests reading it fail and the rest run)
-    metrics = [] if http_unavailable() else ["--metrics-port", str(metrics_port)]
-    proc = start_server(tmp, *EAGER_ARGS, *metrics, "--access-log",
-                        str(tmp / "access.log"), "--allowed-host", ALLOWED_HOST, *shipped)
-    proc.metrics_base = f"http://127.0.0.1:{metrics_port}/metrics" if metrics else ""
-    proc.access_log = tmp / "access.log"
+    proc = take(EAGER)
     yield proc
     stop_soon(proc)
+
+
+# fixture name -> the session server it takes (planned from the tests using the fixture)
+SESSION_SPECS = {"server": DEFAULT, "graph": GRAPH, "eager": EAGER}
 
 
 @pytest.fixture(scope="session")

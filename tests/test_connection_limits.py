@@ -13,8 +13,9 @@ from contextlib import ExitStack
 
 import grpc
 import pytest
-from conftest import ServerProcess, start_server, stop_soon
+from conftest import ServerProcess, stop_soon, take
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_pool import ServerSpec, servers
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 IDLE_S = 2.0
@@ -27,14 +28,16 @@ SLACK_S = 1.5  # timers, scheduling on a busy 2-core machine
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + empty SETTINGS
 
 
+LIMITED = ServerSpec("connection-limits", (
+    "--idle-timeout", str(IDLE_S), "--header-timeout", str(HEADER_S), "--body-timeout", str(BODY_S),
+    "--max-connection-age", str(AGE_S), "--max-connections", str(MAX_CONNECTIONS),
+    "--max-concurrent-calls", str(MAX_CALLS)))
+pytestmark = servers(LIMITED)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(
-        tmp_path_factory.mktemp("connections"),
-        "--idle-timeout", str(IDLE_S), "--header-timeout", str(HEADER_S), "--body-timeout", str(BODY_S),
-        "--max-connection-age", str(AGE_S), "--max-connections", str(MAX_CONNECTIONS),
-        "--max-concurrent-calls", str(MAX_CALLS),
-    )
+def server() -> Iterator[ServerProcess]:
+    proc = take(LIMITED)
     yield proc
     stop_soon(proc)
 

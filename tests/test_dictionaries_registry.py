@@ -18,8 +18,9 @@ import httpx
 import numpy as np
 import pytest
 import tracewire
-from conftest import DICTIONARIES, MODEL, SHARED_MAX_DICTIONARY_BYTES, start_server
+from conftest import DICTIONARIES, MODEL, SHARED_MAX_DICTIONARY_BYTES, take
 from safetensors.numpy import load_file
+from server_pool import Prepared, ServerSpec, servers
 from test_startup import last_line, start
 from tracewire.dictionaries import safetensors_bytes
 from tracewire.v1 import dictionary_pb2
@@ -210,13 +211,23 @@ def test_bad_dictionary_directory_refuses_start_in_one_line(tmp_path, spec, tens
     assert names[1] in line
 
 
-def test_dictionary_for_another_model_refuses_start(tmp_path) -> None:
+def _another_models_dictionary(directory: Path) -> Prepared:
+    write_dictionary(directory / "d", "p", {**GOOD_SPEC, "module": "layers.7"}, probe())
+    return Prepared(("--dictionaries", str(directory / "d")))
+
+
+ANOTHER_MODELS = ServerSpec("another-models-dictionary", prepare=_another_models_dictionary)
+
+
+@servers(ANOTHER_MODELS)
+def test_dictionary_for_another_model_refuses_start() -> None:
     """Found once the engine describes the model: a wrong module, one line, exit 1."""
-    write_dictionary(tmp_path / "d", "p", {**GOOD_SPEC, "module": "layers.7"}, probe())
     with pytest.raises(RuntimeError) as e:
-        start_server(tmp_path, "--dictionaries", str(tmp_path / "d"))
+        take(ANOTHER_MODELS)
     log = str(e.value)
-    assert f"tracewire: --dictionaries {tmp_path / 'd' / 'p.json'}: spec.module: unknown module 'layers.7'" in log
+    path = re.search(rf"tracewire: --dictionaries (\S+/{ANOTHER_MODELS.name}/d/p\.json): ", log)  # (its directory)
+    assert path is not None, log[-3000:]
+    assert f"tracewire: --dictionaries {path[1]}: spec.module: unknown module 'layers.7'" in log
     assert "Traceback" not in log
     assert MODEL.is_dir()
 

@@ -10,11 +10,15 @@ import signal
 import psutil
 import pytest
 import tracewire
-from conftest import start_server, wait_for_unfinished
+from conftest import take, wait_for_unfinished
+from server_pool import ServerSpec, servers
+
+DYING = ServerSpec("engine-death")
 
 
-def test_in_flight_calls_get_unavailable_when_the_engine_dies(tmp_path):
-    server = start_server(tmp_path)
+@servers(DYING)
+def test_in_flight_calls_get_unavailable_when_the_engine_dies():
+    server = take(DYING)
     client = tracewire.Client(server.target, timeout=120)
     long = dict(max_tokens=480, ignore_eos=True, temperature=0.0)
 

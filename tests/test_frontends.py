@@ -19,7 +19,8 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import ServerProcess, free_port, start_server
+from conftest import ServerProcess, free_port, take
+from server_pool import ServerSpec, servers
 from trace_requests import invoke, iv, logits, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2, service_pb2_grpc
@@ -31,10 +32,13 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 METRICS_PORT = free_port()  # frontend i serves its metrics on METRICS_PORT + i
 
 
+FRONTENDS = ServerSpec("frontends", ("--frontends", "2", "--metrics-port", str(METRICS_PORT)))
+pytestmark = servers(FRONTENDS)
+
+
 @pytest.fixture(scope="module")
-def frontends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_server(tmp_path_factory.mktemp("frontends"), "--frontends", "2",
-                          "--metrics-port", str(METRICS_PORT))
+def frontends() -> Iterator[ServerProcess]:
+    server = take(FRONTENDS)
     yield server
     assert server.stop() == 0, server.log()[-3000:]
 

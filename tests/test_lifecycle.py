@@ -16,14 +16,18 @@ import httpx
 import psutil
 import pytest
 import tracewire
-from conftest import ServerProcess, start_server, wait_for_unfinished
+from conftest import ServerProcess, take, wait_for_unfinished
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_pool import ServerSpec, servers
 from trace_requests import TraceResult, invoke, iv, logits, trace
 from tracewire.v1 import service_pb2_grpc
 
+SIGTERMED = ServerSpec("sigterm", ("--grace-period", "60"))
 
-def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
-    server = start_server(tmp_path, "--grace-period", "60")
+
+@servers(SIGTERMED)
+def test_sigterm_drains_in_flight_calls_and_exits_zero():
+    server = take(SIGTERMED)
     client = tracewire.Client(server.target, timeout=120)
     result: dict[str, object] = {}
 
@@ -100,18 +104,27 @@ DIRTY_EXIT = ("Traceback", "EngineCore encountered a fatal error", "died unexpec
 STEPS = 1000
 
 
-@pytest.mark.parametrize("sig, extra", [
-    pytest.param(signal.SIGINT, (), id="SIGINT"),
-    pytest.param(signal.SIGTERM, (), id="SIGTERM"),
-    pytest.param(signal.SIGINT, ("--frontends", "2"), id="SIGINT-frontends"),
+def _group(name: str, *extra: str) -> ServerSpec:
+    """A server leading a process group of its own, to signal the whole group."""
+    return ServerSpec(name, ("--grace-period", "60", "--max-model-len", "1024", *extra), own_session=True)
+
+
+GROUP_SIGINT, GROUP_SIGTERM = _group("group-sigint"), _group("group-sigterm")
+GROUP_SIGINT_FRONTENDS = _group("group-sigint-frontends", "--frontends", "2")
+
+
+@pytest.mark.parametrize("sig, spec", [
+    pytest.param(signal.SIGINT, GROUP_SIGINT, id="SIGINT", marks=servers(GROUP_SIGINT)),
+    pytest.param(signal.SIGTERM, GROUP_SIGTERM, id="SIGTERM", marks=servers(GROUP_SIGTERM)),
+    pytest.param(signal.SIGINT, GROUP_SIGINT_FRONTENDS, id="SIGINT-frontends",
+                 marks=servers(GROUP_SIGINT_FRONTENDS)),
 ])
-def test_a_signal_to_the_process_group_drains_like_sigterm_to_the_server(tmp_path, sig, extra):
+def test_a_signal_to_the_process_group_drains_like_sigterm_to_the_server(sig, spec):
     """Ctrl-C in a terminal (SIGINT) and `kill -- -PGID` from a supervisor (SIGTERM)
     signal every process of the server's group, vLLM's engine core and workers included.
     The server must still drain: the trace in flight finishes, new calls get
     UNAVAILABLE, the process exits 0 with a clean log and leaves no process behind."""
-    server = start_server(tmp_path, "--grace-period", "60", "--max-model-len", "1024", *extra,
-                          own_session=True)
+    server = take(spec)
     processes = psutil.Process(server.process.pid).children(recursive=True)
     try:
         other = tracewire.Client(server.target, timeout=5)
@@ -136,12 +149,16 @@ def test_a_signal_to_the_process_group_drains_like_sigterm_to_the_server(tmp_pat
         _kill(server, processes)
 
 
-def test_a_killed_server_takes_its_engine_with_it(tmp_path):
+KILLED = ServerSpec("sigkill")
+
+
+@servers(KILLED)
+def test_a_killed_server_takes_its_engine_with_it():
     """SIGKILL (or a crash) leaves the server no time to stop vLLM's engine processes;
     they must notice and stop on their own rather than hold the model's memory forever.
     (A SIGKILL to the server's whole group is the same case for the engine, which runs
     in a process group of its own.)"""
-    server = start_server(tmp_path)
+    server = take(KILLED)
     processes = psutil.Process(server.process.pid).children(recursive=True)
     assert any("EngineCore" in p.name() for p in processes), [p.name() for p in processes]
     sockets = glob.glob(os.path.join(tempfile.gettempdir(), f"tracewire-{server.process.pid}-*"))

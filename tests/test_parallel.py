@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 import tracewire as tw
-from conftest import DICTIONARIES, MODEL, start_server, stop_soon
+from conftest import DICTIONARIES, MODEL, stop_soon, take
 from safetensors.numpy import load_file
+from server_pool import ServerSpec, servers
 from test_attention_patterns import hf_attentions
 from test_dictionaries import register
 from test_heads_neurons import READ_ATOL, hf_inputs
@@ -63,12 +64,19 @@ class Parallel(NamedTuple):
     stub: service_pb2_grpc.TraceServiceStub
 
 
+# the eager server of each setting (`par`), and the compiled TP=2 one
+EAGER_SPECS = {name: ServerSpec(name, (*setting.flags, "--enforce-eager", "--distributed-executor-backend", "mp",
+                                       "--dictionaries", str(DICTIONARIES)), env=ONE_CORE_EACH)
+               for name, setting in SETTINGS.items()}
+COMPILED_TP2 = ServerSpec("tp2-compiled", ("--tensor-parallel-size", "2", "--compiled-reads", "--compiled-steering",
+                                           "--distributed-executor-backend", "mp"), env=ONE_CORE_EACH)
+pytestmark = servers(*EAGER_SPECS.values())
+
+
 @pytest.fixture(scope="module", params=list(SETTINGS))
-def par(request, tmp_path_factory):
+def par(request):
     setting = SETTINGS[request.param]
-    proc = start_server(tmp_path_factory.mktemp(request.param), *setting.flags, "--enforce-eager",
-                        "--distributed-executor-backend", "mp", "--dictionaries", str(DICTIONARIES),
-                        env=ONE_CORE_EACH)
+    proc = take(EAGER_SPECS[request.param])
     try:
         with grpc.insecure_channel(proc.target) as channel:
             yield Parallel(request.param, setting, proc.target, service_pb2_grpc.TraceServiceStub(channel))
@@ -327,15 +335,15 @@ def test_what_cannot_be_right_is_refused(par):
             info.value.details()
 
 
-def test_compiled_reads_and_steering_under_tensor_parallel(tmp_path, hf):
+@servers(COMPILED_TP2)
+def test_compiled_reads_and_steering_under_tensor_parallel(hf):
     """A compiled TP=2 engine (--compiled-reads --compiled-steering): every rank fills its
     steering tables and read buffers in the graph, the first sends; the reads see the
     write, the lens gathers the vocab-parallel lm_head."""
     from test_compiled_reads import _hf_steered_outputs
     from test_hidden_states import prompt_read
 
-    proc = start_server(tmp_path, "--tensor-parallel-size", "2", "--compiled-reads", "--compiled-steering",
-                        "--distributed-executor-backend", "mp", env=ONE_CORE_EACH)
+    proc = take(COMPILED_TP2)
     try:
         vector = np.random.default_rng(11).normal(size=hf.model.config.hidden_size).astype(np.float32) * 4.0
         with grpc.insecure_channel(proc.target) as channel:

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import tracewire as tw
-from conftest import ServerProcess, start_server, stop_soon
+from conftest import ServerProcess, stop_soon, take
+from server_pool import ServerSpec, servers
 
 PROMPTS = ["Once upon a time"] + [f"Story number {i} begins" for i in range(1, 6)]
 SMALL_KV = ("--num-gpu-blocks-override", "6", "--max-num-seqs", "6")
@@ -28,22 +29,26 @@ RECOMPUTED = "a preempted request is recomputed"
 STEERING = np.random.default_rng(0).normal(size=256).astype(np.float32)
 
 
-def server_with_small_kv(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str) -> ServerProcess:
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_LOGGING_LEVEL", "INFO")  # the worker's line for each recomputation
-        return start_server(tmp_path_factory.mktemp(name), *SMALL_KV, *flags)
+def _small_kv(name: str, *flags: str) -> ServerSpec:
+    # INFO: the worker's line for each recomputation
+    return ServerSpec(name, (*SMALL_KV, *flags), env={"VLLM_LOGGING_LEVEL": "INFO"})
+
+
+EAGER, COMPILED = _small_kv("preemption-eager", "--enforce-eager"), _small_kv("preemption-compiled",
+                                                                               "--compiled-steering", "1")
+pytestmark = servers(EAGER, COMPILED)
 
 
 @pytest.fixture(scope="module")
-def eager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = server_with_small_kv(tmp_path_factory, "preemption-eager", "--enforce-eager")
+def eager() -> Iterator[ServerProcess]:
+    server = take(EAGER)
     yield server
     stop_soon(server)
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = server_with_small_kv(tmp_path_factory, "preemption-compiled", "--compiled-steering", "1")
+def compiled() -> Iterator[ServerProcess]:
+    server = take(COMPILED)
     yield server
     stop_soon(server)
 

@@ -20,26 +20,31 @@ from pathlib import Path
 
 import pytest
 import tracewire
-from conftest import ServerProcess, start_server, stop_soon
+from conftest import ServerProcess, stop_soon, take
+from server_pool import Prepared, ServerSpec, servers
 
 PROMPT = "Once upon a time"
 # Long enough that the replica being stopped still has traces in flight for a while.
 SAMPLING = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
 
 
+def _access_log(directory: Path) -> Prepared:
+    return Prepared(("--access-log", str(directory / "access.log")), access_log=directory / "access.log")
+
+
+REPLICAS = [ServerSpec(f"replica-{name}", ("--grace-period", "60"), prepare=_access_log) for name in ("a", "b")]
+pytestmark = servers(*REPLICAS)
+
+
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
-    servers = []
+def replicas() -> Iterator[list[ServerProcess]]:
+    started = []
     try:
-        for name in ("a", "b"):
-            directory = tmp_path_factory.mktemp(f"replica-{name}")
-            server = start_server(directory, "--access-log", str(directory / "access.log"),
-                                  "--grace-period", "60")
-            server.access_log = directory / "access.log"  # type: ignore[attr-defined]
-            servers.append(server)
-        yield servers
+        for spec in REPLICAS:
+            started.append(take(spec))
+        yield started
     finally:
-        for server in servers:
+        for server in started:
             stop_soon(server)
 
 

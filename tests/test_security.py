@@ -16,9 +16,12 @@ import ssl
 import struct
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
@@ -26,10 +29,11 @@ import psutil
 import pytest
 import tracewire
 from certs import Pki, make_pki
-from conftest import ROOT, ServerProcess, free_port, start_server
+from conftest import ROOT, ServerProcess, free_port, take
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from server_pool import Prepared, ServerSpec, servers
 from snippets import blocks, claim_holds, print_claims, run_python
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
@@ -75,39 +79,58 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 # ---- servers ---------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
+_pki_lock = threading.Lock()
+_pki: list[Pki] = []
 
 
-@pytest.fixture(scope="module")
-def tls_server(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[ServerProcess]:
-    directory = tmp_path_factory.mktemp("tls-server")
+def shared_pki() -> Pki:
+    """One CA, server and client certificate for both servers and their clients (made by
+    the first of the pool's threads or the tests that needs it)."""
+    with _pki_lock:
+        if not _pki:
+            _pki.append(make_pki(Path(tempfile.mkdtemp(prefix="tracewire-pki-"))))
+        return _pki[0]
+
+
+def _tls_files(directory: Path) -> Prepared:
+    pki = shared_pki()
     tokens = directory / "tokens"
     tokens.write_text("# tenant token\n" + "".join(f"{t} {tok}\n" for t, tok in TOKENS.items()))
-    server = start_server(
-        directory,
-        "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
-        "--auth-tokens", str(tokens),
-        "--tenant-max-calls", str(MAX_CALLS), "--tenant-max-sequences", str(MAX_SEQUENCES),
-        "--tenant-read-bytes-per-minute", str(READ_BYTES_PER_MINUTE),
-        "--access-log", str(directory / "access.log"), "--metrics-port", str(free_port()),
-        credentials=grpc.ssl_channel_credentials(pki.ca.read_bytes()),
-    )
-    server.access_log = directory / "access.log"  # type: ignore[attr-defined]
+    return Prepared(
+        ("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--auth-tokens", str(tokens),
+         "--access-log", str(directory / "access.log"), "--metrics-port", str(free_port())),
+        credentials=grpc.ssl_channel_credentials(pki.ca.read_bytes()), access_log=directory / "access.log")
+
+
+def _mtls_files(directory: Path) -> Prepared:
+    pki = shared_pki()
+    return Prepared(
+        ("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca)),
+        credentials=grpc.ssl_channel_credentials(
+            pki.ca.read_bytes(), pki.client_key.read_bytes(), pki.client_cert.read_bytes()))
+
+
+TLS = ServerSpec("tls", ("--tenant-max-calls", str(MAX_CALLS), "--tenant-max-sequences", str(MAX_SEQUENCES),
+                         "--tenant-read-bytes-per-minute", str(READ_BYTES_PER_MINUTE)), prepare=_tls_files)
+MTLS = ServerSpec("mtls", ("--no-reflection",), prepare=_mtls_files)
+pytestmark = servers(TLS, MTLS)
+
+
+@pytest.fixture(scope="module")
+def pki() -> Pki:
+    return shared_pki()
+
+
+@pytest.fixture(scope="module")
+def tls_server() -> Iterator[ServerProcess]:
+    server = take(TLS)
     yield server
     assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
-def mtls_server(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[ServerProcess]:
-    server = start_server(
-        tmp_path_factory.mktemp("mtls-server"),
-        "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca),
-        "--no-reflection",
-        credentials=grpc.ssl_channel_credentials(
-            pki.ca.read_bytes(), pki.client_key.read_bytes(), pki.client_cert.read_bytes()),
-    )
+def mtls_server() -> Iterator[ServerProcess]:
+    server = take(MTLS)
     yield server
     assert server.stop() == 0
 
