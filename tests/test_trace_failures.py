@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import tracewire
 from conftest import engine_stats, wait_for_unfinished
-from trace_requests import f32, invoke, iv, logits, run, steps, trace
+from trace_requests import TraceResult, f32, invoke, iv, logits, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
-from tracewire.v1 import trace_pb2
+from tracewire.v1 import service_pb2_grpc, trace_pb2
 
 PROMPT = "The capital of France is"
 VOCAB = 2048
@@ -173,3 +173,43 @@ def test_slow_reader_gets_resource_exhausted_and_others_do_not(stub, hf, server)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "reading too slowly" in info.value.details()
     assert wait_for_unfinished(server.target, lambda n: n == 0, timeout=10)
+
+
+UNREAD_STREAMS = 20
+UNREAD_STEPS = 200  # x 8 KiB of full logits: 1.6 MiB a stream, under the 2 MiB buffer, so none fails
+
+
+def test_twenty_unread_streams_do_not_delay_another_clients_generate(stub, client, hf, server):
+    """Isolation: 20 Trace streams reading full logits every step that their client never
+    reads (each holding 1.6 MiB of results on the server) leave a small greedy Generate on
+    another connection within 1 s of its idle latency, while they decode and after, as
+    they sit; then each still delivers every step, nothing lost."""
+    prompt, tokens = "The capital of Japan is", 8
+    expected = hf.greedy(hf.encode(prompt), tokens)
+
+    def latency() -> float:
+        started = time.monotonic()
+        out = client.generate(prompt, max_tokens=tokens, **GREEDY)
+        assert list(out[0].outputs[0].token_ids) == expected
+        return time.monotonic() - started
+
+    idle = sorted(latency() for _ in range(3))[1]
+    channels = [grpc.insecure_channel(server.target) for _ in range(UNREAD_STREAMS)]  # (one client each)
+    try:
+        request = trace(invoke(PROMPT, iv("all", read_logits=logits())), max_tokens=UNREAD_STEPS, **GREEDY)
+        streams = [service_pb2_grpc.TraceServiceStub(ch).Trace(request, timeout=300) for ch in channels]
+        firsts = [next(stream) for stream in streams]  # open and running; not read again until the end
+        while_decoding = max(latency() for _ in range(3))
+        assert wait_for_unfinished(server.target, lambda n: n == 0, timeout=120)  # all decoded, unread
+        while_held = max(latency() for _ in range(3))
+        assert while_decoding <= idle + 1.0, (idle, while_decoding)
+        assert while_held <= idle + 1.0, (idle, while_held)
+        results = [TraceResult([first, *stream]) for first, stream in zip(firsts, streams, strict=True)]
+        greedy = hf.greedy(hf.encode(PROMPT), UNREAD_STEPS)
+        for result in results:  # every step still there, the run as if alone
+            assert result.tokens() == greedy
+            assert len(result.values("all")) == UNREAD_STEPS
+            assert np.allclose(result.values("all")[-1], results[0].values("all")[-1], atol=1e-4)
+    finally:
+        for ch in channels:
+            ch.close()
