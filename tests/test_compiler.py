@@ -664,22 +664,53 @@ def test_attention_pattern_plan():
     assert seq.sampling["skip_reading_prefix_cache"] is True
 
 
-def test_attention_pattern_bytes_count_the_key_cache():
+def _scratch(widest: int, max_len: int) -> int:
+    """The worker's transient blocks for a pattern read, counted once per trace: 4 float32
+    blocks (padded keys, scores, masked scores, softmax) of up to 2**24 elements, one query
+    row (its widest of heads or KV heads x head_dim, over max_len keys) at the least."""
+    row = widest * max_len
+    return 4 * 4 * max(row, min(1 << 24, row * max_len))
+
+
+def test_attention_pattern_bytes_count_the_key_cache_and_the_scratch():
     keys = 4 * 2 * 1 * 64 * (len(PROMPT) + 10)  # float32 keys of 2 layers x 1 KV head, 18 positions
+    scratch = _scratch(64, 18)  # 1 KV head x head_dim 64 is wider than 2 query heads
     top = pattern(layers=[0, 1], heads=[0, 1], top_k=5)
-    assert one(top, limits=PATTERNS, max_tokens=10).read_bytes_bound == keys + 10 * 2 * 2 * 8 * 5
+    assert one(top, limits=PATTERNS, max_tokens=10).read_bytes_bound == keys + 10 * 2 * 2 * 8 * 5 + scratch
     # full rows: up to prompt_len + max_tokens keys a row
     full = pattern(layers=[0, 1], heads=[0, 1])
-    assert one(full, limits=PATTERNS, max_tokens=10).read_bytes_bound == keys + 10 * 2 * 2 * 4 * 18
+    assert one(full, limits=PATTERNS, max_tokens=10).read_bytes_bound == keys + 10 * 2 * 2 * 4 * 18 + scratch
     # the prompt's rows at step 0 only
     prompt = pattern(layers=[0], heads=[0], top_k=2, positions=I.Positions(all_prompt=I.AllPrompt()))
-    assert one(prompt, limits=PATTERNS, max_tokens=10).read_bytes_bound == 4 * 64 * 18 + 8 * 8 * 2
+    assert one(prompt, limits=PATTERNS, max_tokens=10).read_bytes_bound == 4 * 64 * 18 + 8 * 8 * 2 + scratch
     # the key cache alone can exceed the budget: refused up front
     request = trace(invoke(PROMPT, iv("p", steps(at=[0]), read_attention_pattern=I.ReadAttentionPattern(
         layers=[0, 1, 2, 3], top_k=1))), max_tokens=400)
     held = 4 * 4 * 2 * 64 * (len(PROMPT) + 400)
-    assert compile_(request, PATTERNS).read_bytes_bound == held + 4 * 4 * 8
+    big = _scratch(2 * 64, len(PROMPT) + 400)
+    assert big == 4 * 4 * (1 << 24)  # (a long generation: whole 64 MiB blocks)
+    assert compile_(request, PATTERNS).read_bytes_bound == held + 4 * 4 * 8 + big
     refused(ResourceExhausted, None, "over the limit", call=lambda: compile_(request, PATTERNS, held))
+
+
+def test_pattern_scratch_is_counted_once_per_trace_and_refused_over_the_budget():
+    """The blocks are computed one after another and freed: n sequences and two pattern
+    reads count the largest block set once; a budget that holds the reads and the key
+    caches but not the scratch is refused, naming it."""
+    one_read = pattern(layers=[0], heads=[0], top_k=1)
+    wide = iv("q", read_attention_pattern=I.ReadAttentionPattern(layers=[1], heads=[0, 1, 2, 3], top_k=1))
+    alone = compile_(trace(invoke(PROMPT, one_read), max_tokens=10), PATTERNS).read_bytes_bound
+    scratch = _scratch(64, 18)
+    reads = alone - scratch  # key cache and values of one sequence
+    four = compile_(trace(invoke(PROMPT, one_read), max_tokens=10, n=4), PATTERNS).read_bytes_bound
+    assert four == 4 * reads + scratch
+    wide_reads = compile_(trace(invoke(PROMPT, wide), max_tokens=10), PATTERNS).read_bytes_bound - _scratch(128, 18)
+    both = compile_(trace(invoke(PROMPT, one_read, wide), max_tokens=10), PATTERNS).read_bytes_bound
+    assert both == reads + wide_reads + _scratch(128, 18)  # the wider read's blocks, once
+    request = trace(invoke(PROMPT, one_read), max_tokens=10)
+    refused(ResourceExhausted, None, f"with {scratch} bytes of attention-pattern scratch",
+            call=lambda: compile_(request, PATTERNS, reads))
+    assert compile_(request, PATTERNS, reads + scratch).read_bytes_bound == reads + scratch
 
 
 def test_bad_attention_patterns():

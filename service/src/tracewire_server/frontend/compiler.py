@@ -126,6 +126,7 @@ class _Compiler:
         # The trace's own values first, so an error names the message that holds it.
         to_vllm_kwargs(request.sampling_params, self.limits, "sampling_params")
         drafts, bound, lens_rows = [], 0, 0
+        scratch = 0  # the largest attention-pattern read's transient blocks: one at a time
         for i, invoke in enumerate(request.invokes):
             field = f"invokes[{i}]"
             prompt = to_engine_prompt(invoke.prompt, self.encoder, self.limits, f"{field}.prompt")
@@ -144,6 +145,8 @@ class _Compiler:
                 # model: compute them again for this request.
                 kwargs["skip_reading_prefix_cache"] = True
             bound += n * sum(self.read_bytes(op, max_tokens) for op in ops)
+            scratch = max([scratch, *(op.action.scratch_bytes() for op in ops
+                                      if isinstance(op.action, P.ReadAttentionPattern))])
             lens_rows += n * sum(self.lens_rows(op) for op in ops)
             if lens_rows > self.limits.max_lens_rows:
                 raise InvalidArgument(
@@ -152,6 +155,7 @@ class _Compiler:
                     f"sequences) through lm_head at one step, over this model's limit of "
                     f"{self.limits.max_lens_rows}; read fewer layers or prompt positions, or split the trace")
             drafts.append((prompt, kwargs, InvokeDraft(self.prompt_len, n, max_tokens, ops)))
+        bound += scratch
         # Writes taking another invoke's read: resolved with every invoke at hand.
         patches = resolve_patches([d for _, _, d in drafts], self.limits, trace_key)
         invokes, all_ops = [], []
@@ -192,7 +196,8 @@ class _Compiler:
         if bound > budget:
             raise ResourceExhausted(
                 f"the trace's reads could return up to {bound} bytes (reads x selected steps x "
-                f"sequences), over the limit of {budget} bytes; read fewer steps, top-k instead "
+                f"sequences{f', with {scratch} bytes of attention-pattern scratch' if scratch else ''}), "
+                f"over the limit of {budget} bytes; read fewer steps, top-k instead "
                 "of full rows, or raise options.max_read_bytes (server cap "
                 f"{cap} bytes, --max-read-bytes)"
             )

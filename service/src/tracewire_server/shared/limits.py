@@ -15,6 +15,15 @@ EngineMode = Literal["eager", "compiled", "compiled_steering"]
 # prompt would otherwise stall the engine for seconds.
 LENS_WORK = 65536 * 151936 * 4096
 
+# Attention-pattern weights are computed for a block of query rows at a time
+# (worker/attention_patterns.py): at most PATTERN_BLOCK_ELEMENTS float32 elements a block
+# (64 MiB), however long the prompt, and never less than one row (its heads over every
+# key). Up to PATTERN_SCRATCH_COPIES such blocks are alive at once (the padded keys, the
+# scores, the scaled and masked scores, their softmax), one read and layer after another:
+# the transient memory a pattern read may take, counted against the trace's read budget.
+PATTERN_BLOCK_ELEMENTS = 1 << 24
+PATTERN_SCRATCH_COPIES = 4
+
 
 @dataclass(frozen=True)
 class ModelLimits:

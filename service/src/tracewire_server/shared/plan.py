@@ -16,7 +16,7 @@ from typing import ClassVar, Literal, NamedTuple, Union
 
 import msgspec
 
-from .limits import ModelLimits
+from .limits import PATTERN_BLOCK_ELEMENTS, PATTERN_SCRATCH_COPIES, ModelLimits
 
 EXTRA_ARGS_KEY = "tracewire"
 
@@ -330,6 +330,16 @@ class ReadAttentionPattern(msgspec.Struct, frozen=True, tag="read_attention_patt
     def key_cache_bytes(self) -> int:
         """The worker's float32 copy of the keys the read needs, for the whole generation."""
         return 4 * len(self.layers) * len(self.kv_heads) * self.head_dim * self.max_len
+
+    def scratch_bytes(self) -> int:
+        """The worker's transient float32 blocks while it computes the weights (limits.py's
+        PATTERN_BLOCK_ELEMENTS): a block holds at most that many elements, or one query
+        row where a row alone is more (its heads' scores, or its keys padded for the
+        batch, over max_len keys); at most max_len rows a pass. Blocks are computed one
+        after another and freed, whichever sequence or layer they are for: the compiler
+        counts the largest once per trace."""
+        row = max(len(self.heads), len(self.kv_heads) * self.head_dim) * self.max_len
+        return PATTERN_SCRATCH_COPIES * 4 * max(row, min(PATTERN_BLOCK_ELEMENTS, row * self.max_len))
 
     def read_bound(self, limits: ModelLimits, prompt_len: int) -> ReadBound:
         # top-k: values + key positions (8 bytes an entry); full rows: values over at most

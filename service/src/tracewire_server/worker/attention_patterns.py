@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..shared import plan as P
+from ..shared.limits import PATTERN_BLOCK_ELEMENTS
 from .host import on_device
 from .pattern_state import KeyCache, PatternChunk
 from .runner import AttentionLayer
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(f"vllm.{__name__}")
 
 # Scores computed at once for a block of query rows (float32 elements): bounds the
-# transient memory of a long prompt's rows (64 MiB) whatever its length.
-_BLOCK_ELEMENTS = 1 << 24
+# transient memory of a long prompt's rows (64 MiB) whatever its length; the compiler
+# counts it against the read budget (plan.ReadAttentionPattern.scratch_bytes).
+_BLOCK_ELEMENTS = PATTERN_BLOCK_ELEMENTS
 
 
 def keeps_keys(op: P.Op, step: int) -> bool:
