@@ -11,6 +11,8 @@
 #   make dashboard  the browser dashboard (Vite dev server on DASHBOARD_PORT, 5173), against the
 #                server `make serve` started (HOST / HTTP_PORT): prints the URL to open
 #   make proto   regenerate the committed code (Python and TypeScript) from proto/ (buf.gen.yaml)
+#   make docs    the docs site (mkdocs-material, docs/ + mkdocs.yml) into build/site, warnings
+#                as errors: a broken link or anchor fails it (make test builds it too)
 #   make lint    buf lint + buf breaking (against the last released contract) + ruff + import
 #                contracts + mypy + tsc (the TS client and the dashboard, strict)
 #   make bench   benchmarks (results under bench/results/); make bench-gpu on the GPU machine
@@ -59,7 +61,7 @@ PYTEST_ARGS ?=
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup chromium h2load serve dashboard test test-python test-kernels test-ts proto proto-check lint bench bench-gpu soak clean
+.PHONY: setup chromium h2load serve dashboard test test-python test-kernels test-ts proto proto-check lint docs bench bench-gpu soak clean
 
 setup: $(STAMP) $(NODE_STAMP) $(DASH_STAMP)
 
@@ -147,6 +149,7 @@ test:
 	@mkdir -p $(dir $(TEST_STAGES))$(if $(OWN_CLOCK), && : > $(TEST_STAGES))
 	@.ci/timed setup $(MAKE) --no-print-directory setup chromium
 	@.ci/timed lint $(MAKE) --no-print-directory proto-check lint
+	@.ci/timed docs $(MAKE) --no-print-directory docs
 	@.ci/beside ts $(TS_LOG) "$(MAKE) --no-print-directory test-ts" \
 		$(MAKE) --no-print-directory test-python
 	$(if $(OWN_CLOCK),@.ci/stages $(TEST_STAGES))
@@ -200,13 +203,27 @@ CONTRACT_RELEASED := proto/released/contract-v1.0.0.binpb
 lint: setup
 	$(BUF) lint proto
 	$(BUF) breaking proto --against $(CONTRACT_RELEASED)
-	$(VENV)/bin/ruff check service tests clients/python/src contract bench models
+	$(VENV)/bin/ruff check service tests clients/python/src contract bench models docs
 	# The import contracts of pyproject.toml's [tool.importlinter] (no cycles; shared/ and
 	# worker/ free of the frontend), on this tree's sources, without a cache folder.
 	PYTHONPATH=service/src $(VENV)/bin/lint-imports --no-cache
 	cd clients/python && ../../$(VENV)/bin/mypy src/tracewire
 	cd $(TS) && node_modules/.bin/tsc -p tsconfig.json --noEmit
 	cd $(DASH) && node_modules/.bin/tsc -p tsconfig.json --noEmit
+
+# The docs site's tools (docs/requirements.txt) beside the server's: the generated flag
+# reference imports the server's argparse parser, and its API reference runs grpcio-tools'
+# protoc on proto/ (docs/hooks/). Not in pyproject.toml's extras, so that a docs pin change
+# does not reinstall the whole environment.
+DOCS_STAMP := $(VENV)/.tracewire-docs-installed
+$(DOCS_STAMP): $(STAMP) docs/requirements.txt
+	@echo "==> the docs site's tools (docs/requirements.txt): mkdocs, mkdocs-material, pymdown-extensions"
+	@$(call INSTALL,-r docs/requirements.txt)
+	touch $@
+
+# --strict (also in mkdocs.yml): every warning, a broken link or anchor included, fails the build.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # h2load (nghttp2's HTTP/2 load generator, in C) sends the trace rows' requests in the first run:
 # a Python client on the same two cores would take ~85 µs of CPU per streamed message from the
