@@ -341,11 +341,13 @@ def server(_server_pool: ServerPool) -> Iterator[ServerProcess]:
 # --max-num-batched-tokens sends long prompts through chunked prefill (test_hidden_states,
 # test_attention_patterns); the metrics port shows the worker's patch store (test_patching)
 # and the call counters, the access log the request ids, one more allowed Host the
-# allow-list (test_observability). None of them changes a limit or the engine's state for
-# the others, and their counter checks are deltas, so one engine start serves them all. It
+# allow-list (test_observability). None of them changes the engine's state for the others,
+# and their counter checks are deltas, so one engine start serves them all. One limit is
+# small: a patch store of 768 KiB, which one long patching trace fills (test_patching: a
+# second is refused, the first loses nothing); every other trace here keeps far less. It
 # serves the dictionaries shipped with the default model, as `make serve` does (the README's
 # snippets and the dictionary tests read them; tests that upload delete what they upload).
-EAGER_ARGS = ("--enforce-eager", "--max-num-batched-tokens", "64")
+EAGER_ARGS = ("--enforce-eager", "--max-num-batched-tokens", "64", "--patch-store-bytes", str(768 << 10))
 ALLOWED_HOST = "dash.example.test"
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from test_compiler import BIG, COMPILED, EAGER, HIDDEN, PROMPT, STEERING, compile_
+from test_compiler_units import EAGER as UNITS
+from test_compiler_units import NEURONS
 from trace_requests import invoke, iv, steps, trace
 from tracewire.v1 import intervention_pb2 as I
 from tracewire_server.frontend.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -167,5 +169,29 @@ def test_the_kept_rows_count_against_the_read_bytes_budget():
     row_bytes = 8 * 4 * HIDDEN  # 8 prompt positions of float32 [hidden]
     assert plain.read_bytes_bound == row_bytes
     assert compiled.read_bytes_bound == 2 * row_bytes  # streamed, and kept on the worker
+    assert plain.patch_bytes == 0 and not plain.keeps_values
+    # the room the trace takes in the worker's patch store (frontend/patch_room.py)
+    assert compiled.patch_bytes == row_bytes
+    assert compiled.patch_source == "invokes[0].interventions[0] (read 'clean')"
     with pytest.raises(ResourceExhausted):
         compile_(request, max_read_bytes=2 * row_bytes - 1)
+
+
+def test_the_patch_store_room_is_every_sources_whole_rows_at_every_step_and_names_the_largest():
+    # invoke 0: a prompt read (8 rows of [hidden]) and a read of one neuron of the new
+    # token at 3 steps (kept whole: every neuron, whichever it returns); invoke 2: one
+    # prompt row
+    neurons = iv("neurons", read_module=I.ReadModule(
+        module="layers.1.mlp.act", units=I.UnitSelection(ids=I.UnitIds(ids=[0]))))
+    request = trace(
+        invoke(PROMPT, prompt_read(), neurons),
+        invoke(PROMPT[:6], patch(at(0), positions=[1]),
+               iv("", write_module=I.WriteModule(module="layers.1.mlp.act",
+                                                 patch=I.ReadRef(invoke=0, name="neurons")))),
+        invoke(PROMPT, prompt_read("one", prompt_list=I.PositionList(positions=[2]))),
+        invoke(PROMPT[:6], patch(at(1), invoke=2, name="one")),
+        max_tokens=3)
+    compiled = compile_(request, UNITS)
+    assert compiled.patch_bytes == 8 * 4 * HIDDEN + 3 * 4 * NEURONS + 1 * 4 * HIDDEN
+    assert compiled.patch_source == "invokes[0].interventions[0] (read 'clean')"
+    assert compiled.read_bytes_bound == compiled.patch_bytes + 8 * 4 * HIDDEN + 3 * 4 + 4 * HIDDEN

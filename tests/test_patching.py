@@ -9,6 +9,7 @@ worker's patch store is observed through `tracewire_patch_*` after each trace. T
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import grpc
 import httpx
@@ -18,7 +19,7 @@ import torch
 import tracewire as tw
 import tracewire.patching
 from conftest import wait_for_unfinished
-from trace_requests import invoke, iv, logits, run, steps, trace
+from trace_requests import TraceResult, invoke, iv, logits, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2_grpc
 
@@ -166,27 +167,47 @@ def test_a_generation_step_patch_equals_hf_copying_during_its_greedy_loop(pstub,
                iv("logits", read_logits=logits(raw=True))),
         max_tokens=max_tokens, **GREEDY)
     result = run(pstub, request)
-    # HF: the clean run's new-token stream at each step (greedy, full forward passes)
+    expected = hf_step_patch(hf, layer, patched_steps, max_tokens)
+    assert_step_patch(result, expected, max_tokens)
+    prompt_len = len(hf.encode(CORRUPTED))
+    assert any(np.abs(ref - hf.next_logits(expected.ids[:prompt_len + step]).numpy()).max() > 10 * ATOL
+               for step, ref in enumerate(expected.logits))  # the patch changed something
+
+
+@dataclass(frozen=True)
+class StepPatch:
+    source: np.ndarray  # the clean run's new-token stream at each step: [steps, hidden]
+    logits: list[np.ndarray]  # the patched corrupted run's logits at each step
+    ids: list[int]  # its prompt and greedy tokens
+
+
+def hf_step_patch(hf, layer: int, patched_steps: list[int], max_tokens: int) -> StepPatch:
+    """HF's reference for a new-token patch of layer `layer` at `patched_steps`, clean
+    into corrupted, greedy: full forward passes, copies made by a forward hook."""
     clean_ids = hf.encode(CLEAN)
     source = []
     for _ in range(max_tokens):
         source.append(hf_streams(hf, clean_ids, layer)[-1])
         clean_ids = clean_ids + [int(hf.next_logits(clean_ids).argmax())]
-    np.testing.assert_allclose(np.stack(result.values("clean")), np.stack(source), atol=1e-4)
-    # HF: the corrupted greedy loop; every forward pass re-applies the copies made so far
+    # the corrupted greedy loop: every forward pass re-applies the copies made so far
     # (vLLM computes a position once and keeps its keys and values: the copy persists)
     ids = hf.encode(CORRUPTED)
     prompt_len = len(ids)
-    served = result.values("logits", invoke=1)
-    unpatched_differs = False
+    refs = []
     for step in range(max_tokens):
         copies = {prompt_len - 1 + s: source[s] for s in patched_steps if s <= step}
-        ref = hf_logits_patched(hf, ids, {layer: copies})
+        refs.append(hf_logits_patched(hf, ids, {layer: copies}))
+        ids = ids + [int(refs[-1].argmax())]
+    return StepPatch(np.stack(source), refs, ids)
+
+
+def assert_step_patch(result, expected: StepPatch, max_tokens: int) -> None:
+    np.testing.assert_allclose(np.stack(result.values("clean")[:max_tokens]), expected.source, atol=1e-4)
+    served = result.values("logits", invoke=1)
+    for step, ref in enumerate(expected.logits):
         np.testing.assert_allclose(served[step], ref, atol=ATOL, rtol=RTOL, err_msg=f"step {step}")
-        unpatched_differs |= bool(np.abs(ref - hf.next_logits(ids).numpy()).max() > 10 * ATOL)
-        ids = ids + [int(ref.argmax())]
-    assert unpatched_differs
-    assert result.tokens(1) == ids[prompt_len:]
+    prompt_len = len(expected.ids) - max_tokens
+    assert result.tokens(1) == expected.ids[prompt_len:]
 
 
 # -- the sweep -------------------------------------------------------------------------
@@ -343,3 +364,51 @@ def test_a_cancelled_trace_frees_the_workers_store(pstub, patched):
     assert patched.scrape()["tracewire_patch_store_bytes"] == 0
     assert patched.scrape()["tracewire_patch_store_traces"] == 0
     assert wait_for_unfinished(patched.server.target, lambda n: n == 0)
+
+
+# -- the patch store's room ------------------------------------------------------------
+
+
+def test_a_trace_the_patch_store_has_no_room_for_is_refused_and_never_pushes_out_a_running_ones(pstub, hf,
+                                                                                               patched):
+    """The eager server's store holds 768 KiB (conftest's EAGER: --patch-store-bytes): one
+    trace whose source keeps 500 rows of [256] float32 fits, a second one does not."""
+    layer, patched_steps, short, long = 1, [1, 2], 4, 500
+    request = trace(
+        invoke(CLEAN, iv("clean", read_module=I.ReadModule(module=f"layers.{layer}")), max_tokens=long),
+        invoke(CORRUPTED,
+               iv("", steps(at=patched_steps), write_module=I.WriteModule(
+                   module=f"layers.{layer}", patch=I.ReadRef(invoke=0, name="clean"))),
+               iv("logits", read_logits=logits(raw=True)), max_tokens=short),
+        **GREEDY)
+    first = admitted(pstub, request)  # (an earlier test's trace may still be releasing its room)
+    with pytest.raises(grpc.RpcError) as info:  # 500 source steps: the first trace runs for seconds yet
+        run(pstub, request)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = info.value.details()
+    assert "invokes[0].interventions[0] (read 'clean')" in details and "--patch-store-bytes" in details
+    assert f"holds {long * 256 * 4} of its {768 << 10} bytes" in details
+    result = tracewire_result(first)  # the running trace lost nothing
+    assert len(result.values("clean")) == long
+    assert_step_patch(result, hf_step_patch(hf, layer, patched_steps, short), short)
+    assert wait_for(lambda: patched.scrape()["tracewire_patch_store_bytes"] == 0)
+    assert len(tracewire_result(admitted(pstub, request)).values("clean")) == long  # and now it fits
+
+
+def admitted(stub, request, timeout: float = 10.0):
+    """The trace's stream once its first event came, retried while the store has no room."""
+    deadline = time.monotonic() + timeout
+    while True:
+        call = stub.Trace(request, timeout=120)
+        events = iter(call)
+        try:
+            return [next(events)], events
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def tracewire_result(started):
+    seen, rest = started
+    return TraceResult([*seen, *rest])

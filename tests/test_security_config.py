@@ -92,6 +92,8 @@ def test_the_flags_refuse_to_start_with_a_bad_boundary(tmp_path, capsys):
         (["--tls-key", str(pki.server_key)], "--tls-key needs --tls-cert too"),
         (["--auth-tokens", str(tokens)], "line 2: the same token as line 1"),
         (["--tenant-max-calls", "2"], "--tenant-max-calls needs --auth-tokens"),
+        (["--tenant-patch-store-bytes", "2"], "--tenant-patch-store-bytes needs --auth-tokens"),
+        (["--patch-store-bytes", "-1"], "--patch-store-bytes must be >= 0"),
     ):
         with pytest.raises(SystemExit) as exit_:
             parse_args(argv)
@@ -99,8 +101,10 @@ def test_the_flags_refuse_to_start_with_a_bad_boundary(tmp_path, capsys):
         assert message in capsys.readouterr().err
     tokens.write_text(f"alice {ALICE}\n")
     config = parse_args(["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
-                         "--auth-tokens", str(tokens), "--tenant-max-calls", "0", "--no-reflection"])
+                         "--auth-tokens", str(tokens), "--tenant-max-calls", "0", "--no-reflection",
+                         "--tenant-patch-store-bytes", "4096"])
     assert config.tls is not None and not config.tls.mutual
     assert config.tokens is not None and config.tokens.tenants == {"alice"}
     assert config.tenant_quotas.max_calls == 0 and config.tenant_quotas.max_sequences == 256
+    assert config.tenant_quotas.patch_store_bytes == 4096
     assert not config.reflection

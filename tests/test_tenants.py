@@ -101,3 +101,20 @@ def test_a_tenant_that_leaves_leaves_nothing_behind():
         call.reserve_sequences(5)
         call.close()
     assert book._tenants == {}
+
+
+def test_patch_store_bytes_are_held_per_tenant_while_the_call_runs():
+    book, _ = ledger(patch_store_bytes=1000)
+    a, b = book.open_call("alice"), book.open_call("alice")
+    a.hold_patch_bytes(700, "invokes[0].interventions[0] (read 'clean')")
+    with pytest.raises(ResourceExhausted, match=r"would hold 1100 bytes.*read 'x'.*--tenant-patch-store-bytes 1000"):
+        b.hold_patch_bytes(400, "invokes[0].interventions[0] (read 'x')")
+    book.open_call("bob").hold_patch_bytes(1000, "")  # another tenant has its own
+    b.hold_patch_bytes(300, "")
+    a.close()
+    b.hold_patch_bytes(700, "")  # alice's first call gave its bytes back
+    with pytest.raises(ResourceExhausted):
+        b.hold_patch_bytes(1, "")
+    b.close()
+    unlimited, _ = ledger(patch_store_bytes=0)
+    unlimited.open_call("alice").hold_patch_bytes(1 << 40, "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from .frontend.server import ServerConfig
 from .frontend.servicer import TraceOptions
 from .frontend.tenants import TenantQuotas
 from .frontend.tls import ServerTls, TlsConfigError
+from .shared.limits import DEFAULT_PATCH_STORE_BYTES, PATCH_STORE_BYTES_ENV
 
 log = logging.getLogger("tracewire_server")
 
@@ -87,6 +89,14 @@ def parse_args(argv: list[str]) -> ServerConfig:
         default=TraceOptions.max_read_bytes,
         help="largest total of read values one trace may ask for; larger traces are refused "
         "with RESOURCE_EXHAUSTED before they run",
+    )
+    group.add_argument(
+        "--patch-store-bytes",
+        type=int,
+        metavar="N",
+        help="device bytes the worker keeps for activation patching (sources' values, until their trace "
+        f"ends); a patching trace takes its worst case before it starts, one that does not fit now is "
+        f"refused with RESOURCE_EXHAUSTED (default ${PATCH_STORE_BYTES_ENV}, else {DEFAULT_PATCH_STORE_BYTES})",
     )
     group.add_argument(
         "--max-sequences",
@@ -183,6 +193,10 @@ def parse_args(argv: list[str]) -> ServerConfig:
     except (TlsConfigError, TokenFileError) as e:
         parser.error(str(e))
     quotas = _tenant_quotas(parser, args, auth=tokens is not None)
+    if args.patch_store_bytes is not None:
+        if args.patch_store_bytes < 0:
+            parser.error("--patch-store-bytes must be >= 0 (0: no activation patching)")
+        os.environ[PATCH_STORE_BYTES_ENV] = str(args.patch_store_bytes)  # (the engine's processes read it)
     if args.max_dictionary_bytes < 0:
         parser.error("--max-dictionary-bytes must be >= 0 (0: no uploads)")
     # Before the engine starts: a bad file is one line now, not after a minute's start.
@@ -265,6 +279,12 @@ def _security_flags(parser: argparse.ArgumentParser) -> None:
         f"{defaults.read_bytes_per_minute or 'unlimited'}; 0: unlimited)",
     )
     group.add_argument(
+        "--tenant-patch-store-bytes", type=int, metavar="B",
+        help="with --auth-tokens: bytes of the worker's patch store (--patch-store-bytes) one tenant's "
+        "patching traces may hold at once, each its worst case (default "
+        f"{defaults.patch_store_bytes or 'unlimited'}; 0: unlimited)",
+    )
+    group.add_argument(
         "--no-reflection", action="store_true",
         help="do not serve gRPC server reflection (on by default; needs a token with --auth-tokens)",
     )
@@ -277,6 +297,7 @@ def _tenant_quotas(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
         "max_calls": args.tenant_max_calls,
         "max_sequences": args.tenant_max_sequences,
         "read_bytes_per_minute": args.tenant_read_bytes_per_minute,
+        "patch_store_bytes": args.tenant_patch_store_bytes,
     }
     flags = {name: "--" + f"tenant_{name}".replace("_", "-") for name in given}
     for name, value in given.items():
@@ -294,6 +315,9 @@ def _tenant_quotas(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
             defaults.read_bytes_per_minute
             if args.tenant_read_bytes_per_minute is None
             else args.tenant_read_bytes_per_minute
+        ),
+        patch_store_bytes=(
+            defaults.patch_store_bytes if args.tenant_patch_store_bytes is None else args.tenant_patch_store_bytes
         ),
     )
 

@@ -53,6 +53,10 @@ class CompiledTrace:
     key: str = ""  # the trace's key (the worker keeps patch sources' values under it)
     # Activation patching: invokes whose engine requests wait for another's step.
     waits: tuple[PatchWait, ...] = ()
+    # The most the worker's patch store keeps for this trace (patch_room.py admits it),
+    # and the exported read that keeps the most, for messages.
+    patch_bytes: int = 0
+    patch_source: str = ""
 
     @property
     def keeps_values(self) -> bool:
@@ -159,13 +163,20 @@ class _Compiler:
         # Writes taking another invoke's read: resolved with every invoke at hand.
         patches = resolve_patches([d for _, _, d in drafts], self.limits, trace_key)
         invokes, all_ops = [], []
+        patch_bytes, largest = 0, (0, "")
         for i, ((prompt, kwargs, draft), ops, exports) in enumerate(
                 zip(drafts, patches.ops, patches.exports, strict=True)):
             n, max_tokens = draft.n, draft.max_tokens
             self.prompt_len = draft.prompt_len
             # The reads kept on the server for other invokes' writes cost their bytes again
-            # (whole rows: a head / neuron read keeps every unit, whichever it returns).
-            bound += sum(self.read_bytes(_whole_rows(op), max_tokens) for op in ops if op.name in exports)
+            # (whole rows: a head / neuron read keeps every unit, whichever it returns), and
+            # take that room in the worker's patch store.
+            for j, op in enumerate(ops):
+                if op.name in exports:
+                    kept = self.read_bytes(_whole_rows(op), max_tokens)
+                    patch_bytes += kept
+                    if kept > largest[0]:
+                        largest = (kept, f"invokes[{i}].interventions[{j}] (read {op.name!r})")
             all_ops.append(ops)
             stages = self.pipeline_stages(ops, exports, f"invokes[{i}]")
             key = f"{trace_key}/{i}"
@@ -188,6 +199,7 @@ class _Compiler:
             salt = P.kv_cache_salt(ops, len(prompt.token_ids), skip_special)
             invokes.append(CompiledInvoke(i, key, prompt, tuple(sequences), max_tokens, skip_special, salt))
 
+        bound += patch_bytes
         cap = self.server_max_read_bytes
         asked = request.options.max_read_bytes
         if asked < 0:
@@ -209,7 +221,8 @@ class _Compiler:
                 "options.stream_interval_ms", f"must be <= {MAX_STREAM_INTERVAL_MS}, got {interval_ms}"
             )
         return CompiledTrace(tuple(invokes), tuple(all_ops), bound, every, interval_ms / 1000,
-                             key=trace_key, waits=patches.waits)
+                             key=trace_key, waits=patches.waits, patch_bytes=patch_bytes,
+                             patch_source=largest[1])
 
     def check_sequences(self, request: service_pb2.TraceRequest) -> None:
         """Every invoke's n, summed, within the cap: before any per-sequence work."""

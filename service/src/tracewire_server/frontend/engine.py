@@ -19,10 +19,11 @@ from typing import Any
 from ..shared import detokenize, read_buffers, steering
 from ..shared import plan as P
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
-from ..shared.limits import ModelLimits
+from ..shared.limits import ModelLimits, patch_store_bytes
 from . import metrics, vllm_compat
 from .compiler import CompiledTrace
 from .errors import InvalidArgument, Unavailable
+from .patch_room import PatchRoom
 from .prompts import EnginePrompt
 from .receiver import Receiver
 from .trace import TraceRun
@@ -104,7 +105,11 @@ class Engine:
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    # This frontend's share of the worker's patch store: patching traces take room in it
+    # before they start (TraceRun), given back when the worker has released them.
+    patch_room: PatchRoom = field(default_factory=lambda: PatchRoom(patch_store_bytes()))
     _releases: set[asyncio.Future[None]] = field(default_factory=set)  # (held: running tasks)
+    _unreleased: set[str] = field(default_factory=set)  # releases that failed: tried again with the next
 
     @classmethod
     async def start(
@@ -168,8 +173,10 @@ class Engine:
             receiver.close()
             llm.shutdown()
             raise
+        frontends = client.count if client is not None else 1
         return cls(llm=llm, tokenizer=tokenizer, description=description, limits=limits,
-                   counters=counters, receiver=receiver, route=route)
+                   counters=counters, receiver=receiver, route=route,
+                   patch_room=PatchRoom(patch_store_bytes() // frontends))
 
     def new_request_id(self) -> str:
         return f"tw-{self._prefix}-{next(self._ids)}"
@@ -227,12 +234,22 @@ class Engine:
         return TraceRun(self, self.receiver, compiled, buffer_bytes)
 
     def release_trace(self, trace_key: str) -> None:
-        """Free a finished trace's patch sources' values on every worker (in the
-        background: the trace's end never waits for it; the worker's own bound covers a
-        release that is lost)."""
-        task = asyncio.ensure_future(_release_trace(self.llm, trace_key))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        """Free a finished trace's patch sources' values on every worker, then its room in
+        `patch_room` (in the background: the trace's end never waits for it). A release
+        that fails keeps its room taken (the worker may still hold the values) and is
+        tried again with the next one."""
+        keys = [trace_key, *self._unreleased]
+        self._unreleased.clear()
+        for key in keys:
+            task = asyncio.ensure_future(self._release(key))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release(self, trace_key: str) -> None:
+        if await _release_trace(self.llm, trace_key):
+            self.patch_room.free(trace_key)
+        else:
+            self._unreleased.add(trace_key)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -401,22 +418,23 @@ def default_cpu_environment() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-async def _release_trace(llm: Any, trace_key: str) -> None:
+async def _release_trace(llm: Any, trace_key: str) -> bool:
     """collective_rpc("tracewire_release") on every worker; the last rank's answer updates
     the patch-store metrics (it is on the last pipeline stage, where the hooks keep the
     patches; without pipeline stages every rank keeps the same). Shielded for the reason
-    _install_worker_hooks says."""
+    _install_worker_hooks says. Whether every worker answered."""
     call = asyncio.ensure_future(llm.collective_rpc("tracewire_release", args=(trace_key,)))
     try:
         answers = await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S)
-    except Exception as e:  # noqa: BLE001 - the worker's bound frees what a lost release keeps
+    except Exception as e:  # noqa: BLE001 - tried again with the next release (Engine.release_trace)
         log.warning("releasing trace %s's patch values failed: %s: %s", trace_key, type(e).__name__, e)
-        return
+        return False
     freed, traces, _entries, held = answers[-1]
     metrics.PATCH_RELEASED_BYTES.inc(freed)
     metrics.PATCH_STORE_BYTES.set(held)
     metrics.PATCH_STORE_TRACES.set(traces)
     log.debug("released trace %s: %d bytes; the worker holds %d bytes of %d traces", trace_key, freed, held, traces)
+    return True
 
 
 async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, route: int) -> None:

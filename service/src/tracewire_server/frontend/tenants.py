@@ -7,7 +7,10 @@
   worst case of its reads when it is admitted (the bound --max-read-bytes checks: reads x
   selected steps x sequences), over a sliding minute. Charging the bound, not what was
   streamed, keeps the check before any work is done and the rate a hard ceiling; a trace
-  that stops early has paid for steps it did not run.
+  that stops early has paid for steps it did not run;
+- patch-store bytes held (`--tenant-patch-store-bytes`): a patching trace's worst case
+  of what the worker keeps for it (CompiledTrace.patch_bytes), held while the call runs,
+  so one tenant cannot take the whole store (frontend/patch_room.py) from the others.
 
 A refusal is RESOURCE_EXHAUSTED naming the quota's flag. What a call holds is given back
 when it ends, however it ends (`TenantCall.close`, from the servicer's `finally`); read
@@ -34,6 +37,7 @@ class TenantQuotas:
     max_calls: int = 32
     max_sequences: int = 256
     read_bytes_per_minute: int = 0
+    patch_store_bytes: int = 0
 
 
 @dataclass
@@ -43,6 +47,7 @@ class _TenantState:
     # (time, bytes) charges within the last WINDOW_SECONDS, oldest first.
     reads: deque[tuple[float, int]] = field(default_factory=deque)
     read_bytes: int = 0  # the sum of `reads`
+    patch_bytes: int = 0  # of the worker's patch store, over the tenant's calls
 
 
 class TenantLedger:
@@ -74,9 +79,10 @@ class TenantLedger:
         while state.reads and state.reads[0][0] <= horizon:
             state.read_bytes -= state.reads.popleft()[1]
 
-    def _release(self, tenant: str, state: _TenantState, sequences: int) -> None:
+    def _release(self, tenant: str, state: _TenantState, sequences: int, patch_bytes: int) -> None:
         state.calls -= 1
         state.sequences -= sequences
+        state.patch_bytes -= patch_bytes
         self._expire(state)
         if not state.calls and not state.reads:
             del self._tenants[tenant]  # a tenant that comes and goes leaves nothing behind
@@ -90,6 +96,7 @@ class TenantCall:
         self.tenant = tenant
         self._state = state
         self._sequences = 0
+        self._patch_bytes = 0
         self._open = True
 
     @classmethod
@@ -110,6 +117,22 @@ class TenantCall:
             )
         state.sequences += count
         self._sequences += count
+
+    def hold_patch_bytes(self, nbytes: int, source: str) -> None:
+        """Hold `nbytes` of the worker's patch store for this call, or refuse; `source`
+        names the exported read that keeps the most."""
+        ledger, state = self._ledger, self._state
+        if ledger is None or state is None or nbytes <= 0:
+            return
+        limit = ledger.quotas.patch_store_bytes
+        if limit and state.patch_bytes + nbytes > limit:
+            raise ResourceExhausted(
+                f"tenant {self.tenant!r} would hold {state.patch_bytes + nbytes} bytes of the worker's patch "
+                f"store ({nbytes} for this trace's patch sources, {source} the largest), over its quota "
+                f"(--tenant-patch-store-bytes {limit})"
+            )
+        state.patch_bytes += nbytes
+        self._patch_bytes += nbytes
 
     def charge_reads(self, nbytes: int) -> None:
         """Spend `nbytes` of the tenant's read budget for the current minute, or refuse."""
@@ -136,5 +159,5 @@ class TenantCall:
 
     def close(self) -> None:
         if self._open and self._ledger is not None and self._state is not None:
-            self._ledger._release(self.tenant, self._state, self._sequences)
+            self._ledger._release(self.tenant, self._state, self._sequences, self._patch_bytes)
         self._open = False

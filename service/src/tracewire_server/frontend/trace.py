@@ -28,6 +28,7 @@ from .errors import Internal, TracewireError
 from .invoke_gates import InvokeGates
 from .metrics import TraceMetrics
 from .outbox import Outbox, Write
+from .patch_room import PatchRoom
 from .prompts import EnginePrompt
 from .receiver import Receiver
 
@@ -50,6 +51,10 @@ class TraceEngine(Protocol):
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
+    # Room in the worker's patch store (a patching trace takes it before it starts)...
+    patch_room: PatchRoom
+
+    # ...given back, with the worker's values, when the trace ends.
     def release_trace(self, trace_key: str) -> None: ...
 
 
@@ -84,6 +89,8 @@ class TraceRun:
 
     async def _run(self, write: Write) -> None:
         started = time.monotonic()
+        if self.trace.keeps_values:  # before anything runs: room for its patch sources' values
+            self.engine.patch_room.admit(self.trace.key, self.trace.patch_bytes, self.trace.patch_source)
         self._outbox = Outbox(write, len(self.trace.invokes), self.buffer_cap_bytes, self.trace.stream_interval_s)
         self._gates = InvokeGates(self.trace.waits)
         tasks = [asyncio.create_task(self._invoke(inv)) for inv in self.trace.invokes]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,6 +24,19 @@ LENS_WORK = 65536 * 151936 * 4096
 # the transient memory a pattern read may take, counted against the trace's read budget.
 PATTERN_BLOCK_ELEMENTS = 1 << 24
 PATTERN_SCRATCH_COPIES = 4
+
+# The worker's patch store (worker/patch_store.py) holds at most this many bytes of patch
+# sources' values; the frontends admit patching traces against it before they start
+# (frontend/patch_room.py), so it never drops a live trace's values. Set by the server's
+# --patch-store-bytes (one value both sides read: the engine's processes inherit it).
+PATCH_STORE_BYTES_ENV = "TRACEWIRE_PATCH_STORE_BYTES"
+DEFAULT_PATCH_STORE_BYTES = 4 << 30
+
+
+def patch_store_bytes() -> int:
+    """The patch store's size: $TRACEWIRE_PATCH_STORE_BYTES, else the default."""
+    value = os.environ.get(PATCH_STORE_BYTES_ENV, "")
+    return int(value) if value else DEFAULT_PATCH_STORE_BYTES
 
 
 @dataclass(frozen=True)

@@ -6,24 +6,27 @@ rows here at the step's sample, before that step's record is sent; the frontend 
 a target's requests only after that record (frontend/trace.py), so a target's write
 always finds its operand. Values stay until the trace ends: the frontend releases the
 trace (`tracewire_release`, extension.py) on success, error or cancel, and a preempted
-target that recomputes its prefill finds them again meanwhile. A release that never
-comes (a frontend that died) cannot leak without limit: past `max_bytes` the oldest
-traces go, and a target of theirs fails saying so.
+target that recomputes its prefill finds them again meanwhile.
+
+The store never drops a live trace's values to make room: each frontend admits a
+patching trace against its share of `max_bytes` before the trace starts, counting the
+trace's worst case (frontend/patch_room.py), and frees that room only when this store
+says it released the trace. A put that would still pass `max_bytes` (only possible if a
+release was lost, e.g. a frontend died) is refused: the trace that asked for the room
+fails its targets saying so, and no other trace loses anything.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 
-log = logging.getLogger(f"vllm.{__name__}")
+from ..shared.limits import PATCH_STORE_BYTES_ENV, patch_store_bytes
 
-MAX_BYTES_ENV = "TRACEWIRE_PATCH_STORE_BYTES"
-DEFAULT_MAX_BYTES = 4 << 30
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 class StoreSize(NamedTuple):
@@ -34,36 +37,37 @@ class StoreSize(NamedTuple):
 
 class PatchStore:
     def __init__(self, max_bytes: int | None = None) -> None:
-        env = os.environ.get(MAX_BYTES_ENV)
-        self.max_bytes = max_bytes if max_bytes is not None else int(env) if env else DEFAULT_MAX_BYTES
-        # trace -> (invoke, read name, step) -> [rows, width] float32, oldest trace first
-        self._traces: OrderedDict[str, dict[tuple[int, str, int], torch.Tensor]] = OrderedDict()
-        self._evicted: OrderedDict[str, None] = OrderedDict()  # (bounded: for messages only)
+        self.max_bytes = patch_store_bytes() if max_bytes is None else max_bytes
+        # trace -> (invoke, read name, step) -> [rows, width] float32
+        self._traces: dict[str, dict[tuple[int, str, int], torch.Tensor]] = {}
+        self._refused: OrderedDict[str, None] = OrderedDict()  # (bounded: for messages only)
         self.bytes = 0
 
     def put(self, trace: str, invoke: int, name: str, step: int, rows: torch.Tensor) -> None:
         entries = self._traces.setdefault(trace, {})
         old = entries.get((invoke, name, step))
-        if old is not None:  # (a step seen again: keep the latest)
-            self.bytes -= _size(old)
+        grows = _size(rows) - (_size(old) if old is not None else 0)  # (a step seen again: keep the latest)
+        if self.bytes + grows > self.max_bytes:
+            self._refuse(trace, grows)
+            return
         entries[(invoke, name, step)] = rows
-        self.bytes += _size(rows)
-        while self.bytes > self.max_bytes and len(self._traces) > 1:
-            self._evict_oldest()
+        self.bytes += grows
 
     def get(self, trace: str, invoke: int, name: str, step: int) -> torch.Tensor:
         """The rows, or a RuntimeError saying why they are not here (the target fails)."""
         found = self._traces.get(trace, {}).get((invoke, name, step))
         if found is not None:
             return found
-        if trace in self._evicted:
-            raise RuntimeError(f"invoke {invoke}'s {name!r} was dropped from the worker's patch store (over "
-                               f"{self.max_bytes} bytes held, {MAX_BYTES_ENV}); run fewer patching traces at once")
+        if trace in self._refused:
+            raise RuntimeError(f"invoke {invoke}'s {name!r} did not fit in the worker's patch store "
+                               f"({self.max_bytes} bytes, --patch-store-bytes / {PATCH_STORE_BYTES_ENV}): "
+                               "room the frontends admitted is held by traces whose release was lost")
         raise RuntimeError(f"invoke {invoke}'s {name!r} has no value at step {step} on the worker")
 
     def release(self, trace: str) -> int:
         """Forget a trace's values; the bytes freed."""
         entries = self._traces.pop(trace, None)
+        self._refused.pop(trace, None)
         freed = sum(_size(t) for t in entries.values()) if entries else 0
         self.bytes -= freed
         return freed
@@ -71,14 +75,14 @@ class PatchStore:
     def size(self) -> StoreSize:
         return StoreSize(len(self._traces), sum(len(e) for e in self._traces.values()), self.bytes)
 
-    def _evict_oldest(self) -> None:
-        trace, _ = next(iter(self._traces.items()))
-        freed = self.release(trace)
-        self._evicted[trace] = None
-        while len(self._evicted) > 1024:
-            self._evicted.popitem(last=False)
-        log.warning("patch store over %d bytes: dropped trace %s (%d bytes) never released", self.max_bytes,
-                    trace, freed)
+    def _refuse(self, trace: str, nbytes: int) -> None:
+        if trace not in self._refused:
+            log.warning("patch store: %d more bytes for trace %s would pass its %d bytes (holding %d); "
+                        "refused (the frontends admit traces against this size: was a release lost?)",
+                        nbytes, trace, self.max_bytes, self.bytes)
+        self._refused[trace] = None
+        while len(self._refused) > 1024:
+            self._refused.popitem(last=False)
 
 
 def _size(t: torch.Tensor) -> int:
