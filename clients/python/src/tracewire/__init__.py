@@ -43,6 +43,7 @@ from .errors import (
     TracewireError,
     Unavailable,
     Unimplemented,
+    Unreachable,
 )
 from .mapping import Item, MapResults
 from .outputs import CompletionOutput, Logprob, RequestOutput
@@ -104,4 +105,5 @@ __all__ = [
     "TracewireError",
     "Unavailable",
     "Unimplemented",
+    "Unreachable",
 ]

@@ -84,6 +84,7 @@ class AsyncClient:
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         connection = connect(grpc.aio, target, token=token, tls=tls, credentials=credentials, options=options)
+        self._target = target
         self._channel: grpc.aio.Channel = connection.channel
         self._stub = connection.stub
         self._metadata = connection.metadata
@@ -93,7 +94,7 @@ class AsyncClient:
     # -- I/O ----------------------------------------------------------------------
 
     async def _unary(self, rpc: Rpc[T]) -> T:
-        with TypedErrors():
+        with TypedErrors(self._target):
             response = await getattr(self._stub, rpc.method)(
                 rpc.request, timeout=self.timeout, metadata=self._metadata
             )
@@ -102,7 +103,7 @@ class AsyncClient:
     async def _stream(self, rpc: Rpc[T]) -> AsyncIterator[T]:
         call = getattr(self._stub, rpc.method)(rpc.request, timeout=self.timeout, metadata=self._metadata)
         try:
-            with TypedErrors():
+            with TypedErrors(self._target):
                 async for message in call:
                     yield rpc.decode(message)
         finally:

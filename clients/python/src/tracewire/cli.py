@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .client import Client
-from .errors import TracewireError
+from .errors import TracewireError, Unreachable
 from .rpcs import ModelInfo
 from .tls import Tls
 
@@ -74,9 +74,11 @@ def _trace(client: Client, args: argparse.Namespace) -> None:
     tracer = client.trace(args.prompt, **_sampling(args))
     tracer.all().logprobs(top_k=args.top_k).save("lp")
     decode = _TokenText(client)
-    if not args.json:
-        print(f"{'step':>4}  {'token':<16} {'p':>6}  top {args.top_k}")
+    header = not args.json  # printed with the first step: a call that fails prints nothing but its error
     for step in client.stream_trace(tracer):
+        if header:
+            print(f"{'step':>4}  {'token':<16} {'p':>6}  top {args.top_k}")
+            header = False
         lp = step.values["lp"]
         alternatives = [(decode(t), math.exp(v)) for t, v in lp.top.items()]
         if args.json:
@@ -327,6 +329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             commands = {"generate": _generate, "trace": _trace, "lens": _lens, "tokenize": _tokenize,
                         "collect": _collect}
             commands[args.command](client, args)
+    except Unreachable as e:
+        print(f"tracewire: cannot reach a tracewire server at {e.target} ({e.reason}): start one (make serve), "
+              "or give its address: --target HOST:PORT or $TRACEWIRE_TARGET", file=sys.stderr)
+        return 1
     except TracewireError as e:
         where = f" (field {e.field})" if e.field else ""
         print(f"tracewire: {e.code.name}{where}: {e.message}", file=sys.stderr)

@@ -51,6 +51,7 @@ class Client:
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         connection = connect(grpc, target, token=token, tls=tls, credentials=credentials, options=options)
+        self._target = target
         self._channel: grpc.Channel = connection.channel
         self._stub = connection.stub
         self._metadata = connection.metadata
@@ -60,14 +61,14 @@ class Client:
     # -- I/O ----------------------------------------------------------------------
 
     def _unary(self, rpc: Rpc[T]) -> T:
-        with TypedErrors():
+        with TypedErrors(self._target):
             response = getattr(self._stub, rpc.method)(rpc.request, timeout=self.timeout, metadata=self._metadata)
         return rpc.decode(response)
 
     def _stream(self, rpc: Rpc[T]) -> Iterator[T]:
         call = getattr(self._stub, rpc.method)(rpc.request, timeout=self.timeout, metadata=self._metadata)
         try:
-            with TypedErrors():
+            with TypedErrors(self._target):
                 for message in call:
                     yield rpc.decode(message)
         finally:

@@ -47,6 +47,19 @@ class Unavailable(TracewireError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unreachable(Unavailable):
+    """No server answered at the client's target: nothing listening there (connection
+    refused), a name that does not resolve, a host that cannot be reached. Its message is
+    one line naming the target and how to give another; `target` and `reason` say the
+    same for code that reports it its own way (the CLI names its --target flag)."""
+
+    def __init__(self, target: str, reason: str) -> None:
+        super().__init__(f"cannot reach a tracewire server at {target} ({reason}): start one (make serve), "
+                         'or pass its address: tracewire.Client("HOST:PORT")')
+        self.target = target
+        self.reason = reason
+
+
 class DeadlineExceeded(TracewireError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -93,8 +106,9 @@ _BY_CODE: dict[grpc.StatusCode, type[TracewireError]] = {
 }
 
 
-def from_rpc_error(error: grpc.RpcError) -> TracewireError:
-    """The typed exception for a failed call, the same for both clients.
+def from_rpc_error(error: grpc.RpcError, target: str | None = None) -> TracewireError:
+    """The typed exception for a failed call, the same for both clients. With the
+    channel's `target`, a call that never reached a server is `Unreachable`.
 
     The sync client's errors are grpc.Call objects; the async client's are
     grpc.aio.AioRpcError, which is not one, so grpc_status's from_call (sync calls
@@ -103,15 +117,46 @@ def from_rpc_error(error: grpc.RpcError) -> TracewireError:
     """
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     message = error.details() if hasattr(error, "details") else str(error)
+    reason = unreachable_reason(code, message or "") if target is not None else None
+    if target is not None and reason is not None:
+        return Unreachable(target, reason)
     cls = _BY_CODE.get(code, TracewireError)
     result = cls(message or str(code), field=_violated_field(_rich_status(error, code)))
     result.code = code
     return result
 
 
+# gRPC core's words for a call that found no server: every address refused or timed out
+# ("failed to connect to all addresses; last error: ...: Connection refused"), or the name did
+# not resolve ("errors resolving HOST:PORT: ..."; older cores: "DNS resolution failed").
+_NO_CONNECTION = ("failed to connect to all addresses", "errors resolving", "dns resolution failed")
+
+
+def unreachable_reason(code: grpc.StatusCode, details: str) -> str | None:
+    """Why no server was reached, in a few words, for an UNAVAILABLE that gRPC itself gave
+    before any server answered; None for any other error (a server's own UNAVAILABLE, "the
+    server is shutting down", is a server's answer)."""
+    lowered = details.lower()
+    if code != grpc.StatusCode.UNAVAILABLE or not lowered.startswith(_NO_CONNECTION):
+        return None
+    if "connection refused" in lowered:
+        return "connection refused: nothing listens there"
+    if lowered.startswith(("errors resolving", "dns resolution failed")):
+        return "the name does not resolve"
+    if "timeout" in lowered or "timed out" in lowered:
+        return "the connection timed out"
+    last = details.rpartition(": ")[2].strip()
+    return f"cannot connect: {last}" if last else "cannot connect"
+
+
 class TypedErrors:
-    """`with TypedErrors():` around a call's I/O, blocking or awaited: a failed call's
-    grpc.RpcError comes out as its TracewireError (the one place both clients map them)."""
+    """`with TypedErrors(target):` around a call's I/O, blocking or awaited: a failed call's
+    grpc.RpcError comes out as its TracewireError (the one place both clients map them),
+    `Unreachable` when no server at `target` answered. Raised `from None`: the grpc error
+    adds nothing the typed one does not say."""
+
+    def __init__(self, target: str | None = None) -> None:
+        self._target = target
 
     def __enter__(self) -> None:
         return None
@@ -120,7 +165,7 @@ class TypedErrors:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if isinstance(exc, grpc.RpcError):
-            raise from_rpc_error(exc) from None
+            raise from_rpc_error(exc, self._target) from None
 
 
 # Where gRPC carries a google.rpc.Status (serialized) next to the code and message.
