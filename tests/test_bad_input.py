@@ -223,3 +223,18 @@ def test_errors_quoting_a_large_input_are_clipped(stub):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert tracewire.errors.from_rpc_error(info.value).field == "model"
     assert "more characters" in info.value.details() and len(info.value.details()) < 1200
+
+
+def test_a_module_that_does_not_exist_is_unknown_on_the_compiled_server_too(stub):
+    """The default server is compiled (no module hooks): an address the model lacks is the
+    eager server's INVALID_ARGUMENT "unknown module" (test_hidden_states), not a hint to
+    start it with --enforce-eager."""
+    from tracewire.v1 import intervention_pb2, trace_pb2
+
+    read = intervention_pb2.Intervention(name="h", read_module=intervention_pb2.ReadModule(module="layers.99"))
+    request = service_pb2.TraceRequest(invokes=[trace_pb2.Invoke(prompt=_text("a"), interventions=[read])])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Trace(request, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert tracewire.errors.from_rpc_error(info.value).field == "invokes[0].interventions[0].read_module.module"
+    assert "unknown module 'layers.99'" in info.value.details()

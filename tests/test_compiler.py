@@ -362,6 +362,23 @@ def test_module_reads_name_known_modules():
         P.ReadModule("layers.2.mlp", P.Positions(), mean=True)
 
 
+@pytest.mark.parametrize("limits", [EAGER, COMPILED, STEERING, READING],
+                         ids=["eager", "compiled", "compiled_steering", "compiled_reads"])
+@pytest.mark.parametrize(("intervention", "field", "words"), [
+    (iv("r", read_module=I.ReadModule(module="layers.99")), f"{F}.read_module.module", "unknown module 'layers.99'"),
+    (iv("r", read_module=I.ReadModule(module="layers.0.nope")), f"{F}.read_module.module", "unknown module"),
+    (iv(write_module=I.WriteModule(module="layers.99", zero=I.ZeroAblation())), f"{F}.write_module.module",
+     "unknown module 'layers.99'"),
+    (iv("r", read_logit_lens=I.ReadLogitLens(layers=[99])), f"{F}.read_logit_lens.layers[0]", "outside [0, 4)"),
+    (iv("r", read_attention_pattern=I.ReadAttentionPattern(layers=[99])), f"{F}.read_attention_pattern.layers[0]",
+     "outside [0, 4)"),
+])
+def test_an_address_that_does_not_exist_is_the_same_invalid_argument_on_every_engine_kind(
+        intervention, field, words, limits):
+    # (what the server cannot serve is FAILED_PRECONDITION only for addresses that exist)
+    invalid(intervention, field, words, limits=limits)
+
+
 def test_positions_are_checked_against_the_prompt():
     def read(positions: I.Positions) -> I.Intervention:
         return iv("r", read_module=I.ReadModule(module="layers.0", positions=positions))

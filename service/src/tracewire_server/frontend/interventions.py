@@ -280,7 +280,6 @@ class InterventionCompiler:
             )
 
     def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:
-        self.require_reads(field)
         num_layers = self.limits.num_layers
         if not r.layers:
             raise InvalidArgument(f"{field}.layers", "name at least one layer")
@@ -288,17 +287,16 @@ class InterventionCompiler:
         for k, layer in enumerate(r.layers):
             if not -num_layers <= layer < num_layers:
                 raise InvalidArgument(f"{field}.layers[{k}]", f"layer {layer} is outside [0, {num_layers})")
-            self.require_readable(f"layers.{layer % num_layers}", f"{field}.layers[{k}]")
             layers.append(layer % num_layers)
+        self.require_reads(field)
+        for k, layer in enumerate(layers):
+            self.require_readable(f"layers.{layer}", f"{field}.layers[{k}]")
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
         top_k = self.top_k(r.top_k, f"{field}.top_k", allow_zero=True)
         return P.ReadLogitLens(tuple(layers), positions, top_k)
 
     def read_attention_pattern(self, r: ipb.ReadAttentionPattern, field: str) -> P.Action:
-        self.require_eager(field)
         limits = self.limits
-        if why := limits.attention_patterns_refusal():
-            raise FailedPrecondition(f"{field}: {why}")
         layers = self.distinct_layers(r.layers, f"{field}.layers")
         heads_count, kv_count = limits.num_attention_heads, limits.num_key_value_heads
         seen: dict[int, int] = {}  # head -> its index in the field
@@ -314,6 +312,9 @@ class InterventionCompiler:
             raise InvalidArgument(f"{field}.top_k", f"must be in [0, {limits.max_model_len}] (the model's "
                                   f"context; 0 returns full rows), got {r.top_k}")
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
+        self.require_eager(field)
+        if why := limits.attention_patterns_refusal():
+            raise FailedPrecondition(f"{field}: {why}")
         group = heads_count // kv_count  # query heads per KV head
         return P.ReadAttentionPattern(
             tuple(layers), tuple(heads), positions, r.top_k,
@@ -400,8 +401,10 @@ class InterventionCompiler:
             raise InvalidArgument(field, f"unknown module {path!r}; GetModelInfo lists them ({known}, ...)")
 
     def read_module(self, r: ipb.ReadModule, field: str) -> P.Action:
-        self.require_reads(field)
+        # What the request says is checked before what this server serves: an address that
+        # does not exist is "unknown module" on every engine kind, never "start it eager".
         self.module_path(r.module, f"{field}.module")
+        self.require_reads(field)
         self.require_readable(r.module, f"{field}.module")
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
         units = read_units(self.limits, r, field)
@@ -506,7 +509,6 @@ class InterventionCompiler:
     def dictionary(self, name: str, module: str, field: str, reads: bool = True) -> DictionaryInfo:
         """The dictionary an intervention names, checked against the module it gave
         (`reads`: and that this server reads that module; writes check their own)."""
-        self.require_reads(field)  # (computed from module outputs)
         if not name:
             raise InvalidArgument(f"{field}.dictionary", "name a dictionary (ListDictionaries lists them)")
         info = self.dictionaries(name)
@@ -515,6 +517,7 @@ class InterventionCompiler:
                                   "the server's")
         if module and module != info.module:
             raise InvalidArgument(f"{field}.module", f"dictionary {name!r} reads {info.module!r}, not {module!r}")
+        self.require_reads(field)  # (computed from module outputs)
         if reads:
             self.require_readable(info.module, f"{field}.dictionary")
         return info
