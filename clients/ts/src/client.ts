@@ -6,7 +6,7 @@
 
 import { isMessage } from "@bufbuild/protobuf";
 import { ConnectError, createClient, type CallOptions as ConnectCallOptions, type Client, type Transport } from "@connectrpc/connect";
-import { Code, TracewireError, toTracewireError } from "./errors.js";
+import { Code, TracewireError, toTracewireError, type Endpoint } from "./errors.js";
 import { TraceRun, rowReads } from "./stream.js";
 import { InvokeBuilder, samplingParams, toPrompt, traceRequest, type PromptInput, type Sampling } from "./trace.js";
 import type { Dictionary } from "./gen/tracewire/v1/dictionary_pb.js";
@@ -48,10 +48,15 @@ export class TracewireClient {
    * `close` releases what the transport holds open (connect-node's HTTP/2 session, which
    * otherwise keeps a Node process alive until it idles out); fetch transports need none.
    */
+  /**
+   * `endpoint`: where the transport sends its calls and how a user gives another address, for
+   * the UnreachableError of a call that reaches no server (without it: the transport's error).
+   */
   constructor(
     transport: Transport,
     private readonly options: ClientOptions = {},
     private readonly release: () => void = () => undefined,
+    private readonly endpoint?: Endpoint,
   ) {
     this.service = createClient(TraceService, transport);
   }
@@ -150,7 +155,7 @@ export class TracewireClient {
     try {
       return await send();
     } catch (error) {
-      throw toTracewireError(error);
+      throw toTracewireError(error, this.endpoint);
     }
   }
 
@@ -181,7 +186,7 @@ export class TracewireClient {
       }
       if (deadline.signal.aborted) throw deadline.signal.reason;
     } catch (error) {
-      throw toTracewireError(error);
+      throw toTracewireError(error, this.endpoint);
     } finally {
       clearTimeout(timer);
     }

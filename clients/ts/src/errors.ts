@@ -32,13 +32,79 @@ export class TracewireError extends Error {
   }
 }
 
-/** The TracewireError for anything a call threw (a ConnectError, an abort, a network error). */
-export function toTracewireError(error: unknown): TracewireError {
+/**
+ * Where a client sends its calls, for the message of a call that reached no server: `target`
+ * as given, and `howToSet` how to give another ("createNodeClient(\"http://HOST:PORT\")").
+ */
+export interface Endpoint {
+  readonly target: string;
+  readonly howToSet: string;
+}
+
+/**
+ * No server answered at the client's target: nothing listens there (connection refused), a
+ * name that does not resolve, a host that cannot be reached, or, in a browser, a request the
+ * browser refused to make (fetch says no more: a closed port and a CORS refusal look alike).
+ * UNAVAILABLE, as gRPC calls it; the message is one line naming the target and how to give
+ * another; `target` and `reason` say the same for code that reports it its own way. It
+ * carries no `cause` (Node would print the whole chain of socket errors under it): `reason`
+ * is what that chain said.
+ */
+export class UnreachableError extends TracewireError {
+  readonly target: string;
+  readonly reason: string;
+
+  constructor(endpoint: Endpoint, reason: string) {
+    super(`cannot reach a tracewire server at ${endpoint.target} (${reason}): start one (make serve), or pass its address: ${endpoint.howToSet}`, Code.Unavailable);
+    this.target = endpoint.target;
+    this.reason = reason;
+  }
+}
+
+/**
+ * The TracewireError for anything a call threw (a ConnectError, an abort, a network error);
+ * with the client's `endpoint`, an UnreachableError for a call that reached no server.
+ */
+export function toTracewireError(error: unknown, endpoint?: Endpoint): TracewireError {
   if (error instanceof TracewireError) {
     return error;
   }
   const connect = ConnectError.from(error);
+  const reason = endpoint ? unreachableReason(connect) : undefined;
+  if (endpoint && reason !== undefined) {
+    return new UnreachableError(endpoint, reason);
+  }
   return new TracewireError(connect.rawMessage, connect.code, badRequestField(connect), { cause: error });
+}
+
+// Node's errors for a connection that was never made (net.connect, dns.lookup).
+const NO_CONNECTION: Readonly<Record<string, string>> = {
+  ECONNREFUSED: "connection refused: nothing listens there",
+  ENOTFOUND: "the name does not resolve",
+  EAI_AGAIN: "the name does not resolve (for now)",
+  EHOSTUNREACH: "the host is unreachable",
+  ENETUNREACH: "the network is unreachable",
+  ETIMEDOUT: "the connection timed out",
+};
+// fetch's own failure, as browsers and Node word it (Chromium, Firefox, Safari, undici).
+const FETCH_FAILED = /^(Failed to fetch|NetworkError when attempting to fetch resource\.?|Load failed|fetch failed)$/;
+
+/**
+ * Why a call reached no server, in a few words; undefined for anything else (an error a
+ * server answered with, an abort). Node's socket error is somewhere in the cause chain
+ * (Connect's error, fetch's TypeError, the system error); a browser's fetch says only that it failed.
+ */
+export function unreachableReason(error: ConnectError): string | undefined {
+  if (error.code !== Code.Unavailable && error.code !== Code.Unknown) return undefined;
+  let fetchFailed = false;
+  let cause: unknown = error;
+  for (let depth = 0; depth < 6 && cause instanceof Error; depth++) {
+    const code = (cause as { code?: unknown }).code;
+    if (typeof code === "string" && NO_CONNECTION[code]) return NO_CONNECTION[code];
+    fetchFailed ||= cause instanceof TypeError && FETCH_FAILED.test(cause.message);
+    cause = cause.cause;
+  }
+  return fetchFailed ? "the request failed: nothing listens there, or its CORS does not allow this page's origin" : undefined;
 }
 
 /** "INVALID_ARGUMENT" for Code.InvalidArgument (Code's own names are CamelCase). */

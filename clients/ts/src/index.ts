@@ -47,7 +47,7 @@ export {
   type Condition,
 } from "./conditions.js";
 export { Dtype, decodeTensor, float32Tensor, type DecodedTensor, type DtypeArrays, type TensorArray } from "./tensors.js";
-export { Code, TracewireError, statusName, toTracewireError } from "./errors.js";
+export { Code, TracewireError, UnreachableError, statusName, toTracewireError, type Endpoint } from "./errors.js";
 export {
   DictionaryKind,
   ProbeActivation,

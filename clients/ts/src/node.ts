@@ -48,6 +48,7 @@ export interface NodeClientOptions extends ClientOptions {
  * with the OS resolver before the first call and again at most every 30 s (dns_replicas.ts).
  */
 export function createNodeClient(target: string | readonly string[], options: NodeClientOptions = {}): TracewireClient {
+  const endpoint = { target: typeof target === "string" ? target : target.join(", "), howToSet: NODE_HOW_TO_SET };
   const name = typeof target === "string" ? parseDnsTarget(target) : undefined;
   if (name) {
     if (options.transport?.sessionManager) {
@@ -56,7 +57,7 @@ export function createNodeClient(target: string | readonly string[], options: No
     // With TLS, the certificate names the host, not each address it resolves to (as gRPC checks it).
     const connectTo = (address: string): Connection => connect(address, options, name.host);
     const transport = dnsReplicaTransport(target as string, connectTo, options.dns);
-    return new TracewireClient(transport, options, () => transport.close());
+    return new TracewireClient(transport, options, () => transport.close(), endpoint);
   }
   const addresses = replicaAddresses(target);
   if (addresses.length > 1 && options.transport?.sessionManager) {
@@ -65,8 +66,11 @@ export function createNodeClient(target: string | readonly string[], options: No
   const connections = addresses.map((address) => connect(address, options));
   const transport =
     connections.length === 1 ? connections[0]!.transport : replicaTransport(connections.map((c) => c.transport));
-  return new TracewireClient(transport, options, () => connections.forEach((c) => c.release()));
+  return new TracewireClient(transport, options, () => connections.forEach((c) => c.release()), endpoint);
 }
+
+/** How an UnreachableError says to give another server. */
+const NODE_HOW_TO_SET = 'createNodeClient("http://HOST:PORT"), the server\'s gRPC port (--port)';
 
 /** One server's gRPC transport, and how to end its HTTP/2 connection. */
 function connect(url: string, options: NodeClientOptions, servername?: string): Connection {

@@ -22,6 +22,9 @@ export interface WebClientOptions extends ClientOptions {
   readonly fetch?: typeof globalThis.fetch;
 }
 
+/** How an UnreachableError says to give another server. */
+const WEB_HOW_TO_SET = 'createWebClient("http://HOST:PORT"), the server\'s HTTP port (--http-port)';
+
 /** A client for the browser (or any fetch runtime), e.g. createWebClient("http://127.0.0.1:8080"). */
 export function createWebClient(baseUrl: string, options: WebClientOptions = {}): TracewireClient {
   const common = {
@@ -31,11 +34,12 @@ export function createWebClient(baseUrl: string, options: WebClientOptions = {})
     ...(options.fetch ? { fetch: options.fetch } : {}),
   };
   const protocol = options.protocol ?? "grpc-web";
+  const endpoint = { target: baseUrl, howToSet: WEB_HOW_TO_SET };
   switch (protocol) {
     case "grpc-web":
-      return new TracewireClient(createGrpcWebTransport(common), options);
+      return new TracewireClient(createGrpcWebTransport(common), options, undefined, endpoint);
     case "connect":
-      return new TracewireClient(createConnectTransport(common), options);
+      return new TracewireClient(createConnectTransport(common), options, undefined, endpoint);
     default:
       // Reached only from untyped JavaScript.
       throw new TracewireError(`unknown web protocol "${String(protocol)}": "grpc-web" or "connect"`, Code.InvalidArgument);

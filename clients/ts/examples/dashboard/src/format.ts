@@ -106,3 +106,11 @@ export function lensColors(prob: number): { readonly background: string; readonl
   const lightness = Math.round(97 - 62 * p); // 97% .. 35%
   return { background: `hsl(212 70% ${lightness}%)`, text: lightness < 60 ? "#ffffff" : "#1d232b" };
 }
+
+/**
+ * The banner's line when no server answered at `target` (the client's UnreachableError: its
+ * `reason`): how to start one, and how to point this page at another (?server=).
+ */
+export function unreachableMessage(target: string, reason: string): string {
+  return `cannot reach a tracewire server at ${target} (${reason}): start one (make serve), or open this page with ?server=URL of its HTTP port (--http-port)`;
+}

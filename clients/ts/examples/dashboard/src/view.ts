@@ -11,8 +11,8 @@
  * #steer-status[data-state][data-run][data-norm], #steer-plain / #steer-steered (their text, [data-coefficient]).
  */
 
-import { Code, TracewireError, type Dictionary } from "@tracewire/client";
-import { controlForField, controlMessage, formatProb, lensColors, type ControlId, type TokenLabel } from "./format.js";
+import { Code, TracewireError, UnreachableError, type Dictionary } from "@tracewire/client";
+import { controlForField, controlMessage, formatProb, lensColors, unreachableMessage, type ControlId, type TokenLabel } from "./format.js";
 import type { TokenLabels } from "./labels.js";
 import type { Availability, FeatureChip, LensColumn, Side, StepView } from "./model.js";
 
@@ -100,7 +100,9 @@ export function setStatus(els: Elements, state: RunState, run: number, message: 
 export function showError(els: Elements, error: unknown, hint?: string): void {
   const tw = error instanceof TracewireError ? error : undefined;
   const status = tw?.status ?? "ERROR";
-  const message = error instanceof Error ? error.message : String(error);
+  // No server reached: the page's own line (its ?server=, not the client's createWebClient).
+  const unreachable = error instanceof UnreachableError;
+  const message = unreachable ? unreachableMessage(error.target, error.reason) : error instanceof Error ? error.message : String(error);
   const control = controlForField(tw?.field);
   els.error.dataset.status = status;
   els.error.dataset.field = tw?.field ?? "";
@@ -110,7 +112,7 @@ export function showError(els: Elements, error: unknown, hint?: string): void {
     span("error-status", status),
     ...(tw?.field ? [span("error-field", tw.field)] : []),
     span("error-message", message),
-    ...(hint && tw?.code === Code.Unknown ? [span("error-hint", hint)] : []),
+    ...(hint && (unreachable || tw?.code === Code.Unknown) ? [span("error-hint", hint)] : []),
   );
   els.error.hidden = false;
   if (control && tw?.field) {
