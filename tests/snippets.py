@@ -1,8 +1,11 @@
 """The code blocks of a Markdown file, and running them as a reader would.
 
-A reader copies a README's Python blocks into one session, in order: `run_python` does
-that in a fresh interpreter (one namespace for all blocks, `tracewire.TraceWarning` an
-error, so a step an example never reaches fails it) and records what each `print` wrote.
+Every Python block of the docs is self-contained: a reader may copy any one of them alone.
+`run_python` runs them so, each in a namespace of its own, in one fresh interpreter (one
+start for all of them: a start and `import tracewire` cost seconds on a busy machine), with
+`tracewire.TraceWarning` an error, so a step an example never reaches fails it; a block
+that fails does not stop the others, and each failure is reported by name. It records what
+each `print` wrote.
 `# expected` comments on print lines are the documentation's claims: `print_claims` pairs
 each with what was printed (`...` in a claim matches anything).
 """
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FENCE = re.compile(r"^```(\w*)\s*$")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,10 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.path.name}:{self.line}"
+        """Where the block is, e.g. docs/tutorials/patching.md:12 (the repository's
+        several README.md files told apart)."""
+        where = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        return f"{where}:{self.line}"
 
 
 def blocks(path: Path, lang: str) -> list[Block]:
@@ -50,9 +57,10 @@ def blocks(path: Path, lang: str) -> list[Block]:
     return found
 
 
-# Runs in the child: every block in one namespace, prints recorded by (block, line).
+# Runs in the child: each block in a namespace of its own, prints recorded by (block, line),
+# every block run even when one before it failed (its traceback on stderr, exit status 1).
 _DRIVER = r'''
-import builtins, io, json, sys, warnings
+import builtins, io, json, sys, traceback, warnings
 import tracewire
 warnings.simplefilter("error", tracewire.TraceWarning)
 blocks, out_path = json.load(open(sys.argv[1])), sys.argv[2]
@@ -65,12 +73,16 @@ def recording_print(*args, sep=" ", end="\n", file=None, flush=False):
         records.append([frame.f_code.co_filename, frame.f_lineno, text.getvalue()])
     real_print(*args, sep=sep, end=end, file=file, flush=flush)
 builtins.print = recording_print
-namespace = {"__name__": "__main__"}
-try:
-    for block in blocks:
-        exec(compile(block["code"], block["name"], "exec"), namespace)
-finally:
-    json.dump(records, open(out_path, "w"))
+failed = []
+for block in blocks:
+    try:
+        exec(compile(block["code"], block["name"], "exec"), {"__name__": "__main__"})
+    except BaseException:
+        failed.append(block["name"])
+        sys.stderr.write(f"--- {block['name']} failed:\n{traceback.format_exc()}")
+json.dump(records, open(out_path, "w"))
+if failed:
+    sys.exit(f"failed: {', '.join(failed)}")
 '''
 
 

@@ -1,10 +1,11 @@
-"""Every runnable snippet of README.md and clients/python/README.md runs as written against
-a real server and does what its text says.
+"""Every runnable snippet of the docs (README.md, the site's pages under docs/ and
+clients/python/README.md) runs as written against a real server and does what its text says.
 
 The session's `--enforce-eager` server (conftest's `eager`) serves them all (the
-hidden-states snippets need it; it serves everything a compiled one does). Python blocks
-run in order in one session, TraceWarnings as errors, each `print(...)  # claim` checked
-against what it printed (tests/snippets.py).
+hidden-states snippets need it; it serves everything a compiled one does). Each Python block
+runs on its own, in a namespace of its own (a reader may copy any one alone), all of them in
+one interpreter, TraceWarnings as errors, each `print(...)  # claim` checked against what it
+printed (tests/snippets.py).
 Shell blocks run with bash, the documented ports pointed at the test server's; blocks that
 start servers or build things (`make ...`, `python -m tracewire_server`, bench/) are the
 other tests' business. The TypeScript blocks run in clients/ts/test/readme.test.ts.
@@ -25,6 +26,7 @@ from conftest import ROOT
 from snippets import Block, blocks, claim_holds, print_claims, run_python
 
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 SDK_README = ROOT / "clients" / "python" / "README.md"
 BUF = ROOT / "clients" / "ts" / "node_modules" / ".bin" / "buf"
 # Blocks that start a server, install or build: not snippets a reader runs against one.
@@ -38,18 +40,27 @@ def replacements(server) -> dict[str, str]:
     return {"127.0.0.1:50051": server.target, "127.0.0.1:8080": http}
 
 
+def pages() -> list[Path]:
+    """Every page whose blocks a reader runs: the README, the site's pages, the SDK's README."""
+    return [README, *sorted(DOCS.rglob("*.md")), SDK_README]
+
+
+def page_blocks(lang: str) -> list[Block]:
+    return [block for path in pages() for block in blocks(path, lang)]
+
+
 # -- Python ----------------------------------------------------------------------------
 
 
 def plaintext_blocks() -> list[Block]:
-    """The Python blocks a plaintext server answers: all but the Security section's, which
-    needs TLS and a token (test_security.py runs it against such a server)."""
-    return [b for b in blocks(README, "python") + blocks(SDK_README, "python") if "tracewire.Tls" not in b.code]
+    """The Python blocks a plaintext server answers: all but docs/security.md's, which needs
+    TLS and a token (test_security.py runs it against such a server)."""
+    return [b for b in page_blocks("python") if "tracewire.Tls" not in b.code]
 
 
 def test_python_snippets_run_and_print_what_they_claim(eager, tmp_path):
     snippets = plaintext_blocks()
-    assert len(snippets) >= 4, [b.name for b in snippets]
+    assert len(snippets) >= 12, [b.name for b in snippets]
     run = run_python(snippets, tmp_path, replacements(eager))
     assert run.returncode == 0, run.stderr
     assert "Warning" not in run.stderr, run.stderr
@@ -60,15 +71,26 @@ def test_python_snippets_run_and_print_what_they_claim(eager, tmp_path):
             assert printed, f"{block.name}+{line}: print never ran"
             assert claim_holds(claim, printed[0]), f"{block.name}+{line}: printed {printed[0]!r}, README says {claim!r}"
             checked += 1
-    assert checked >= 7
+    assert checked >= 20
+
+
+def test_the_readme_has_a_first_trace_and_links_to_the_site():
+    """The README is the front door: the two make commands, a first trace from Python and
+    from the CLI, and links into the site's pages that exist."""
+    text = README.read_text()
+    assert "make serve" in text and "make test" in text and "make docs" in text
+    assert [b for b in blocks(README, "python") if "client.trace(" in b.code]
+    assert [b for b in blocks(README, "bash") if "tracewire trace " in b.code]
+    linked = re.findall(r"\]\((docs/[^)#]+)", text)
+    assert len(linked) >= 8, linked
+    assert all((ROOT / path).is_file() for path in linked), [p for p in linked if not (ROOT / p).is_file()]
 
 
 def test_readme_trace_shows_what_the_model_wanted_at_the_forced_step(eager, tmp_path):
     """The README's Python trace forces " Berlin" at step 0; the values it prints for that
     step are the row before the force (" Paris" first), not the forced row (only " Berlin")."""
     (trace,) = [b for b in blocks(README, "python") if "before_writes" in b.code]
-    (sdk,) = [b for b in blocks(README, "python") if "client.generate([" in b.code]
-    run = run_python([sdk, trace], tmp_path, replacements(eager))
+    run = run_python([trace], tmp_path, replacements(eager))
     assert run.returncode == 0, run.stderr
     (line,) = [n for n, text in enumerate(trace.code.splitlines(), 1) if "top[0].ids" in text]
     (printed,) = run.prints[(trace.name, line)]
@@ -82,7 +104,7 @@ def test_readme_trace_shows_what_the_model_wanted_at_the_forced_step(eager, tmp_
 def shell_blocks() -> list[Block]:
     """The client-side shell blocks, without their set-up lines (`make serve`, `pip install`)."""
     runnable = []
-    for block in blocks(README, "bash") + blocks(SDK_README, "bash"):
+    for block in page_blocks("bash"):
         if any(marker in block.code for marker in NOT_CLIENT_SIDE):
             continue
         lines = [line for line in block.code.splitlines() if not line.startswith(SET_UP)]
@@ -119,32 +141,48 @@ def _skip_space(text: str, i: int) -> int:
 
 
 def shell_block(containing: str) -> Block:
-    (block,) = [b for b in shell_blocks() if containing in b.code]
+    (block,) = shell_blocks_with(containing)
     return block
 
 
-def test_every_client_side_shell_block_is_run_here():
-    """The blocks below are all there are: a new one needs a test of what it claims."""
-    names = {b.code.split("\n", 1)[0] for b in shell_blocks()}
-    assert len(shell_blocks()) == 9, names
+def shell_blocks_with(containing: str) -> list[Block]:
+    found = [b for b in shell_blocks() if containing in b.code]
+    assert found, f"no client-side shell block contains {containing!r}"
+    return found
+
+
+# What the tests below find their blocks by: each test checks what its blocks claim.
+CHECKED = ("source .venv/bin/activate", "force_sample", "base64 -d", "curl -s", "--protocol connect",
+           "each layer's top next-token guess", "tracewire collect", "--top-k 5 --max-tokens 8")
+
+
+def test_every_client_side_shell_block_is_run_here(eager):
+    """Each block a test below checks is found by it; any other block runs here, and must
+    succeed (a new one deserves a test of what it claims)."""
+    for marker in CHECKED:
+        shell_blocks_with(marker)
+    for block in shell_blocks():
+        if not any(marker in block.code for marker in CHECKED):
+            run_shell(block, eager)
 
 
 def test_activating_the_venv_reaches_the_cli_and_the_sdk(eager):
     """The quick start's block, from a new user's shell: no venv on PATH, no PYTHONPATH into
     the checkout. Without the README's step there is no `tracewire`; with it the CLI and the
     SDK answer."""
-    block = shell_block("source .venv/bin/activate")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = "/usr/local/bin:/usr/bin:/bin"
     env["TRACEWIRE_TARGET"] = eager.target
     before = subprocess.run(["bash", "-c", "command -v tracewire"], capture_output=True, text=True, env=env)
     assert before.returncode != 0, before.stdout
-    result = subprocess.run(["bash", "-e", "-c", block.code], capture_output=True, text=True, timeout=120,
-                            cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
-    assert "' Paris'" in result.stdout, result.stdout  # the CLI's tokenize table
-    assert re.fullmatch(r"\d+\.\d+\.\d+", lines[-1]), lines  # the SDK's version
+    for block in shell_blocks_with("source .venv/bin/activate"):
+        result = subprocess.run(["bash", "-e", "-c", block.code], capture_output=True, text=True, timeout=120,
+                                cwd=ROOT, env=env)
+        assert result.returncode == 0, f"{block.name}: {result.stderr}"
+        lines = result.stdout.strip().splitlines()
+        assert "' Paris'" in result.stdout, result.stdout  # the CLI's tokenize table, or its trace table
+        if "tracewire.__version__" in block.code:
+            assert re.fullmatch(r"\d+\.\d+\.\d+", lines[-1]), lines  # the SDK's version
 
 
 def test_buf_curl_trace_stops_at_step_3(eager):
@@ -220,6 +258,8 @@ def test_tracewire_lens_plot_and_collect(eager):
 
 
 def test_tracewire_trace_tables(eager):
-    for containing in ("--top-k 5 --max-tokens 8   #", "--top-k 5 --max-tokens 8\n"):
-        out = run_shell(shell_block(containing), eager)
-        assert "' Paris'" in out and "The capital of France is Paris." in out
+    traces = shell_blocks_with("--top-k 5 --max-tokens 8")
+    assert len(traces) >= 3, [b.name for b in traces]   # the README's, getting started's, the SDK's
+    for block in traces:
+        out = run_shell(block, eager)
+        assert "' Paris'" in out and "The capital of France is Paris." in out, block.name

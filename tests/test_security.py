@@ -1,5 +1,5 @@
 """The boundary on real servers: TLS and mutual TLS on both ports, bearer tokens on every
-RPC of both ports, per-tenant quotas, reflection and health (README: Security).
+RPC of both ports, per-tenant quotas, reflection and health (docs/security.md).
 
 Two servers, one per configuration, each shared by its module-scoped tests:
 - `tls_server`: TLS (server certificate only), --auth-tokens, small tenant quotas;
@@ -200,9 +200,9 @@ def test_tls_serves_both_ports_to_the_sdk_and_httpx(tls_server, pki):
 
 
 def test_the_readme_security_snippet_runs_as_written(tls_server, pki, tmp_path):
-    """README: Security's Python block, with its token and CA files beside it, against a TLS
-    server with tokens: the call it makes is answered, and prints what the README says."""
-    (block,) = [b for b in blocks(ROOT / "README.md", "python") if "tracewire.Tls" in b.code]
+    """docs/security.md's Python block, with its token and CA files beside it, against a TLS
+    server with tokens: the call it makes is answered, and prints what the page says."""
+    (block,) = [b for b in blocks(ROOT / "docs" / "security.md", "python") if "tracewire.Tls" in b.code]
     shutil.copy(pki.ca, tmp_path / "ca.pem")
     (tmp_path / "my.token").write_text(TOKENS["alice"] + "\n")
     run = run_python([block], tmp_path, {"host:50051": tls_server.target})

@@ -2,7 +2,7 @@
  * The clients against a server of its own with TLS and --auth-tokens (the shared test server
  * has neither): createNodeClient's `tls` and `token`, and createWebClient's token header.
  * The certificates come from tests/certs.py (Python's cryptography; Node cannot issue them).
- * The README's Security snippet runs here too, against this server.
+ * The docs' Security snippet (docs/security.md) runs here too, against this server.
  */
 
 import assert from "node:assert/strict";
@@ -94,8 +94,8 @@ test("the web client sends the token as an authorization header", async () => {
   assert.deepEqual(seen, [`Bearer ${TOKEN}`]);
 });
 
-test("the README's Security snippet runs as written against a TLS server with tokens", () => {
-  const [snippet, ...more] = snippets(join(REPO, "README.md")).filter((s) => s.code.includes("tls:"));
+test("the docs' Security snippet runs as written against a TLS server with tokens", () => {
+  const [snippet, ...more] = snippets(join(REPO, "docs", "security.md")).filter((s) => s.code.includes("tls:"));
   assert.ok(snippet && more.length === 0);
   writeFileSync(join(dir, "my.token"), `${TOKEN}\n`); // beside ca.pem: the snippet reads both
   const lines = runSnippet(snippet, { "https://host:50051": server.url, "https://host:8080": server.httpUrl }, dir);

@@ -1,5 +1,6 @@
 /**
- * The README's TypeScript snippets run as written against the real server, from Node
+ * The docs' TypeScript snippets (the site's pages under docs/, and the README's, which has
+ * none now) run as written against the real server, from Node
  * (test/snippets.ts says how). The stop example must stop: its stop at step 3 fires (greedy
  * decoding would run on) and no warning comes back. The Security section's snippet needs a
  * TLS server with tokens: auth.standalone.test.ts runs it; the Replicas snippets (an "ipv4:"
@@ -7,6 +8,7 @@
  */
 
 import assert from "node:assert/strict";
+import { readdirSync } from "node:fs";
 import { join } from "node:path";
 import { test } from "node:test";
 import { REPO } from "./server.js";
@@ -22,14 +24,19 @@ function run(snippet: Snippet): string[] {
 }
 
 const README = join(REPO, "README.md");
+const DOCS = join(REPO, "docs");
+/** The README and every page of the docs site. */
+const PAGES = [README, ...readdirSync(DOCS, { recursive: true, encoding: "utf8" })
+  .filter((name) => name.endsWith(".md")).sort().map((name) => join(DOCS, name))];
 
 /** The snippets against one plaintext server (the Security one needs TLS, the Replicas one two servers). */
-function plaintext(path = README): Snippet[] {
-  return snippets(path).filter((s) => !s.code.includes("tls:") && !s.code.includes("ipv4:"));
+function plaintext(paths = PAGES): Snippet[] {
+  return paths.flatMap(snippets).filter((s) => !s.code.includes("tls:") && !s.code.includes("ipv4:"));
 }
 
-test("the README has its runnable TypeScript snippets", () => {
-  assert.equal(snippets(README).length, 4, JSON.stringify(snippets(README).map((s) => s.line)));
+test("the docs have their runnable TypeScript snippets", () => {
+  const all = PAGES.flatMap(snippets);
+  assert.equal(all.length, 4, JSON.stringify(all.map((s) => `${s.path}:${s.line}`)));
   assert.equal(plaintext().length, 2);
 });
 
@@ -62,7 +69,7 @@ const TS_README = join(REPO, "clients/ts/README.md");
 
 test("clients/ts/README.md's snippets run: the Node one forces ' Berlin' and stops at the period", () => {
   assert.equal(snippets(TS_README).length, 4, JSON.stringify(snippets(TS_README).map((s) => s.line)));
-  const found = plaintext(TS_README);
+  const found = plaintext([TS_README]);
   assert.equal(found.length, 3, JSON.stringify(found.map((s) => s.line)));
   const [node, ...others] = found;
   assert.ok(node && node.code.includes("write.force(berlin)"), node?.code);

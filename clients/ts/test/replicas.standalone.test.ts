@@ -1,12 +1,12 @@
 /**
- * Several replicas behind one Node client (README: Replicas; src/replicas.ts): calls go
+ * Several replicas behind one Node client (docs/deployment.md: Replicas; src/replicas.ts): calls go
  * round-robin over the target's servers, and a call refused with UNAVAILABLE before any
  * response is retried on the next one, so a replica draining after SIGTERM sheds its traffic
  * without failing a call. The same scenario as tests/test_replicas.py for the Python SDK.
  *
  * Two servers of its own on the tiny model (the shared server's engine flags; a drain grace
  * long enough for the traces in flight, and an access log each to count what each served);
- * both READMEs' replica snippets run against them too.
+ * the docs' and clients/ts/README.md's replica snippets run against them too.
  */
 
 import assert from "node:assert/strict";
@@ -64,8 +64,8 @@ async function oneTrace(client: TracewireClient): Promise<number[]> {
 
 const sleep = (ms: number): Promise<void> => new Promise((done) => setTimeout(done, ms));
 
-test("replicas: both READMEs' snippets run against the two replicas", { timeout: 300_000 }, () => {
-  const found = [join(REPO, "README.md"), join(REPO, "clients/ts/README.md")].flatMap((path) =>
+test("replicas: the docs' and clients/ts/README.md's snippets run against the two replicas", { timeout: 300_000 }, () => {
+  const found = [join(REPO, "docs", "deployment.md"), join(REPO, "clients/ts/README.md")].flatMap((path) =>
     snippets(path).filter((s) => s.code.includes("ipv4:")),
   );
   assert.equal(found.length, 2, JSON.stringify(found.map((s) => `${s.path}:${s.line}`)));
