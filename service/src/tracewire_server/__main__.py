@@ -233,7 +233,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
 
 
 def _dictionary_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("dictionaries (README: Dictionaries)")
+    group = parser.add_argument_group("dictionaries (docs: Probes and SAEs)")
     group.add_argument(
         "--dictionaries", metavar="DIR",
         help="load the probes and SAEs in DIR at start (NAME.json, a DictionarySpec in protobuf JSON, "
@@ -248,7 +248,7 @@ def _dictionary_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _security_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("security (README: Security)")
+    group = parser.add_argument_group("security (docs: Security)")
     group.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve TLS on both ports")
     group.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     group.add_argument(
