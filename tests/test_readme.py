@@ -247,7 +247,7 @@ def test_tracewire_lens(eager):
 
 
 def test_tracewire_lens_plot_and_collect(eager):
-    """The Researcher workflow's shell block: the lens table (and its heatmap), then a
+    """docs/tutorials/collecting.md's shell block: the lens table (and its heatmap), then a
     collection of the two JSONL prompts whose summary names its fields."""
     out = run_shell(shell_block("tracewire collect"), eager).splitlines()
     assert out[0].split()[0] == "layer" and "' Paris'" in out[-2]

@@ -1,4 +1,4 @@
-"""Several replicas behind one target (README: Replicas): the SDK's channel spreads calls
+"""Several replicas behind one target (docs/deployment.md: Replicas): the SDK's channel spreads calls
 round-robin over a target's addresses and retries a call refused UNAVAILABLE before any
 response on the next replica, so a replica draining after SIGTERM sheds its traffic without
 failing a call.
