@@ -74,8 +74,11 @@ def logit_lens(
 ) -> Figure:
     """Layers x positions: each cell the layer's top next-token guess, coloured by its
     probability. `lens`: one step's logit-lens read (a TopK of [layers, positions, k]
-    logprobs); `layers`: their indices (default 0..); `tokens`: the positions' text;
-    `decode`: token id -> text (e.g. client.tokenizer.decode; default: ids)."""
+    logprobs); `layers`: the rows' layer numbers (default: those the read asked for, else
+    0..); `tokens`: the columns' text (default: the token the layers read at each position,
+    the prompt's and then the drawn ones, which a read from a trace knows once it has run;
+    else the position numbers); `decode`: token id -> text (e.g. client.tokenizer.decode;
+    default: ids as #id)."""
     values, ids = np.asarray(lens.values), np.asarray(lens.ids)
     if values.ndim != 3:
         raise InvalidArgument(f"lens must be one step's [layers, positions, k] TopK, got shape {values.shape}",
@@ -88,10 +91,20 @@ def logit_lens(
     for layer in range(n_layers):
         for position in range(n_positions):
             _cell(ax, position, layer, _token(decode, int(ids[layer, position, 0])), probs[layer, position] < 0.5)
-    _ticks(ax, "y", [str(x) for x in (layers if layers is not None else range(n_layers))])
-    _ticks(ax, "x", [_label(t) for t in tokens] if tokens is not None else [str(p) for p in range(n_positions)])
+    read_layers = getattr(lens, "layers", ())
+    row_labels = layers if layers is not None else read_layers if len(read_layers) == n_layers else range(n_layers)
+    _ticks(ax, "y", [str(x) for x in row_labels])
+    input_ids = getattr(lens, "input_ids", None)
+    if tokens is not None:
+        column_labels = [_label(t) for t in tokens]
+    elif input_ids is not None and len(input_ids) == n_positions:
+        column_labels = [_token(decode, int(t)) for t in input_ids]
+    else:
+        positions = getattr(lens, "positions", None)
+        column_labels = [str(p) for p in (positions if positions is not None else range(n_positions))]
+    _ticks(ax, "x", column_labels)
     ax.set_ylabel("layer")
-    ax.set_xlabel("position")
+    ax.set_xlabel("position" if tokens is None and input_ids is None else "input token")
     ax.set_title(title)
     fig.colorbar(image, ax=ax, label="p(top token)")
     return fig
@@ -159,40 +172,76 @@ def patching(
 def attention(
     pattern: AttentionPattern,
     *,
-    layer: int = 0,
-    head: int = 0,
+    layer: int | None = None,
+    head: int | None = None,
     tokens: Sequence[str] | None = None,
+    decode: Decode | None = None,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
     title: str | None = None,
 ) -> Figure:
     """Queries x keys: one head's attention weights at one step. `pattern`: one step's
-    AttentionPattern read; `layer` / `head`: indices into the layers / heads it read (in
-    the order asked for); `tokens`: the positions' text (keys and queries). A top-k read
-    shows its k weights per query, the rest blank."""
+    AttentionPattern read; `layer` / `head`: the model's layer and head numbers, as the read
+    named them (default: the read's only layer; its first head), one the read did not cover
+    is refused naming it; `layers` / `heads`: the layers / heads the pattern holds, in its
+    order, for a pattern that does not say (one from a trace does: default 0.. otherwise);
+    `tokens`: the positions' text (keys and queries; default: the sequence's tokens, which a
+    read from a trace knows once it has run, through `decode`, token id -> text, e.g.
+    client.tokenizer.decode; else the position numbers). A top-k read shows its k weights
+    per query, the rest blank."""
     weights, keys = np.asarray(pattern.weights), np.asarray(pattern.keys)
     if weights.ndim != 4:
         raise InvalidArgument(f"pattern must be one step's AttentionPattern, weights of shape {weights.shape}",
                               field="pattern")
-    if not (0 <= layer < weights.shape[0] and 0 <= head < weights.shape[2]):
-        raise InvalidArgument(f"layer {layer} / head {head} outside the read's {weights.shape[0]} layers / "
-                              f"{weights.shape[2]} heads", field="layer")
+    layer_index = _unit_index("layer", layer, layers, getattr(pattern, "layers", ()), weights.shape[0])
+    head_index = _unit_index("head", head, heads, getattr(pattern, "heads", ()), weights.shape[2])
+    layer_number = _numbers(layers, getattr(pattern, "layers", ()), weights.shape[0])[layer_index]
+    head_number = _numbers(heads, getattr(pattern, "heads", ()), weights.shape[2])[head_index]
     queries = [int(q) for q in np.asarray(pattern.positions)]
     n_keys = max(queries) + 1
     matrix = np.full((len(queries), n_keys), np.nan, dtype=np.float32)
     for row in range(len(queries)):
-        for key, w in zip(keys[layer, row, head], weights[layer, row, head], strict=True):
+        for key, w in zip(keys[layer_index, row, head_index], weights[layer_index, row, head_index], strict=True):
             if 0 <= key <= queries[row]:  # a key after the query (causal mask) stays blank
                 matrix[row, key] = w
     fig = _figure(1.5 + 0.6 * n_keys, 1.0 + 0.45 * len(queries))
     ax = fig.add_subplot()
     image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="magma", aspect="auto")
-    labels = [_label(t) for t in tokens] if tokens is not None else None
-    _ticks(ax, "x", labels[:n_keys] if labels else [str(k) for k in range(n_keys)])
+    input_ids = getattr(pattern, "input_ids", None)
+    labels = ([_label(t) for t in tokens] if tokens is not None
+              else [_token(decode, int(t)) for t in input_ids] if input_ids is not None else None)
+    _ticks(ax, "x", [labels[k] if labels and k < len(labels) else str(k) for k in range(n_keys)])
     _ticks(ax, "y", [labels[q] if labels and q < len(labels) else str(q) for q in queries])
     ax.set_xlabel("key position")
     ax.set_ylabel("query position")
-    ax.set_title(title or f"attention, layer index {layer}, head {head}")
+    ax.set_title(title or f"attention, layer {layer_number}, head {head_number}")
     fig.colorbar(image, ax=ax, label="weight")
     return fig
+
+
+def _numbers(given: Sequence[int] | None, read: Sequence[int], count: int) -> list[int]:
+    """The model's numbers of a pattern's layers / heads, in its order: as given, else as the
+    read asked for them (heads: none named means all, in order), else 0 .. count - 1."""
+    numbers = [int(x) for x in (given if given is not None else read if len(read) == count else range(count))]
+    if len(numbers) != count:
+        raise InvalidArgument(f"{len(numbers)} numbers given for the pattern's {count}", field="layers")
+    return numbers
+
+
+def _unit_index(name: str, number: int | None, given: Sequence[int] | None, read: Sequence[int], count: int) -> int:
+    """Where the model's layer / head `number` sits in the pattern (default: its only layer,
+    its first head); refused, naming `name`, when the read did not cover it."""
+    numbers = _numbers(given, read, count)
+    if number is None:
+        if name == "layer" and count > 1:
+            raise InvalidArgument(f"layer: this pattern holds layers {numbers}; choose one (layer={numbers[0]}, ...)",
+                                  field="layer")
+        return 0
+    if int(number) not in numbers:
+        held = ", ".join(map(str, numbers))
+        raise InvalidArgument(f"{name} {number} was not read: this pattern holds {name}s {held} "
+                              f"(the model's numbers, as the read named them)", field=name)
+    return numbers.index(int(number))
 
 
 def steering(rows: SweepTable, *, metric: str = "mean_logprob", title: str | None = None) -> Figure:

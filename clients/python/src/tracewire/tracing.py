@@ -85,6 +85,31 @@ class AttentionPattern(NamedTuple):
     positions: np.ndarray[Any, Any]
 
 
+class LensRead(TopK):
+    """A logit-lens read at one step: a `TopK` of [layers, positions, k] that also says what
+    it read, for labels (tracewire.plot.logit_lens uses them): `layers`, the model's layer
+    numbers in the order asked for; `positions`, the sequence position of each column; and
+    `input_ids`, the token at each of those positions (what the layers read there: the
+    prompt's tokens, then the drawn ones). The last two are filled once the invoke's output
+    has come (None before: a text prompt's token ids come with it)."""
+
+    layers: tuple[int, ...] = ()
+    positions: tuple[int, ...] | None = None
+    input_ids: tuple[int, ...] | None = None
+
+
+class PatternRead(AttentionPattern):
+    """An attention-pattern read at one step: an `AttentionPattern` that also says what it
+    read: `layers` and `heads`, the model's layer and head numbers in the order asked for
+    (heads empty: all of them, in order); and `input_ids`, the sequence's tokens from position
+    0 to the last query (the prompt's, then the drawn ones), filled once the invoke's output
+    has come (None before). tracewire.plot.attention uses them."""
+
+    layers: tuple[int, ...] = ()
+    heads: tuple[int, ...] = ()
+    input_ids: tuple[int, ...] | None = None
+
+
 class Saved(list[Any]):
     """A saved read: one value per step reached, in step order (`.steps` says which).
 
@@ -416,7 +441,15 @@ class StepView:
         def build(iv: ipb.Intervention) -> None:
             iv.read_logit_lens.CopyFrom(ipb.ReadLogitLens(layers=layer_list, positions=selected, top_k=top_k))
 
-        return _Read(self, build, _Decode.lens)
+        def decode(value: trace_pb2.ReadValue) -> LensRead:
+            top = _Decode.lens(value)
+            read = LensRead(top.values, top.ids)
+            read.layers = tuple(layer_list)
+            if value.HasField("positions"):
+                read.positions = tuple(int(p) for p in to_numpy(value.positions))
+            return read
+
+        return _Read(self, build, decode)
 
     def attention(
         self,
@@ -444,7 +477,13 @@ class StepView:
                 ipb.ReadAttentionPattern(layers=layer_list, heads=head_list, positions=selected, top_k=top_k)
             )
 
-        return _Read(self, build, _Decode.pattern)
+        def decode(value: trace_pb2.ReadValue) -> PatternRead:
+            pattern = _Decode.pattern(value)
+            read = PatternRead(pattern.weights, pattern.keys, pattern.positions)
+            read.layers, read.heads = tuple(layer_list), tuple(head_list)
+            return read
+
+        return _Read(self, build, decode)
 
     def stop(self) -> None:
         """End the sequence at the first of these steps (where the condition holds)."""
@@ -770,6 +809,28 @@ class Invoke:
             target.steps.append(step.step)
         return values
 
+    def _label_reads(self) -> None:
+        """Once the output has come: each lens and pattern read learns the tokens at its
+        positions (LensRead / PatternRead.input_ids), the prompt's then each sequence's drawn
+        ones; a lens read of the new token learns its position (prompt length - 1 + step)."""
+        result = self.result
+        if result is None:
+            return
+        prompt = list(result.prompt_token_ids)
+        for read in self._reads.values():
+            per_sequence = [read.saved] if self._n() == 1 else list(read.saved)
+            for sequence, saved in enumerate(per_sequence):
+                drawn = result.outputs[sequence].token_ids if sequence < len(result.outputs) else []
+                tokens = prompt + list(drawn)
+                for step, value in zip(saved.steps, saved, strict=False):
+                    if isinstance(value, LensRead):
+                        if value.positions is None:
+                            value.positions = tuple(len(prompt) - 1 + step + p for p in range(value.values.shape[1]))
+                        value.input_ids = tuple(tokens[p] if 0 <= p < len(tokens) else -1 for p in value.positions)
+                    elif isinstance(value, PatternRead):
+                        last = int(np.max(value.positions)) if np.size(value.positions) else -1
+                        value.input_ids = tuple(tokens[: last + 1])
+
     def saved_reads(self) -> list[Saved]:
         """This invoke's saved reads, in the order they were added."""
         return [read.saved for read in self._reads.values()]
@@ -907,7 +968,9 @@ class Tracer:
                 self._invokes[s.invoke_index].step_tokens.setdefault(s.sequence_index, {})[s.step] = s.text_delta
                 yield Step(s.invoke_index, s.sequence_index, s.step, s.token_id, s.text_delta, values, s.stopped)
         elif kind == "invoke_result":
-            self._invokes[event.invoke_result.invoke_index].result = request_output(event.invoke_result.output)
+            invoke = self._invokes[event.invoke_result.invoke_index]
+            invoke.result = request_output(event.invoke_result.output)
+            invoke._label_reads()
         elif kind == "end":
             self.usage = event.end.usage
             for w in event.end.warnings:
@@ -933,4 +996,5 @@ class Tracer:
             self.run()
 
 
-__all__ = ["Invoke", "Logprobs", "ModuleRef", "Saved", "Step", "StepView", "TopK", "TraceWarning", "Tracer"]
+__all__ = ["Invoke", "LensRead", "Logprobs", "ModuleRef", "PatternRead", "Saved", "Step", "StepView", "TopK",
+           "TraceWarning", "Tracer"]
