@@ -288,7 +288,8 @@ class ModuleHooks:
                         self._edit(seq, action, seq.step, rows, wanted)
                         seq.applied.add((seq.step, k))
                     continue
-                for key, path in action.module_reads(op.name):
+                # (once per key: a lens naming a layer twice, as 1 and -3 of 4, reads its stream once)
+                for key, path in dict.fromkeys(action.module_reads(op.name)):
                     self._wants.setdefault(path, []).append(Want(seq, key, rows, wanted))
         for paths, (batch_rows, prompt_lens, drawn) in column_groups.items():
             self._plan_column_rows(paths, np.asarray(batch_rows), np.asarray(prompt_lens), np.asarray(drawn),

@@ -130,11 +130,14 @@ class _LensWant(NamedTuple):
 
 
 def _lens_want(row: Row, name: str, read: P.ReadLogitLens) -> _LensWant:
-    streams, positions = [], []
+    """A layer the read names twice (1 and -3 of 4 layers) was gathered once: its stream
+    serves both places."""
+    gathered: dict[str, tuple[torch.Tensor, list[int]]] = {}
     for key, path in read.module_reads(name):
-        values, positions = _gathered(row, key, path, read.positions)
-        streams.append(values)
-    return _LensWant(row, name, read.top_k, streams, positions)
+        if key not in gathered:
+            gathered[key] = _gathered(row, key, path, read.positions)
+    streams = [gathered[key][0] for key, _ in read.module_reads(name)]
+    return _LensWant(row, name, read.top_k, streams, next(iter(gathered.values()))[1])
 
 
 def _launch_lens(wants: list[_LensWant], lens: Lens) -> None:
