@@ -260,6 +260,7 @@ def test_tracewire_lens_plot_and_collect(eager):
 def test_tracewire_trace_tables(eager):
     traces = shell_blocks_with("--top-k 5 --max-tokens 8")
     assert len(traces) >= 3, [b.name for b in traces]   # the README's, getting started's, the SDK's
-    for block in traces:
+    # (pages that show the same command word for word: it runs once, a CLI start is seconds)
+    for block in {b.code: b for b in traces}.values():
         out = run_shell(block, eager)
         assert "' Paris'" in out and "The capital of France is Paris." in out, block.name
