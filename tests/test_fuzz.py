@@ -345,3 +345,25 @@ def test_a_lens_naming_a_layer_twice_beside_a_mean_read(eager):
             # (one lm_head matmul over two rows or one: float32 rounding apart)
             np.testing.assert_allclose(both[0], alone[0], rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(both[1], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def _seeded(target: str, prompt_ids: list[int]) -> list[int]:
+    response = _stub_call(target, "Generate", service_pb2.GenerateRequest(
+        prompts=[{"token_ids": {"ids": prompt_ids}}],
+        sampling_params={"seed": 7, "temperature": 1.0, "max_tokens": 6, "ignore_eos": True}))
+    return list(response.outputs[0].outputs[0].token_ids)
+
+
+def test_a_seeded_request_in_a_chunked_prefill_leaves_the_cpu_engine_alive(eager, server):
+    """Found by the fuzzer: a seeded request (temperature > 0) whose prompt takes more than
+    one engine step (the eager server's 64-token steps: chunked prefill) killed a CPU
+    engine: vLLM rewinds the seeded generator of a row whose sample it discards with
+    set_offset, which a CPU generator refuses ("CPU Generator does not use offset"). Now
+    it is answered, the engine serves on, and the generator is where vLLM's rewind would
+    have left it: the tokens are those of the same request on a server that prefills the
+    prompt in one step (the default one)."""
+    prompt_ids = [(17 * i) % 2000 + 3 for i in range(150)]  # > 2 x 64 tokens: three prefill chunks
+    chunked = _seeded(eager.target, prompt_ids)
+    assert eager.health() == "SERVING"
+    assert _seeded(eager.target, prompt_ids) == chunked
+    assert _seeded(server.target, prompt_ids) == chunked

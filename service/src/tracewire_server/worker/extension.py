@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ..shared.dictionary_spec import decode_info, encode_info
+from .cpu_generators import keep_cpu_generators
 from .hooks import PlanHooks
 from .runner import RunnerView, check_supported
 from .sender import Sender, unreachable
@@ -93,6 +94,7 @@ def install(runner: Any, fault_injection: bool) -> PlanHooks:
     steering tables or read buffers, its forward pass's host side): on the last pipeline
     stage only (an earlier stage's eager module hooks send their own reads)."""
     check_supported(runner)
+    keep_cpu_generators(runner)  # (a seeded request mid-prefill would kill a CPU engine)
     view = RunnerView(runner)
     view.prepare_pipeline_stage()
     hooks = PlanHooks(view, fault_injection)  # (on every stage: dictionaries load everywhere)
