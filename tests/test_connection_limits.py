@@ -13,7 +13,7 @@ from contextlib import ExitStack
 
 import grpc
 import pytest
-from conftest import ServerProcess, stop_soon, take
+from conftest import NO_COMPILE, ServerProcess, stop_soon, take
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_pool import ServerSpec, servers
 from tracewire.v1 import service_pb2, service_pb2_grpc
@@ -29,7 +29,7 @@ HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0
 
 
 LIMITED = ServerSpec("connection-limits", (
-    "--idle-timeout", str(IDLE_S), "--header-timeout", str(HEADER_S), "--body-timeout", str(BODY_S),
+    *NO_COMPILE, "--idle-timeout", str(IDLE_S), "--header-timeout", str(HEADER_S), "--body-timeout", str(BODY_S),
     "--max-connection-age", str(AGE_S), "--max-connections", str(MAX_CONNECTIONS),
     "--max-concurrent-calls", str(MAX_CALLS)))
 pytestmark = servers(LIMITED)

@@ -10,10 +10,10 @@ import signal
 import psutil
 import pytest
 import tracewire
-from conftest import take, wait_for_unfinished
+from conftest import NO_COMPILE, take, wait_for_unfinished
 from server_pool import ServerSpec, servers
 
-DYING = ServerSpec("engine-death")
+DYING = ServerSpec("engine-death", NO_COMPILE)
 
 
 @servers(DYING)

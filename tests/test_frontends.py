@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import ServerProcess, free_port, take
+from conftest import NO_COMPILE, ServerProcess, free_port, take
 from server_pool import ServerSpec, servers
 from trace_requests import invoke, iv, logits, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
@@ -32,7 +32,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 METRICS_PORT = free_port()  # frontend i serves its metrics on METRICS_PORT + i
 
 
-FRONTENDS = ServerSpec("frontends", ("--frontends", "2", "--metrics-port", str(METRICS_PORT)))
+FRONTENDS = ServerSpec("frontends", (*NO_COMPILE, "--frontends", "2", "--metrics-port", str(METRICS_PORT)))
 pytestmark = servers(FRONTENDS)
 
 

@@ -16,13 +16,15 @@ import httpx
 import psutil
 import pytest
 import tracewire
-from conftest import ServerProcess, take, wait_for_unfinished
+from conftest import NO_COMPILE, ServerProcess, take, wait_for_unfinished
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_pool import ServerSpec, servers
 from trace_requests import TraceResult, invoke, iv, logits, trace
 from tracewire.v1 import service_pb2_grpc
 
-SIGTERMED = ServerSpec("sigterm", ("--grace-period", "60"))
+# (eager: the drain does not depend on the engine kind; the signals to the whole group and
+# SIGKILL below stop compiled engines, as do the session servers' own stops)
+SIGTERMED = ServerSpec("sigterm", (*NO_COMPILE, "--grace-period", "60"))
 
 
 @servers(SIGTERMED)

@@ -29,7 +29,7 @@ import psutil
 import pytest
 import tracewire
 from certs import Pki, make_pki
-from conftest import ROOT, ServerProcess, free_port, take
+from conftest import NO_COMPILE, ROOT, ServerProcess, free_port, take
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -110,9 +110,10 @@ def _mtls_files(directory: Path) -> Prepared:
             pki.ca.read_bytes(), pki.client_key.read_bytes(), pki.client_cert.read_bytes()))
 
 
-TLS = ServerSpec("tls", ("--tenant-max-calls", str(MAX_CALLS), "--tenant-max-sequences", str(MAX_SEQUENCES),
+TLS = ServerSpec("tls", (*NO_COMPILE, "--tenant-max-calls", str(MAX_CALLS),
+                         "--tenant-max-sequences", str(MAX_SEQUENCES),
                          "--tenant-read-bytes-per-minute", str(READ_BYTES_PER_MINUTE)), prepare=_tls_files)
-MTLS = ServerSpec("mtls", ("--no-reflection",), prepare=_mtls_files)
+MTLS = ServerSpec("mtls", (*NO_COMPILE, "--no-reflection"), prepare=_mtls_files)
 pytestmark = servers(TLS, MTLS)
 
 

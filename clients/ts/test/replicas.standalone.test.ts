@@ -34,7 +34,8 @@ let b: Replica;
 before(async () => {
   const start = async (): Promise<Replica> => {
     const accessLog = join(mkdtempSync(join(tmpdir(), "tracewire-replica-")), "access.log");
-    const server = await startServer({ extraArgs: ["--access-log", accessLog, "--grace-period", "60"] });
+    // (eager: routing does not depend on the engine kind; it starts without torch.compile)
+    const server = await startServer({ extraArgs: ["--enforce-eager", "--access-log", accessLog, "--grace-period", "60"] });
     return { server, accessLog };
   };
   // One after the other: two engines starting at once on two cores only slow each other.
