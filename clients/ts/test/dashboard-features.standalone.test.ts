@@ -13,6 +13,7 @@ import {
   featureStrip,
   stripChoices,
   stripDictionary,
+  stripUnavailable,
   withFeatures,
 } from "../examples/dashboard/src/model.js";
 import { DictionaryKind, invoke, traceRequest, v1, type Dictionary, type ReadResult, type Step } from "../src/index.js";
@@ -51,6 +52,22 @@ test("the strip offers the server's SAEs it can read, in its order: eager, or on
   assert.equal(stripDictionary(choices, "tiny-sae")?.name, "tiny-sae");
   assert.equal(stripDictionary(choices, "gone")?.name, "res-l2");
   assert.equal(stripDictionary([], "res-l2"), undefined);
+});
+
+test("stripUnavailable: SAEs the server lists but cannot read are named, with the flags that would serve them", () => {
+  const L1 = create(v1.DictionarySchema, { name: "res-l1", size: 4, spec: { kind: DictionaryKind.SAE, module: "layers.1" } });
+  assert.equal(
+    stripUnavailable([PROBE, SAE, L1], info(v1.EngineMode.COMPILED)),
+    "The feature strip needs a read of layers.2, layers.1 (where the SAEs res-l2, res-l1 read); this server is COMPILED, " +
+      "reading no layers (GetModelInfo readable_layers). Start it with --compiled-reads (make serve " +
+      'ENGINE_ARGS="--compiled-reads") to keep compiled graphs, or --enforce-eager (make serve ENGINE_ARGS=--enforce-eager) for every module.',
+  );
+  assert.match(stripUnavailable([SAE], info(v1.EngineMode.COMPILED, [0, 1])) ?? "", /^The feature strip needs a read of layers\.2 \(where the SAE res-l2 reads\); this server is COMPILED, reading layers 0, 1 /);
+  // one it can read: the strip shows; no SAE at all (a probe): nothing to miss
+  assert.equal(stripUnavailable([SAE, L1], info(v1.EngineMode.COMPILED, [1])), undefined);
+  assert.equal(stripUnavailable([SAE], info(v1.EngineMode.EAGER)), undefined);
+  assert.equal(stripUnavailable([PROBE], info(v1.EngineMode.COMPILED)), undefined);
+  assert.equal(stripUnavailable([], info(v1.EngineMode.COMPILED)), undefined);
 });
 
 test("withFeatures adds a top-k read of the dictionary (k at most its size), nothing without one", () => {

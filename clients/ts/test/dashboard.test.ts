@@ -15,7 +15,7 @@ import { createServer as createTcpServer } from "node:net";
 import { extname, join, normalize, sep } from "node:path";
 import { after, before, test } from "node:test";
 import { chromium, type Browser, type Page } from "playwright-core";
-import { formatProb, tokenLabel } from "../examples/dashboard/src/format.js";
+import { formatProb, tokenLabel, unreachableMessage } from "../examples/dashboard/src/format.js";
 import { createNodeClient, DictionaryKind, invoke, read, write, type Dictionary, type TracewireClient } from "../src/node.js";
 import { REPO } from "./server.js";
 
@@ -32,6 +32,8 @@ const LENS_STEPS = 6;
 const STEER_LAYER = 2;
 const STRONG = 8;
 const STEPS = 24;
+// A run long enough to be caught while it streams (a few seconds here).
+const LONG = 400;
 const TIMEOUT_MS = 120_000;
 // What the machine's closed network needs: no background connections, no sync, no QUIC.
 const CHROMIUM_ARGS = [
@@ -390,6 +392,77 @@ test("dashboard: the feature strip shows each step's top SAE features with their
   }
 });
 
+test("dashboard: what the page says before any run, for a run of no candidates, and after a run that failed", { timeout: 300_000 }, async () => {
+  const empty = await openReady({ width: 1100, height: 1000 });
+  try {
+    // Before any run: each place says what will be there, none is a blank box or an empty grid.
+    assert.equal(await empty.isVisible("#steps-empty"), true);
+    assert.match((await empty.textContent("#steps-empty")) ?? "", /^No run yet: type a prompt above and press Run\./);
+    assert.equal(await empty.locator(".step").count(), 0);
+    assert.equal(await empty.isVisible("#lens"), false);
+    for (const side of ["#steer-plain", "#steer-steered"]) {
+      assert.equal(await empty.textContent(side), "press Steer to compare");
+    }
+    assert.equal(await empty.isVisible("#features-note"), false); // the eager server reads the SAE: no note
+    await empty.screenshot({ path: screenshotPath("dashboard-empty.png"), fullPage: true });
+
+    // top-k 0: the rows read only the drawn token; each says so where the candidates would be.
+    await empty.fill("#prompt", FRANCE);
+    await empty.fill("#max-tokens", "3");
+    await empty.fill("#top-k", "0");
+    await empty.check("#ignore-eos");
+    await empty.click("#run");
+    await waitRun(empty, 1);
+    assert.equal(await empty.isVisible("#steps-empty"), false);
+    assert.equal(await empty.locator(".step").count(), 3);
+    assert.equal(await empty.locator(".candidate").count(), 0);
+    assert.deepEqual(
+      await empty.$$eval(".step .candidates", (cs) => cs.map((c) => c.textContent)),
+      Array(3).fill("no candidates read (top-k 0): only the drawn token's probability"),
+    );
+    await empty.screenshot({ path: screenshotPath("dashboard-top-k-0.png"), fullPage: true });
+
+    // A run the server refuses before its first step: the banner says why, and no empty lens grid is left.
+    await empty.fill("#top-k", "5");
+    await empty.fill("#prompt", "");
+    await empty.click("#run");
+    await empty.waitForSelector("#status[data-state='error'][data-run='2']");
+    assert.equal(await empty.getAttribute("#error", "data-status"), "INVALID_ARGUMENT");
+    assert.equal(await empty.isVisible("#lens"), false);
+    assert.equal(await empty.locator("#lens td.lens-cell").count(), 0);
+    await empty.screenshot({ path: screenshotPath("dashboard-refused.png"), fullPage: true });
+
+    // While a trace streams (a long one, so the page is caught midway): rows so far, the status
+    // naming the step, the lens growing a column per step.
+    await empty.fill("#prompt", FRANCE);
+    await empty.fill("#max-tokens", String(LONG));
+    await empty.click("#run");
+    // Polled from a timer (not animation frames, which a page busy drawing rows may not get to).
+    const seen = await empty.waitForFunction(
+      () => {
+        const rows = document.querySelectorAll(".step").length;
+        const status = document.getElementById("status");
+        return rows >= 5 ? { state: status?.dataset.state, status: status?.textContent, rows } : false;
+      },
+      undefined,
+      { polling: 20 },
+    );
+    const midway = (await seen.jsonValue()) as { state: string; status: string; rows: number };
+    await empty.screenshot({ path: screenshotPath("dashboard-streaming.png"), fullPage: true });
+    assert.equal(midway.state, "running", JSON.stringify(midway));
+    assert.match(midway.status ?? "", /^running: step \d+$/);
+    assert.ok(midway.rows >= 5 && midway.rows < LONG, JSON.stringify(midway));
+    await waitRun(empty, 3);
+    assert.equal(await empty.locator(".step").count(), LONG);
+    assert.deepEqual(pageErrors, []);
+  } catch (error) {
+    await empty.screenshot({ path: screenshotPath("dashboard-empty-failure.png"), fullPage: true }).catch(() => undefined);
+    throw error;
+  } finally {
+    await empty.close();
+  }
+});
+
 test("dashboard: no server at ?server= shows at once (before any Run), and says how to start one", { timeout: 120_000 }, async () => {
   const offline = await browser.newPage({ viewport: { width: 1100, height: 600 } });
   try {
@@ -399,6 +472,12 @@ test("dashboard: no server at ?server= shows at once (before any Run), and says 
     const status = (await offline.textContent("#status")) ?? "";
     assert.ok(status.includes(`no server at ${closed}`) && status.includes("make serve"), status);
     assert.equal(await offline.isVisible("#error"), true);
+    // One line naming the server and how to point the page at another (the client's UnreachableError).
+    assert.equal(await offline.getAttribute("#error", "data-status"), "UNAVAILABLE");
+    assert.equal(
+      await offline.textContent("#error .error-message"),
+      unreachableMessage(closed, "the request failed: nothing listens there, or its CORS does not allow this page's origin"),
+    );
     assert.ok((await offline.textContent("#error .error-hint"))?.includes(closed));
     await offline.screenshot({ path: screenshotPath("dashboard-offline.png") });
   } finally {

@@ -34,6 +34,7 @@ import {
   steeringVector,
   stripChoices,
   stripDictionary,
+  stripUnavailable,
   toStepView,
   vectorInvokes,
   VECTOR_SAMPLING,
@@ -341,12 +342,15 @@ class Dashboard {
    * on their layers) keeps the strip hidden.
    */
   private async loadDictionaries(info: Parameters<typeof stripChoices>[1]): Promise<void> {
+    let unavailable: string | undefined;
     try {
-      this.stripChoices = stripChoices(await this.client.listDictionaries({}, { timeoutMs: CHECK_TIMEOUT_MS }), info);
+      const listed = await this.client.listDictionaries({}, { timeoutMs: CHECK_TIMEOUT_MS });
+      this.stripChoices = stripChoices(listed, info);
+      unavailable = stripUnavailable(listed, info);
     } catch {
       this.stripChoices = [];
     }
-    showDictionaries(this.strip, this.stripChoices, stripDictionary(this.stripChoices)?.name);
+    showDictionaries(this.strip, this.stripChoices, stripDictionary(this.stripChoices)?.name, unavailable);
   }
 
   private drawFeatures(step: Step, dictionary: Dictionary | undefined): void {

@@ -340,6 +340,25 @@ export function stripChoices(dictionaries: readonly Dictionary[], info: ModuleAc
   return saes.filter((d) => readable.has(d.spec?.module ?? ""));
 }
 
+/**
+ * Why the strip is not there though the server lists SAEs: none is on a module this server
+ * reads (a compiled server without read buffers on their layers). Undefined when the strip
+ * can show one, or when the server lists no SAE (then there is nothing to miss).
+ */
+export function stripUnavailable(dictionaries: readonly Dictionary[], info: ModuleAccess): string | undefined {
+  const saes = dictionaries.filter((d) => d.spec?.kind === DictionaryKind.SAE);
+  if (saes.length === 0 || stripChoices(dictionaries, info).length > 0) return undefined;
+  const modules = [...new Set(saes.map((d) => d.spec?.module ?? "?"))];
+  const mode = v1.EngineMode[info.engineMode] ?? String(info.engineMode);
+  const names = saes.map((d) => d.name).join(", ");
+  return (
+    `The feature strip needs a read of ${modules.join(", ")} (where the SAE${saes.length > 1 ? "s" : ""} ${names} ` +
+    `read${saes.length > 1 ? "" : "s"}); this server is ${mode}, reading ${listLayers(readableLayers(info))} ` +
+    `(GetModelInfo readable_layers). Start it with --compiled-reads (make serve ENGINE_ARGS="--compiled-reads") ` +
+    `to keep compiled graphs, or --enforce-eager (make serve ENGINE_ARGS=--enforce-eager) for every module.`
+  );
+}
+
 /** The dictionary to read: `chosen` when it is one of the choices, else the first (none: no strip). */
 export function stripDictionary(choices: readonly Dictionary[], chosen?: string): Dictionary | undefined {
   return choices.find((d) => d.name === chosen) ?? choices[0];

@@ -32,6 +32,8 @@ export interface Elements {
   readonly text: HTMLElement;
   readonly previous: HTMLElement;
   readonly steps: HTMLElement;
+  /** What the steps' place says before the first run. */
+  readonly stepsEmpty: HTMLElement;
   readonly lensNote: HTMLElement;
   readonly lens: HTMLTableElement;
   readonly steerNote: HTMLElement;
@@ -70,6 +72,7 @@ export function findElements(doc: Document): Elements {
     text: get("text", HTMLElement),
     previous: get("previous", HTMLElement),
     steps: get("steps", HTMLElement),
+    stepsEmpty: get("steps-empty", HTMLElement),
     lensNote: get("lens-note", HTMLElement),
     lens: get("lens", HTMLTableElement),
     steerNote: get("steer-note", HTMLElement),
@@ -161,6 +164,7 @@ export function clearError(els: Elements): void {
 export function startRun(els: Elements, prompt: string, previousText: string | undefined): void {
   els.text.replaceChildren(span("prompt", prompt));
   els.steps.replaceChildren();
+  els.stepsEmpty.hidden = true;
   els.previous.hidden = previousText === undefined;
   els.previous.textContent = previousText === undefined ? "" : `before: ${prompt}${previousText}`;
 }
@@ -188,6 +192,9 @@ export function addStep(els: Elements, labels: TokenLabels, step: StepView): voi
   const candidates = document.createElement("div");
   candidates.className = "candidates";
   candidates.append(...step.candidates.map((c) => candidateButton(labels, step, c.tokenId, c.prob)));
+  if (step.candidates.length === 0) {
+    candidates.append(span("no-candidates", "no candidates read (top-k 0): only the drawn token's probability"));
+  }
   row.append(span("index", String(step.step)), chosen, prob, candidates);
   els.steps.append(row);
 }
@@ -263,7 +270,8 @@ export function startLens(els: Elements, layers: readonly number[]): void {
   inputs.append(corner);
   body.append(inputs);
   els.lens.replaceChildren(body);
-  els.lens.hidden = false;
+  // Shown with its first column: a run that fails before its first step leaves no empty grid.
+  els.lens.hidden = true;
 }
 
 /** A step's columns: a cell per layer (top token, probability as colour), the token read below. */
@@ -300,6 +308,7 @@ export function addLensColumns(
       th.append(label(labels, tokenId, "lens-token"));
     }
     inputs?.append(th);
+    els.lens.hidden = false;
   }
 }
 
@@ -321,6 +330,7 @@ export function setUpSteering(els: Elements, layers: readonly number[], availabi
   if (!availability.available) {
     els.steerNote.textContent = `Not available: ${availability.reason}`;
     for (const control of els.steerForm.elements) (control as HTMLInputElement).disabled = true;
+    for (const side of [els.steerPlain, els.steerSteered]) side.replaceChildren(span("empty", "not on this server: see above"));
   }
 }
 
@@ -359,19 +369,27 @@ export function addSteeringText(els: Elements, side: Side, text: string): void {
 export interface FeatureElements {
   readonly panel: HTMLElement;
   readonly dictionary: HTMLSelectElement;
+  /** Why there is no strip, when the server lists SAEs it cannot read. */
+  readonly note: HTMLElement;
 }
 
 export function findFeatureElements(doc: Document): FeatureElements {
   const panel = doc.getElementById("features-panel");
   const dictionary = doc.getElementById("dictionary");
-  if (!(panel instanceof HTMLElement) || !(dictionary instanceof HTMLSelectElement)) {
-    throw new Error("index.html lacks #features-panel / #dictionary (select)");
+  const note = doc.getElementById("features-note");
+  if (!(panel instanceof HTMLElement) || !(dictionary instanceof HTMLSelectElement) || !(note instanceof HTMLElement)) {
+    throw new Error("index.html lacks #features-panel / #dictionary (select) / #features-note");
   }
-  return { panel, dictionary };
+  return { panel, dictionary, note };
 }
 
-/** The picker's options (name, size, module, description as the tooltip); hidden when there are none. */
-export function showDictionaries(els: FeatureElements, choices: readonly Dictionary[], selected?: string): void {
+/**
+ * The picker's options (name, size, module, description as the tooltip); hidden when there are
+ * none, and then `unavailable` (why the server's SAEs cannot be read here), if any, in its place.
+ */
+export function showDictionaries(els: FeatureElements, choices: readonly Dictionary[], selected?: string, unavailable?: string): void {
+  els.note.hidden = unavailable === undefined || choices.length > 0;
+  els.note.textContent = els.note.hidden ? "" : `Not available: ${unavailable}`;
   els.dictionary.replaceChildren(
     ...choices.map((d) => {
       const option = document.createElement("option");
