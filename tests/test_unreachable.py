@@ -144,3 +144,7 @@ def test_a_servers_own_unavailable_is_not_unreachable():
     assert unreachable_reason(grpc.StatusCode.UNAVAILABLE, refused) == "connection refused: nothing listens there"
     assert unreachable_reason(grpc.StatusCode.UNAVAILABLE, "the server is shutting down") is None
     assert unreachable_reason(grpc.StatusCode.INTERNAL, refused) is None
+    # a TLS handshake that failed met a server: gRPC's own words stay
+    handshake = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Ssl handshake failed: "
+                 "SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED")
+    assert unreachable_reason(grpc.StatusCode.UNAVAILABLE, handshake) is None

@@ -134,8 +134,9 @@ _NO_CONNECTION = ("failed to connect to all addresses", "errors resolving", "dns
 
 def unreachable_reason(code: grpc.StatusCode, details: str) -> str | None:
     """Why no server was reached, in a few words, for an UNAVAILABLE that gRPC itself gave
-    before any server answered; None for any other error (a server's own UNAVAILABLE, "the
-    server is shutting down", is a server's answer)."""
+    before any server answered (refused, unresolved, timed out, unreachable); None for any
+    other error (a server's own UNAVAILABLE, "the server is shutting down", is a server's
+    answer; a failed TLS handshake met a server)."""
     lowered = details.lower()
     if code != grpc.StatusCode.UNAVAILABLE or not lowered.startswith(_NO_CONNECTION):
         return None
@@ -145,8 +146,11 @@ def unreachable_reason(code: grpc.StatusCode, details: str) -> str | None:
         return "the name does not resolve"
     if "timeout" in lowered or "timed out" in lowered:
         return "the connection timed out"
-    last = details.rpartition(": ")[2].strip()
-    return f"cannot connect: {last}" if last else "cannot connect"
+    if "no route to host" in lowered or "network is unreachable" in lowered:
+        return "the host is unreachable"
+    # Anything else (a TLS handshake refused, a socket closed): a server may well be there, and
+    # gRPC's own words say more than "cannot reach".
+    return None
 
 
 class TypedErrors:
