@@ -6,6 +6,7 @@ nothing listening on it, and a name that does not resolve. No server is started.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -82,6 +83,8 @@ def _check(error: BaseException, target: str, call: str = "") -> None:
     assert str(error) == (f"cannot reach a tracewire server at {target} (connection refused: nothing listens there): "
                           'start one (make serve), or pass its address: tracewire.Client("HOST:PORT")')
     assert error.__cause__ is None and error.__suppress_context__  # raised from None: no grpc dump chained
+    copied = pickle.loads(pickle.dumps(error))  # (a worker process's error, sent back)
+    assert (type(copied), str(copied), copied.target, copied.reason) == (type(error), str(error), target, error.reason)
 
 
 def test_sdk_raises_unreachable_from_every_kind_of_call(closed):

@@ -59,6 +59,9 @@ class Unreachable(Unavailable):
         self.target = target
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type[Unreachable], tuple[str, str]]:  # (pickle, copy: its own arguments)
+        return (type(self), (self.target, self.reason))
+
 
 class DeadlineExceeded(TracewireError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
