@@ -12,8 +12,9 @@ Two generators, both seeded (random.Random), so a seed reproduces a run exactly:
   the values of a field taken by its NAME from a table built from the served model
   (`Plausible`: GetModelInfo's modules and sizes, ListDictionaries' names) holding
   in-range values and the edges just outside them. A field the table does not know gets
-  small values. Then `link_references` points a share of the messages that reference
-  another invoke's read (fields `invoke` and `name` together) at a read that exists.
+  small values. Then `plant_reference` puts a reference to another invoke's read
+  (fields `invoke` and `name` together: activation patching) into a share of them, and
+  `link_references` points most references at a read that exists.
 
 Neither generator names a message type: a new field or message is fuzzed as it comes.
 Values that would make a *valid* request expensive (max_tokens, n) are drawn from small
@@ -335,7 +336,7 @@ def link_references(request: Any, rng: random.Random, share: float = 0.8) -> Non
                 source.name = f"ref{j}"
             ref.invoke, ref.name = j, source.name
             module = getattr(holder, "module", "") if holder is not None else ""
-            if module and rng.random() < 0.5 and "read_module" in source.DESCRIPTOR.fields_by_name:
+            if module and rng.random() < 0.6 and "read_module" in source.DESCRIPTOR.fields_by_name:
                 source.read_module.module = module
                 if holder.HasField("positions"):
                     source.read_module.positions.CopyFrom(holder.positions)
@@ -346,6 +347,53 @@ def link_references(request: Any, rng: random.Random, share: float = 0.8) -> Non
                     del ref.positions[:]
                 if rng.random() < 0.7:
                     source.ClearField("condition")
+
+
+def plant_reference(request: Any, fuzz: RequestFuzzer, chance: float = 0.35) -> None:
+    """With `chance`, in a request of several invokes, make one of an invoke's entries
+    (its interventions) hold a reference (a message with `invoke` and `name`: the paths
+    to one come from the descriptor, e.g. write_module.patch), so that link_references
+    has one to point at a read of another invoke. The entry is kept simple around it
+    (mostly no condition, every step, the new token, every unit): a reference is refused
+    for any of those that its source does not match, which the random ones test."""
+    rng = fuzz.rng
+    invokes = getattr(request, "invokes", None) if "invokes" in request.DESCRIPTOR.fields_by_name else None
+    if invokes is None or len(invokes) < 2 or rng.random() >= chance:
+        return
+    invoke = rng.choice(invokes)
+    lists = [fd for fd in invoke.DESCRIPTOR.fields if fd.is_repeated and fd.message_type is not None
+             and not _is_map(fd) and _reference_paths(fd.message_type)]
+    if not lists:
+        return
+    entries = getattr(invoke, rng.choice(lists).name)
+    entry = rng.choice(entries) if len(entries) and rng.random() < 0.7 else entries.add()
+    path = rng.choice(_reference_paths(entry.DESCRIPTOR))
+    holder = entry
+    for name in path[:-1]:
+        child = getattr(holder, name)
+        child.CopyFrom(fuzz.plausible(child.DESCRIPTOR, 2))
+        holder = child
+    getattr(holder, path[-1]).SetInParent()  # (the oneof's member: the others are cleared)
+    for msg, names in ((entry, ("condition", "steps")), (holder, ("positions", "units"))):
+        for name in names:
+            if name in msg.DESCRIPTOR.fields_by_name and rng.random() < 0.7:
+                msg.ClearField(name)
+
+
+def _reference_paths(desc: descriptor.Descriptor, depth: int = 0) -> list[tuple[str, ...]]:
+    """Field paths from `desc` to a message with an int `invoke` and a string `name`."""
+    if depth > 2:
+        return []
+    paths: list[tuple[str, ...]] = []
+    for fd in desc.fields:
+        if fd.message_type is None or fd.is_repeated:
+            continue
+        names = fd.message_type.fields_by_name
+        if "invoke" in names and "name" in names:
+            paths.append((fd.name,))
+        else:
+            paths += [(fd.name, *rest) for rest in _reference_paths(fd.message_type, depth + 1)]
+    return paths
 
 
 def _references(msg: Any, holder: Any) -> list[tuple[Any, Any]]:
