@@ -21,6 +21,7 @@ import torch
 import tracewire as tw
 from conftest import DICTIONARIES
 from safetensors.numpy import load_file
+from test_heads_neurons import hf_inputs
 from test_hidden_states import GREEDY, PROMPT, hf_lens, hf_module_outputs, prompt_read, steer
 from trace_requests import invoke, iv, run, trace
 from tracewire.v1 import intervention_pb2 as I
@@ -40,6 +41,7 @@ def test_model_info_lists_the_readable_layers(graph):
         info = client.model_info()
     assert info.engine_mode == "compiled_steering"
     assert info.readable_layers == [0, 1, 2] and info.steerable_layers == [0, 1, 2]
+    assert info.unit_readable_layers == [0, 1, 2]
 
 
 def test_layer_reads_at_every_step_and_at_prompt_positions(gstub, hf):
@@ -200,12 +202,58 @@ def test_the_same_trace_reads_the_same_on_the_eager_server(gstub, eager):
         np.testing.assert_allclose(compiled.values("lens")[step], eager_result.values("lens")[step], atol=ATOL)
 
 
+def test_head_and_neuron_reads_at_prompt_positions_and_every_step_equal_hf_and_the_eager_server(gstub, eager, hf):
+    """The unit buffers (--compiled-unit-reads): o_proj's and down_proj's inputs, as HF's
+    forward pre-hooks see them (test_heads_neurons' reference), and the eager server's."""
+    steps, heads = 4, "layers.1.self_attn.heads"
+    request = trace(invoke(
+        PROMPT,
+        iv("heads_new", read_module=I.ReadModule(module="layers.2.self_attn.heads")),
+        iv("heads_prompt", read_module=I.ReadModule(module=heads, positions=I.Positions(all_prompt=I.AllPrompt()),
+                                                    units=I.UnitSelection(ids=I.UnitIds(ids=[3, 0])))),
+        iv("neurons_top", read_module=I.ReadModule(module="layers.0.mlp.act",
+                                                   units=I.UnitSelection(top_k=I.TopK(k=5)))),
+        iv("neurons_all", read_module=I.ReadModule(module="layers.2.mlp.act",
+                                                   positions=I.Positions(all=I.AllPositions()),
+                                                   units=I.UnitSelection(ids=I.UnitIds(ids=[7, 600])))),
+        iv("neurons_mean", read_module=I.ReadModule(module="layers.1.mlp.act", reduction=I.REDUCTION_MEAN,
+                                                    positions=I.Positions(all_prompt=I.AllPrompt()))),
+    ), max_tokens=steps, **GREEDY)
+    compiled = run(gstub, request)
+    ids = hf.encode(PROMPT)
+    tokens = compiled.tokens()
+    assert tokens == hf.greedy(ids, steps)
+    ref, _ = hf_inputs(hf, ids + tokens[:-1])
+    n = len(ids)
+    np.testing.assert_allclose(compiled.values("heads_prompt")[0], ref[heads][:n][:, [3, 0]], atol=ATOL)
+    np.testing.assert_allclose(compiled.values("neurons_mean")[0], ref["layers.1.mlp.act"][:n].mean(0), atol=ATOL)
+    every = compiled.values("neurons_all")
+    assert [v.shape for v in every] == [(n, 2)] + [(2,)] * (steps - 1)  # the prompt's rows, then the new token's
+    np.testing.assert_allclose(np.vstack(every), ref["layers.2.mlp.act"][:, [7, 600]], atol=ATOL)
+    for step in range(steps):
+        np.testing.assert_allclose(compiled.values("heads_new")[step], ref["layers.2.self_attn.heads"][n - 1 + step],
+                                   atol=ATOL)
+        row = ref["layers.0.mlp.act"][n - 1 + step]
+        np.testing.assert_array_equal(compiled.ids("neurons_top")[step], np.argsort(-row)[:5])
+        np.testing.assert_allclose(compiled.values("neurons_top")[step], np.sort(row)[::-1][:5], atol=ATOL)
+    with grpc.insecure_channel(eager.target) as channel:
+        eager_result = run(service_pb2_grpc.TraceServiceStub(channel), request)
+    assert eager_result.tokens() == tokens
+    for name in ("heads_new", "heads_prompt", "neurons_top", "neurons_all", "neurons_mean"):
+        for served, expected in zip(compiled.values(name), eager_result.values(name), strict=True):
+            np.testing.assert_allclose(served, expected, atol=ATOL, err_msg=name)
+
+
 def test_what_the_read_buffers_cannot_read_is_refused_naming_the_field(gstub, stub):
     cases = [
         (iv("h", read_module=I.ReadModule(module="layers.3")), "read_module.module", "layers 0, 1, 2 only"),
         (iv("h", read_module=I.ReadModule(module="layers.1.mlp")), "read_module.module", "decoder layers"),
-        (iv("h", read_module=I.ReadModule(module="layers.1.self_attn.heads")), "read_module.module",
-         "decoder layers"),
+        (iv("h", read_module=I.ReadModule(module="layers.3.self_attn.heads")), "read_module.module",
+         "heads and MLP neurons in read buffers on layers 0, 1, 2 only"),
+        (iv("h", read_module=I.ReadModule(module="layers.3.mlp.act")), "read_module.module",
+         "'layers.3.mlp.act' (--compiled-unit-reads LAYERS"),
+        (iv(write_module=I.WriteModule(module="layers.1.mlp.act", zero=I.ZeroAblation())), "write_module",
+         "--enforce-eager"),
         (iv("h", read_module=I.ReadModule(module="embed_tokens")), "read_module.module", "decoder layers"),
         (iv("l", read_logit_lens=I.ReadLogitLens(layers=[1, -1])), "read_logit_lens.layers[1]",
          "'layers.3' (--compiled-reads LAYERS)"),
@@ -225,3 +273,4 @@ def test_what_the_read_buffers_cannot_read_is_refused_naming_the_field(gstub, st
         run(stub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="layers.0")))))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enforce-eager" in info.value.details() and "--compiled-reads" in info.value.details()
+    assert "--compiled-unit-reads" in info.value.details()

@@ -471,7 +471,7 @@ def test_compiled_reads_serve_their_layers_and_name_the_field_they_refuse():
     def read(module: str) -> I.Intervention:
         return iv("r", read_module=I.ReadModule(module=module))
 
-    precondition(read("layers.1"), f"{r}.module", "read buffers on layers 0, 2 only, not on 'layers.1'",
+    precondition(read("layers.1"), f"{r}.module", "residual streams on layers 0, 2 only, not on 'layers.1'",
                  "--compiled-reads LAYERS", limits=READING)
     precondition(read("layers.0.mlp"), f"{r}.module", "decoder layers (layers.N) only, not 'layers.0.mlp'",
                  "--enforce-eager", limits=READING)

@@ -152,6 +152,22 @@ def test_units_are_refused_where_they_cannot_be_right():
             intervention=write(ids=[0], zero=I.ZeroAblation()), limits=STEERING)
 
 
+def test_a_compiled_engine_with_unit_buffers_reads_the_units_of_their_layers_only():
+    units = dataclasses.replace(COMPILED, unit_readable_layers=frozenset({1, 2}))  # --compiled-unit-reads 1,2
+    neurons = read(ACT, top_k=3)
+    neurons.name = "n"
+    heads, top = compile_(read(ids=[2, 0]), neurons, limits=units).ops_by_invoke[0]
+    assert heads.action.module == HEADS_PATH and heads.action.units == P.Units(ids=(2, 0))
+    assert top.action.module == ACT and top.action.units == P.Units(top_k=3)
+    refused(FailedPrecondition, f"{F}.read_module.module", "on layers 1, 2 only", "--compiled-unit-reads",
+            intervention=read("layers.3.mlp.act", ids=[0]), limits=units)
+    # a layer's residual stream needs --compiled-reads; unit writes, a steering table or eager
+    refused(FailedPrecondition, f"{F}.read_module.module", "residual streams on no layer", "--compiled-reads",
+            intervention=read("layers.1"), limits=units)
+    refused(FailedPrecondition, f"{F}.write_module", "--enforce-eager",
+            intervention=write(ids=[0], zero=I.ZeroAblation()), limits=units)
+
+
 def test_fuzzed_unit_interventions_compile_or_get_a_status():
     """Random ReadModule / WriteModule messages (fuzz_requests' generator) on the unit paths:
     each compiles or raises a TracewireError, never anything else."""

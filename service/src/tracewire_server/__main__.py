@@ -29,7 +29,12 @@ _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-ti
 
 
 def parse_args(argv: list[str]) -> ServerConfig:
-    from .frontend.engine import default_cpu_environment, use_compiled_reads, use_compiled_steering
+    from .frontend.engine import (
+        default_cpu_environment,
+        use_compiled_reads,
+        use_compiled_steering,
+        use_compiled_unit_reads,
+    )
     from .frontend.vllm_compat import AsyncEngineArgs, FlexibleArgumentParser
 
     default_cpu_environment()
@@ -134,6 +139,17 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "layer). LAYERS: 'all' (the default) or the layer numbers, e.g. 12,16,20",
     )
     group.add_argument(
+        "--compiled-unit-reads",
+        nargs="?",
+        const="all",
+        metavar="LAYERS",
+        help="serve reads of attention heads (layers.N.self_attn.heads) and MLP neurons "
+        "(layers.N.mlp.act) on a compiled, CUDA-graph engine: the graph copies o_proj's and "
+        "down_proj's inputs into buffers in every forward pass (max-num-batched-tokens x "
+        "(heads x head_dim + intermediate size) values a layer). LAYERS: 'all' (the default) or "
+        "the layer numbers",
+    )
+    group.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -176,10 +192,12 @@ def parse_args(argv: list[str]) -> ServerConfig:
         parser.error("--max-sequences must be >= 1")
     if (problem := platform_ray_problem(args.distributed_executor_backend)) is not None:
         parser.error(problem)
-    if args.pipeline_parallel_size > 1 and (args.compiled_steering or args.compiled_reads):
+    graph_flags = {"--compiled-steering": args.compiled_steering, "--compiled-reads": args.compiled_reads,
+                   "--compiled-unit-reads": args.compiled_unit_reads}
+    if args.pipeline_parallel_size > 1 and any(graph_flags.values()):
         # The steering tables and read buffers of earlier stages' layers would be filled and
         # read by hooks that run on the last stage only (where the sample is drawn).
-        flag = "--compiled-steering" if args.compiled_steering else "--compiled-reads"
+        flag = next(name for name, value in graph_flags.items() if value)
         parser.error(f"{flag} needs --pipeline-parallel-size 1: under pipeline parallelism the compiled "
                      "graph's hooks run on the last stage only (module interventions need --enforce-eager there)")
     engine_args = AsyncEngineArgs.from_cli_args(args)
@@ -187,6 +205,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
         use_compiled_steering(engine_args, _layer_list(parser, "--compiled-steering", args.compiled_steering))
     if args.compiled_reads:
         use_compiled_reads(engine_args, _layer_list(parser, "--compiled-reads", args.compiled_reads))
+    if args.compiled_unit_reads:
+        use_compiled_unit_reads(engine_args, _layer_list(parser, "--compiled-unit-reads", args.compiled_unit_reads))
     try:
         tls = ServerTls.load(args.tls_cert, args.tls_key, args.tls_client_ca)
         tokens = TokenTable.load(Path(args.auth_tokens)) if args.auth_tokens else None

@@ -72,7 +72,8 @@ class ModelInfo:
     # "compiled" no module writes; "compiled_steering" add / replace / zero writes on the
     # decoder layers in `steerable_layers` only ("unspecified": an older server). A
     # compiled engine reads the decoder layers in `readable_layers` (module reads of the
-    # layer, the logit lens, probes and SAEs on it) and no other module.
+    # layer, the logit lens, probes and SAEs on it), the heads and neurons of those in
+    # `unit_readable_layers`, and no other module.
     engine_mode: EngineMode = "unspecified"
     steerable_layers: list[int] = field(default_factory=list)
     # The units of layers.L.self_attn.heads (query heads of head_dim) and
@@ -84,6 +85,7 @@ class ModelInfo:
     # Why attention-pattern reads are refused here ("": they are served).
     attention_patterns_refusal: str = ""
     readable_layers: list[int] = field(default_factory=list)
+    unit_readable_layers: list[int] = field(default_factory=list)
     # Pipeline stages and the first decoder layer of each (the logit lens and conditions
     # read only the last stage's layers); 1 and [0] without stages (and from an older server).
     pipeline_parallel_size: int = 1
@@ -208,6 +210,7 @@ def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
         intermediate_size=r.intermediate_size,
         attention_patterns_refusal=r.attention_patterns_refusal,
         readable_layers=list(r.readable_layers),
+        unit_readable_layers=list(r.unit_readable_layers),
         pipeline_parallel_size=r.pipeline_parallel_size or 1,
         stage_first_layers=list(r.stage_first_layers) or [0],
         max_lens_rows=r.max_lens_rows,

@@ -157,6 +157,7 @@ class Engine:
             module_interventions=bool(llm.model_config.enforce_eager),
             steerable_layers=steerable_layers(engine_args, description.num_layers),
             readable_layers=readable_layers(engine_args, description.num_layers),
+            unit_readable_layers=unit_readable_layers(engine_args, description.num_layers),
             num_attention_heads=description.num_attention_heads,
             head_dim=description.head_dim,
             intermediate_size=description.intermediate_size,
@@ -293,6 +294,13 @@ def use_compiled_reads(engine_args: Any, layers: list[int] | None = None) -> Non
     _graph_hooks(engine_args, read_buffers.LAYERS, layers)
 
 
+def use_compiled_unit_reads(engine_args: Any, layers: list[int] | None = None) -> None:
+    """`--compiled-unit-reads [LAYERS]`: keep decoder layers' attention heads (o_proj's
+    input) and MLP neurons (down_proj's input) in buffers the compiled graph fills, on
+    `layers` (None: all), through the same loader."""
+    _graph_hooks(engine_args, read_buffers.UNIT_LAYERS, layers)
+
+
 def _graph_hooks(engine_args: Any, key: str, layers: list[int] | None) -> None:
     """Load through steering.py's loader, which attaches what additional_config's `key` lists."""
     if engine_args.enforce_eager:
@@ -312,6 +320,11 @@ def steerable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
 def readable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
     """The decoder layers a compiled engine has read buffers on."""
     return _hooked_layers(engine_args, read_buffers.LAYERS, num_layers)
+
+
+def unit_readable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
+    """The decoder layers whose heads and neurons a compiled engine keeps in buffers."""
+    return _hooked_layers(engine_args, read_buffers.UNIT_LAYERS, num_layers)
 
 
 def _hooked_layers(engine_args: Any, key: str, num_layers: int) -> frozenset[int]:

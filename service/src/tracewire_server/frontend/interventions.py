@@ -186,11 +186,13 @@ class InterventionCompiler:
                    " (or --compiled-steering for add / replace / zero writes on decoder layers)")
                 + ("" if self.limits.readable_layers else
                    " (or --compiled-reads for reads of decoder layers)")
+                + ("" if self.limits.unit_readable_layers else
+                   " (or --compiled-unit-reads for reads of attention heads and MLP neurons)")
             )
 
     def require_reads(self, field: str) -> None:
         """Module reads at all: an eager engine, or a compiled one with read buffers."""
-        if not self.limits.readable_layers:
+        if not self.limits.readable_layers and not self.limits.unit_readable_layers:
             self.require_eager(field)
 
     def require_readable(self, module: str, field: str) -> None:
@@ -199,6 +201,15 @@ class InterventionCompiler:
         if self.limits.module_interventions:
             return
         self.require_reads(field)
+        if P.unit_kind(module):
+            units = self.limits.unit_readable_layers
+            if P.layer_number(module) not in units:
+                kept = f"on layers {', '.join(map(str, sorted(units)))} only" if units else "on no layer"
+                raise FailedPrecondition(
+                    f"{field}: this server keeps attention heads and MLP neurons in read buffers {kept}, "
+                    f"not {module!r} (--compiled-unit-reads LAYERS, or --enforce-eager)"
+                )
+            return
         readable = self.limits.readable_layers
         if not P.is_decoder_layer(module):
             raise FailedPrecondition(
@@ -206,9 +217,9 @@ class InterventionCompiler:
                 f"not {module!r}; start it with --enforce-eager to read other modules"
             )
         if P.layer_number(module) not in readable:
-            layers = ", ".join(map(str, sorted(readable)))
+            kept = f"on layers {', '.join(map(str, sorted(readable)))} only" if readable else "on no layer"
             raise FailedPrecondition(
-                f"{field}: this server keeps read buffers on layers {layers} only, not on "
+                f"{field}: this server keeps read buffers of residual streams {kept}, not on "
                 f"{module!r} (--compiled-reads LAYERS)"
             )
 

@@ -437,6 +437,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             engine_mode=_ENGINE_MODES[engine.limits.engine_mode],
             steerable_layers=sorted(engine.limits.steerable_layers),
             readable_layers=sorted(engine.limits.readable_layers),
+            unit_readable_layers=sorted(engine.limits.unit_readable_layers),
             pipeline_parallel_size=engine.limits.pipeline_parallel_size,
             stage_first_layers=list(engine.limits.stage_first_layers),
             max_lens_rows=engine.limits.max_lens_rows,

@@ -55,6 +55,9 @@ class ModelLimits:
     # A compiled engine started with --compiled-reads keeps these decoder layers'
     # residual streams in graph buffers (read_buffers.py): reads of them are served.
     readable_layers: frozenset[int] = frozenset()
+    # ... and with --compiled-unit-reads these layers' attention heads and MLP neurons
+    # (o_proj's and down_proj's inputs): reads of layers.L.self_attn.heads / .mlp.act.
+    unit_readable_layers: frozenset[int] = frozenset()
     # Units of the unit-addressed modules (plan.unit_kind): attention query heads of
     # head_dim each (o_proj's input), MLP neurons (down_proj's input).
     num_attention_heads: int = 0

@@ -18,24 +18,34 @@ layer), and the buffers hold `max_tokens` rows a layer (the largest pass vLLM ru
 The hooks are registered after the steering tables' (shared/steering.py) on the same
 layers, so a read sees the stream after that layer's writes, as on an eager engine.
 The model loader that attaches both lives in steering.py.
+
+Units (`--compiled-unit-reads`) are kept the same way, from module inputs: a pre-hook
+traced into the graph copies o_proj's input (the attention output, [tokens, heads x
+head_dim]: layers.L.self_attn.heads) and down_proj's (the activated gate x up, [tokens,
+intermediate]: layers.L.mlp.act) into buffers of their own. They cost more than a
+layer's stream (an 8B model's neurons are 3x its hidden size), hence a flag of their own.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .graph_layers import hook_layers, hooked_layers
+from .plan import HEADS_SUFFIX, NEURONS_SUFFIX
 
-# vllm_config.additional_config key: the decoder layers that get read buffers, or "all".
-# Part of vLLM's compile-cache key (as steering.LAYERS is).
+# vllm_config.additional_config keys: the decoder layers that get read buffers of their
+# residual streams / of their units (heads and neurons), or "all". Part of vLLM's
+# compile-cache key (as steering.LAYERS is).
 LAYERS = "tracewire_read_buffers"
+UNIT_LAYERS = "tracewire_unit_read_buffers"
 
 
-def layers_of(additional_config: dict[str, Any] | None) -> list[int] | str | None:
+def layers_of(additional_config: dict[str, Any] | None, key: str = LAYERS) -> list[int] | str | None:
     """The layers an engine's config gives read buffers: a list, "all", or None (none)."""
-    return (additional_config or {}).get(LAYERS)
+    return (additional_config or {}).get(key)
 
 
 class ReadBuffers(torch.nn.Module):
@@ -47,13 +57,18 @@ class ReadBuffers(torch.nn.Module):
     (seen in vLLM's compiled code on the CPU build: every layer's max_tokens rows, twice)."""
 
     def __init__(self, layers: list[int], max_tokens: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, units: dict[str, UnitInput] | None = None) -> None:
         super().__init__()
         self.layers = layers  # decoder layer numbers on this rank, in buffer order
         self.table_of = {layer: t for t, layer in enumerate(layers)}
         self.names = [f"layer_{layer}" for layer in layers]
         for name in self.names:
             self.register_buffer(name, torch.zeros(max_tokens, hidden, dtype=dtype, device=device), persistent=False)
+        # Unit addresses (layers.L.self_attn.heads, layers.L.mlp.act) -> their module input's buffer
+        self.units = dict(units or {})
+        for unit in self.units.values():
+            self.register_buffer(unit.buffer, torch.zeros(max_tokens, unit.width, dtype=dtype, device=device),
+                                 persistent=False)
 
     def capture(self, table: int, output: Any) -> None:
         """In the graph: keep this layer's stream. vLLM's decoder layers return (hidden,
@@ -65,26 +80,79 @@ class ReadBuffers(torch.nn.Module):
             stream = output
         getattr(self, self.names[table])[: stream.shape[0]].copy_(stream)
 
+    def capture_input(self, buffer: str, value: torch.Tensor) -> None:
+        """In the graph, before o_proj / down_proj run: keep their input."""
+        getattr(self, buffer)[: value.shape[0]].copy_(value)
+
     def stream(self, layer: int, tokens: int) -> torch.Tensor:
         """On the host, after the forward pass: layer `layer`'s stream of that pass's
         `tokens` flat rows (a view: the next pass overwrites it)."""
         buffer: torch.Tensor = getattr(self, self.names[self.table_of[layer]])
         return buffer[:tokens]
 
+    def unit_input(self, path: str, tokens: int) -> torch.Tensor:
+        """On the host, after the forward pass: the input of unit address `path`'s module
+        ([tokens, units x unit width]), as stream() gives a layer's."""
+        buffer: torch.Tensor = getattr(self, self.units[path].buffer)
+        return buffer[:tokens]
+
+
+@dataclass(frozen=True)
+class UnitInput:
+    """A unit address's module input kept in a buffer: its name, its width (all units),
+    and one unit's width (head_dim for heads, 1 for neurons)."""
+
+    buffer: str
+    width: int
+    unit_width: int
+
 
 def attach(model: torch.nn.Module, vllm_config: Any, max_tokens: int) -> ReadBuffers | None:
-    """Register read buffers on `model`'s decoder layers the config lists (before its
-    first forward pass compiles it); None when it lists none."""
+    """Register read buffers on `model`'s decoder layers (and units) the config lists
+    (before its first forward pass compiles it); None when it lists none."""
     listed = layers_of(vllm_config.additional_config)
-    if listed is None:
+    unit_listed = layers_of(vllm_config.additional_config, UNIT_LAYERS)
+    if listed is None and unit_listed is None:
         return None
-    inner, layers = hooked_layers(model, listed, "--compiled-reads")
+    inner, layers = hooked_layers(model, listed or [], "--compiled-reads")
+    _, unit_layers = hooked_layers(model, unit_listed or [], "--compiled-unit-reads")
+    inputs = _unit_inputs(inner, unit_layers)
     weight = next(model.parameters())
     buffers = ReadBuffers(layers, max_tokens, int(vllm_config.model_config.get_hidden_size()),
-                          weight.dtype, weight.device)
+                          weight.dtype, weight.device, {path: unit for path, (_, unit) in inputs.items()})
     inner.tracewire_reads = buffers
     hook_layers(inner, layers, buffers.capture)
+    for module, unit in inputs.values():
+        module.register_forward_pre_hook(
+            lambda module, args, buffer=unit.buffer: buffers.capture_input(buffer, args[0]))
     return buffers
+
+
+def _unit_inputs(inner: torch.nn.Module, layers: list[int]) -> dict[str, tuple[torch.nn.Module, UnitInput]]:
+    """The unit addresses of `layers` (as the eager hooks find them: worker/runner.py's
+    unit_modules) -> the module whose input they are, and its buffer. The width is this
+    rank's part of the input (row-parallel linears split it under tensor parallelism)."""
+    found: dict[str, tuple[torch.nn.Module, UnitInput]] = {}
+    for layer in layers:
+        block = inner.layers[layer]
+        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        if hasattr(attn, "o_proj") and hasattr(attn, "head_dim"):
+            found[f"layers.{layer}{HEADS_SUFFIX}"] = (
+                attn.o_proj, UnitInput(f"heads_{layer}", _input_width(attn.o_proj), int(attn.head_dim)))
+        if hasattr(mlp, "down_proj"):
+            found[f"layers.{layer}{NEURONS_SUFFIX}"] = (
+                mlp.down_proj, UnitInput(f"act_{layer}", _input_width(mlp.down_proj), 1))
+    if layers and not found:
+        raise RuntimeError(f"--compiled-unit-reads: {type(inner).__name__}'s layers have no o_proj / down_proj")
+    return found
+
+
+def _input_width(linear: torch.nn.Module) -> int:
+    """A linear layer's input width on this rank (vLLM's row-parallel linears, or torch's)."""
+    for name in ("input_size_per_partition", "in_features"):
+        if (width := getattr(linear, name, None)) is not None:
+            return int(width)
+    raise RuntimeError(f"cannot tell {type(linear).__name__}'s input width")
 
 
 def find(model: Any) -> ReadBuffers | None:

@@ -8,7 +8,7 @@ then applies that pass's writes in place and copies out the rows its reads selec
 Compiled engines run no Python hooks in the pass: they steer through
 shared/steering.py's tables (planned by steering_slots.py), and with read buffers
 (shared/read_buffers.py) the same plan is made on the host before the pass and its
-decoder-layer reads take their rows from the buffers after it.
+decoder-layer and unit reads take their rows from the buffers after it.
 """
 
 from __future__ import annotations
@@ -408,9 +408,15 @@ class ModuleHooks:
                 log.exception("read buffer column of %s failed", path)
         for path, path_wants in wants.items():
             try:
-                value = self.buffers.stream(P.layer_number(path), tokens)
-                index = [r for want in path_wants for r in want.rows]
-                _keep(path_wants, value.index_select(0, on_device(index, value.device, torch.long)).to(torch.float32))
+                rows = [r for want in path_wants for r in want.rows]
+                if P.unit_kind(path):  # heads / neurons: their module's input (--compiled-unit-reads)
+                    value = self.buffers.unit_input(path, tokens)
+                    index = on_device(rows, value.device, torch.long)
+                    _keep(path_wants, take_rows(value, self.buffers.units[path].unit_width, index))
+                else:
+                    value = self.buffers.stream(P.layer_number(path), tokens)
+                    index = on_device(rows, value.device, torch.long)
+                    _keep(path_wants, value.index_select(0, index).to(torch.float32))
             except Exception as e:  # noqa: BLE001
                 _fail(path, e, path_wants, None)
 
