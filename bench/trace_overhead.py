@@ -223,10 +223,11 @@ DICTIONARY_ROWS = (PROBE_ROW, SAE_ROW)
 # top-20, which the tables cost as they cost every request).
 COMPILED_STEERING_ROWS = ("trace, no interventions", "top-20 logits every step", "steering write every step")
 # --compiled-reads: both engines compiled (CUDA graphs on a GPU), the server with read
-# buffers on every layer (and steering tables: a read of a steered layer is the common
-# research loop); the targets are the layer read and the 4-layer lens.
-COMPILED_READS_ROWS = ("trace, no interventions", "layer read every step", LENS_ROW, PROBE_ROW, SAE_ROW,
-                       "steering write every step")
+# buffers on every layer, of residual streams and of units (and steering tables: a read of
+# a steered layer is the common research loop); the targets are the layer read, the
+# 4-layer lens and the head read.
+COMPILED_READS_ROWS = ("trace, no interventions", "layer read every step", "head read every step", LENS_ROW,
+                       PROBE_ROW, SAE_ROW, "steering write every step")
 SERVER_FLAGS: list[str] = []  # tracewire's own options for the server (not the raw engine's)
 
 
@@ -813,8 +814,9 @@ def main() -> int:
     mode.add_argument("--hidden", action="store_true",
                       help="hidden-state rows (layer read, steering write) on eager engines")
     mode.add_argument("--compiled-reads", action="store_true",
-                      help="layer reads, the logit lens, probe and SAE reads on compiled engines (CUDA "
-                      "graphs on a GPU): the server runs with --compiled-reads --compiled-steering")
+                      help="layer and head reads, the logit lens, probe and SAE reads on compiled engines "
+                      "(CUDA graphs on a GPU): the server runs with --compiled-reads --compiled-unit-reads "
+                      "--compiled-steering")
     mode.add_argument("--compiled-steering", action="store_true",
                       help="the steering row on compiled engines (CUDA graphs on a GPU): the server "
                       "runs with --compiled-steering")
@@ -868,7 +870,7 @@ def main() -> int:
         ENGINE["enforce_eager"] = True
         kind, kinds = "hidden", HIDDEN_ROWS
     elif args.compiled_reads:
-        SERVER_FLAGS.extend(["--compiled-reads", "--compiled-steering"])
+        SERVER_FLAGS.extend(["--compiled-reads", "--compiled-unit-reads", "--compiled-steering"])
         kind, kinds = "compiled-reads", COMPILED_READS_ROWS
     elif args.compiled_steering:
         SERVER_FLAGS.append("--compiled-steering")
