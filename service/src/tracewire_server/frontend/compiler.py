@@ -9,6 +9,7 @@ interventions.py.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,9 @@ class CompiledTrace:
     # and the exported read that keeps the most, for messages.
     patch_bytes: int = 0
     patch_source: str = ""
+    # The dictionaries (probes, SAEs) its ops use, as compiled against: a worker failure
+    # while one of them was deleted or replaced is the client's race, not the server's fault.
+    dictionaries: tuple[P.DictRef, ...] = ()
 
     @property
     def keeps_values(self) -> bool:
@@ -222,7 +226,8 @@ class _Compiler:
             )
         return CompiledTrace(tuple(invokes), tuple(all_ops), bound, every, interval_ms / 1000,
                              key=trace_key, waits=patches.waits, patch_bytes=patch_bytes,
-                             patch_source=largest[1])
+                             patch_source=largest[1],
+                             dictionaries=tuple(dict.fromkeys(_dictionary_refs(all_ops))))
 
     def check_sequences(self, request: service_pb2.TraceRequest) -> None:
         """Every invoke's n, summed, within the cap: before any per-sequence work."""
@@ -298,6 +303,18 @@ def compile_trace(
 
 def _no_dictionaries(name: str) -> None:
     return None
+
+
+def _dictionary_refs(value: Any) -> Iterator[P.DictRef]:
+    """Every DictRef in a plan's plain data (ops, their actions and conditions)."""
+    if isinstance(value, P.DictRef):
+        yield value
+    elif isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            yield from _dictionary_refs(getattr(value, name))
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _dictionary_refs(item)
 
 
 def _whole_rows(op: P.Op) -> P.Op:

@@ -100,12 +100,19 @@ class DictionaryRegistry:
         self._refreshed = 0.0  # time.monotonic() of the last refresh
         self._refresh: asyncio.Future[None] | None = None
         self._changes = asyncio.Lock()
+        self._changing: set[str] = set()  # names a register / delete here is changing now
 
     # -- reading ---------------------------------------------------------------------
 
     def lookup(self, name: str) -> DictionaryInfo | None:
         """The dictionary of that name as last known here (the compiler's question)."""
         return self._cache.get(name)
+
+    def unchanged(self, name: str, generation: int) -> bool:
+        """Whether `name` still holds `generation`, with no register or delete of it under
+        way here (the worker changes its weights before this cache learns of it)."""
+        held = self._cache.get(name)
+        return held is not None and held.generation == generation and name not in self._changing
 
     def all(self) -> list[DictionaryInfo]:
         return sorted(self._cache.values(), key=lambda info: info.name)
@@ -181,7 +188,11 @@ class DictionaryRegistry:
                 raise ResourceExhausted(
                     f"chunk: the dictionary takes {info.device_bytes} bytes on the device, {room} of the "
                     f"server's {self.max_upload_bytes} for uploads are left (--max-dictionary-bytes)")
-            return await self._load(info, path)
+            self._changing.add(info.name)
+            try:
+                return await self._load(info, path)
+            finally:
+                self._changing.discard(info.name)
 
     async def load_operator(self, info: DictionaryInfo, path: Path) -> DictionaryInfo:
         """One of --dictionaries' (owner ""), at start; the worker's refusal as DictionaryError."""
@@ -210,8 +221,12 @@ class DictionaryRegistry:
                                        "clients cannot delete it")
             if held.owner != owner:
                 raise PermissionDenied(f"name: {name!r} belongs to another client; only its owner may delete it")
-            freed = await self._worker.delete(name)
-            self._cache.pop(name, None)
+            self._changing.add(name)
+            try:
+                freed = await self._worker.delete(name)
+                self._cache.pop(name, None)
+            finally:
+                self._changing.discard(name)
             return freed
 
 

@@ -227,12 +227,14 @@ class Engine:
         except vllm_compat.EngineDeadError as e:
             raise Unavailable(f"the engine died: {e}") from e
 
-    def trace(self, compiled: CompiledTrace, buffer_bytes: int) -> TraceRun:
+    def trace(self, compiled: CompiledTrace, buffer_bytes: int,
+              dictionary_unchanged: Callable[[str, int], bool] | None = None) -> TraceRun:
         """A run of `compiled` (compiled for this engine's route) on this engine: its
         sequences' token streams, and the worker hooks' records of their steps from
         this frontend's side channel. `buffer_bytes`: step results it may hold for a
-        slow client."""
-        return TraceRun(self, self.receiver, compiled, buffer_bytes)
+        slow client; `dictionary_unchanged`: whether the registry still holds a dictionary's
+        generation."""
+        return TraceRun(self, self.receiver, compiled, buffer_bytes, dictionary_unchanged)
 
     def release_trace(self, trace_key: str) -> None:
         """Free a finished trace's patch sources' values on every worker, then its room in

@@ -383,7 +383,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
         tenant.reserve_sequences(sum(len(invoke.sequences) for invoke in compiled.invokes))
         tenant.charge_reads(compiled.read_bytes_bound)
         tenant.hold_patch_bytes(compiled.patch_bytes, compiled.patch_source)
-        await engine.trace(compiled, self.options.buffer_bytes).send(context.write)
+        await engine.trace(compiled, self.options.buffer_bytes, registry.unchanged).send(context.write)
 
     @unary
     async def Tokenize(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,7 +24,7 @@ from ..shared.sidechannel import StepRecord
 from . import outputs, tensors
 from .calls import current_tenant
 from .compiler import CompiledInvoke, CompiledTrace, EngineSequence
-from .errors import Internal, TracewireError
+from .errors import FailedPrecondition, Internal, TracewireError
 from .invoke_gates import InvokeGates
 from .metrics import TraceMetrics
 from .outbox import Outbox, Write
@@ -71,6 +71,10 @@ class TraceRun:
     receiver: Receiver  # this frontend's side channel: the worker hooks' records of the trace's steps
     trace: CompiledTrace
     buffer_cap_bytes: int
+    # Whether a dictionary name still holds a generation (the registry's `unchanged`): a
+    # trace whose dictionary was deleted or replaced while it ran fails with
+    # FAILED_PRECONDITION, not INTERNAL. (None: not known here, never claimed.)
+    dictionary_unchanged: Callable[[str, int], bool] | None = None
     _outbox: Outbox = field(init=False)
     _metrics: TraceMetrics = field(init=False)
     _warnings: list[trace_pb2.TraceWarning] = field(default_factory=list)
@@ -229,11 +233,22 @@ class TraceRun:
                 f"engine's hooks for step {step} within {RECORD_TIMEOUT_S:.0f} s"
             ) from None
         if record.error is not None:
-            raise Internal(
-                f"invoke {seq.invoke_index} sequence {seq.sequence_index}: an intervention failed "
-                f"in the engine at step {record.step}: {record.error}"
-            )
+            failed = (f"invoke {seq.invoke_index} sequence {seq.sequence_index}: an intervention failed "
+                      f"in the engine at step {record.step}: {record.error}")
+            if (gone := self._changed_dictionary()) is not None:
+                raise FailedPrecondition(f"dictionary {gone!r} was deleted or registered again while the trace "
+                                         f"ran; {failed}")
+            raise Internal(failed)
         return record
+
+    def _changed_dictionary(self) -> str | None:
+        """A dictionary the trace uses that no longer holds the generation it was compiled
+        against (another call deleted or replaced it)."""
+        unchanged = self.dictionary_unchanged
+        for ref in self.trace.dictionaries if unchanged is not None else ():
+            if not unchanged(ref.name, ref.generation):
+                return ref.name
+        return None
 
     @staticmethod
     def _checked(record: StepRecord, seq: EngineSequence, step: int, token: int) -> StepRecord:
