@@ -69,7 +69,8 @@ EAGER_SPECS = {name: ServerSpec(name, (*setting.flags, "--enforce-eager", "--dis
                                        "--dictionaries", str(DICTIONARIES)), env=ONE_CORE_EACH)
                for name, setting in SETTINGS.items()}
 COMPILED_TP2 = ServerSpec("tp2-compiled", ("--tensor-parallel-size", "2", "--compiled-reads", "--compiled-steering",
-                                           "--distributed-executor-backend", "mp"), env=ONE_CORE_EACH)
+                                           "--compiled-unit-reads", "--distributed-executor-backend", "mp"),
+                          env=ONE_CORE_EACH)
 pytestmark = servers(*EAGER_SPECS.values())
 
 
@@ -337,9 +338,11 @@ def test_what_cannot_be_right_is_refused(par):
 
 @servers(COMPILED_TP2)
 def test_compiled_reads_and_steering_under_tensor_parallel(hf):
-    """A compiled TP=2 engine (--compiled-reads --compiled-steering): every rank fills its
-    steering tables and read buffers in the graph, the first sends; the reads see the
-    write, the lens gathers the vocab-parallel lm_head."""
+    """A compiled TP=2 engine (--compiled-reads --compiled-steering --compiled-unit-reads):
+    every rank fills its steering tables and read buffers in the graph, the first sends; the
+    reads see the write, the lens gathers the vocab-parallel lm_head. Heads and neurons,
+    which TP=1 serves from the unit buffers, each rank holds only part of: refused naming
+    the field, as on the eager TP=2 engine."""
     from test_compiled_reads import _hf_steered_outputs
     from test_hidden_states import prompt_read
 
@@ -351,8 +354,14 @@ def test_compiled_reads_and_steering_under_tensor_parallel(hf):
                 PROMPT, iv("prompt", read_module=prompt_read("layers.0")), iv(write_module=steer(vector)),
                 iv("l2", read_module=I.ReadModule(module="layers.2")),
                 iv("lens", read_logit_lens=I.ReadLogitLens(layers=[0, 2], top_k=5))), max_tokens=4, **GREEDY))
+            with pytest.raises(grpc.RpcError) as info:
+                run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(
+                    PROMPT, iv("h", read_module=I.ReadModule(module="layers.1.self_attn.heads")))))
     finally:
         stop_soon(proc)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "interventions[0].read_module.module" in info.value.details()
+    assert "--tensor-parallel-size 1" in info.value.details()
     ids, tokens = hf.encode(PROMPT), result.tokens()
     once_per_step(result, 4)
     np.testing.assert_allclose(result.values("prompt")[0], hf_module_outputs(hf, ids)["layers.0"], atol=ATOL)
