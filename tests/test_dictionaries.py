@@ -299,8 +299,17 @@ def test_bad_dictionary_interventions_name_the_field(estub, intervention, field)
 
 
 def test_compiled_servers_refuse_dictionary_interventions(stub):
-    code, details = _status(stub, iv("r", read_dictionary=read("t-probe")))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "read_dictionary" in details
+    # The dictionary exists on this server (an unknown one is INVALID_ARGUMENT on every
+    # engine kind); the plain compiled server has no read buffer for its layer.
+    spec, tensors = WEIGHTS["t-probe"]
+    register(stub, "t-compiled-probe", spec, tensors)
+    try:
+        code, details = _status(stub, iv("r", read_dictionary=read("t-compiled-probe")))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "read_dictionary" in details
+        code, details = _status(stub, iv("r", read_dictionary=read("t-unregistered")))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "read_dictionary.dictionary" in details
+    finally:
+        stub.DeleteDictionary(D.DeleteDictionaryRequest(name="t-compiled-probe"), timeout=30)
 
 
 def test_a_replaced_dictionary_fails_the_traces_running_against_it(estub):
