@@ -16,6 +16,8 @@ import prefix_cache
 import pytest
 import torch
 import tracewire as tw
+from test_heads_neurons import HEAD_DIM, NEURONS, STEPS, check_logits, check_write_against_hf, hf_inputs, zero_heads
+from test_heads_neurons import PROMPT as HEADS_PROMPT
 from test_hidden_states import GREEDY, PROMPT, hf_steered, steer
 from trace_requests import f32, invoke, iv, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
@@ -58,6 +60,72 @@ def test_model_info_says_compiled_steering_and_its_layers(steerable):
     with tw.Client(steerable.target, timeout=60) as client:
         info = client.model_info()
     assert info.engine_mode == "compiled_steering" and info.steerable_layers == [0, 1, 2]
+    assert info.unit_steerable_layers == [0, 1, 2]
+
+
+# -- heads and neurons (--compiled-unit-steering) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gsdk(steerable):
+    with tw.Client(steerable.target, timeout=120) as client:
+        yield client
+
+
+def test_head_and_neuron_writes_at_every_position_equal_hfs_pre_hooks(gsdk, hf):
+    """The unit tables (o_proj's and down_proj's inputs through a * x + b): test_heads_neurons'
+    writes and its transformers reference, on the compiled engine."""
+    rng = np.random.default_rng(0)
+    vector = rng.normal(size=HEAD_DIM).astype(np.float32) * 3
+    per_head = rng.normal(size=(2, HEAD_DIM)).astype(np.float32) * 3
+    ids, values = [3, 100, 511], np.array([8.0, -6.0, 5.0], np.float32)
+    many = list(range(1, NEURONS, 4))
+
+    def replace(x):
+        x[:, [0, 2]] = torch.from_numpy(vector)
+        return x
+
+    def add(x):
+        x[:, [3, 1]] += 2.5 * torch.from_numpy(per_head)
+        return x
+
+    def set_(x):
+        x[:, ids] = torch.from_numpy(values)
+        return x
+
+    def zero(x):
+        x[:, many] = 0
+        return x
+
+    check_write_against_hf(gsdk, hf, lambda ref: ref.select([1, 3]).zero(), "layers.1.self_attn.heads", zero_heads)
+    check_write_against_hf(gsdk, hf, lambda ref: ref.select([0, 2]).replace(vector), "layers.2.self_attn.heads",
+                           replace)
+    check_write_against_hf(gsdk, hf, lambda ref: ref.select([3, 1]).add(per_head, scale=2.5),
+                           "layers.0.self_attn.heads", add)
+    check_write_against_hf(gsdk, hf, lambda ref: ref.select(ids).set(values), "layers.1.mlp.act", set_)
+    check_write_against_hf(gsdk, hf, lambda ref: ref.select(many).zero(), "layers.2.mlp.act", zero)
+
+
+def test_a_head_steered_at_every_new_token_and_a_read_of_it_equal_hf(gsdk, hf):
+    """The steady path (the same write at every new token: one slot, kept while the batch
+    decodes) and a unit read of the written head: the read sees the write."""
+    n = len(hf.encode(HEADS_PROMPT))
+    vector = np.random.default_rng(3).normal(size=HEAD_DIM).astype(np.float32) * 4
+    with gsdk.trace(HEADS_PROMPT, max_tokens=STEPS, **GREEDY) as tracer:
+        heads = tracer.all().model.layers[1].self_attn.heads.output
+        heads.select([2]).add(vector)
+        seen = heads.select([2, 0]).save()
+        raw = tracer.all().logits.raw.save()
+
+    def add_new(x):  # the new token's row of each pass (vLLM computes each position once)
+        x[n - 1:, 2] += torch.from_numpy(vector)
+        return x
+
+    tokens = tracer.result.outputs[0].token_ids
+    check_logits(hf, tokens, raw, {"layers.1.self_attn.heads": add_new})
+    ref, _ = hf_inputs(hf, hf.encode(HEADS_PROMPT) + tokens[:-1], {"layers.1.self_attn.heads": add_new})
+    for step in range(STEPS):
+        np.testing.assert_allclose(seen[step], ref["layers.1.self_attn.heads"][n - 1 + step][[2, 0]], atol=1e-4)
 
 
 def test_steering_every_step_matches_transformers(sstub, hf):
@@ -147,6 +215,11 @@ def test_what_the_compiled_tables_cannot_do_is_refused(sstub, stub):
         (iv(write_module=steer(zero, module="layers.3")), "write_module.module", "layers 0, 1, 2 only"),
         (iv(write_module=I.WriteModule(module="layers.1", positions=I.Positions(all_prompt=I.AllPrompt()),
                                        mean=I.MeanAblation())), "write_module.op", "'mean'"),
+        (iv(write_module=I.WriteModule(module="layers.3.self_attn.heads", zero=I.ZeroAblation())),
+         "write_module.module", "heads and MLP neurons on layers 0, 1, 2 only"),
+        (iv(write_module=I.WriteModule(module="layers.1.mlp.act", positions=I.Positions(all_prompt=I.AllPrompt()),
+                                       units=I.UnitIds(ids=[1]), mean=I.MeanAblation())),
+         "write_module.op", "'mean'"),
     ]
     for intervention, field, says in cases:
         with pytest.raises(grpc.RpcError) as info:
@@ -158,6 +231,7 @@ def test_what_the_compiled_tables_cannot_do_is_refused(sstub, stub):
         run(stub, trace(invoke(PROMPT, iv(write_module=steer(zero)))))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enforce-eager" in info.value.details() and "--compiled-steering" in info.value.details()
+    assert "--compiled-unit-steering" in info.value.details()
 
 
 def test_slots_come_back_when_traces_end(sstub, hf):

@@ -146,10 +146,23 @@ def test_units_are_refused_where_they_cannot_be_right():
             intervention=read(ids=[0]), limits=TP2)
     refused(FailedPrecondition, f"{F}.write_module.module", "tensor parallel",
             intervention=write(ACT, ids=[0], zero=I.ZeroAblation()), limits=TP2)
-    # compiled engines: no module hooks, and steering tables write decoder layers only
+    # compiled engines: no module hooks, and decoder layers' steering tables write no units
     refused(FailedPrecondition, f"{F}.read_module", "--enforce-eager", intervention=read(ids=[0]), limits=COMPILED)
-    refused(FailedPrecondition, f"{F}.write_module.module", "decoder layers",
-            intervention=write(ids=[0], zero=I.ZeroAblation()), limits=STEERING)
+    refused(FailedPrecondition, f"{F}.write_module.module", "heads and MLP neurons on no layer",
+            "--compiled-unit-steering", intervention=write(ids=[0], zero=I.ZeroAblation()), limits=STEERING)
+
+
+def test_a_compiled_engine_with_unit_tables_writes_the_units_of_their_layers_only():
+    units = dataclasses.replace(COMPILED, unit_steerable_layers=frozenset({1}))  # --compiled-unit-steering 1
+    assert units.engine_mode == "compiled_steering"
+    (op,) = compile_(write(ids=[2], zero=I.ZeroAblation()), limits=units).ops_by_invoke[0]
+    assert op.action == P.WriteModule(HEADS_PATH, P.Positions(), "zero", units=(2,))
+    refused(FailedPrecondition, f"{F}.write_module.module", "on layers 1 only", "--compiled-unit-steering",
+            intervention=write(ACT, ids=[0], zero=I.ZeroAblation()), limits=units)
+    refused(FailedPrecondition, f"{F}.write_module.op", "not 'mean'",
+            intervention=write(ids=[0], mean=I.MeanAblation()), limits=units)
+    refused(FailedPrecondition, f"{F}.write_module.module", "steering tables on no layer", "--compiled-steering",
+            intervention=iv(write_module=I.WriteModule(module="layers.1", zero=I.ZeroAblation())), limits=units)
 
 
 def test_a_compiled_engine_with_unit_buffers_reads_the_units_of_their_layers_only():

@@ -69,7 +69,8 @@ EAGER_SPECS = {name: ServerSpec(name, (*setting.flags, "--enforce-eager", "--dis
                                        "--dictionaries", str(DICTIONARIES)), env=ONE_CORE_EACH)
                for name, setting in SETTINGS.items()}
 COMPILED_TP2 = ServerSpec("tp2-compiled", ("--tensor-parallel-size", "2", "--compiled-reads", "--compiled-steering",
-                                           "--compiled-unit-reads", "--distributed-executor-backend", "mp"),
+                                           "--compiled-unit-reads", "--compiled-unit-steering",
+                                           "--distributed-executor-backend", "mp"),
                           env=ONE_CORE_EACH)
 pytestmark = servers(*EAGER_SPECS.values())
 
@@ -338,7 +339,7 @@ def test_what_cannot_be_right_is_refused(par):
 
 @servers(COMPILED_TP2)
 def test_compiled_reads_and_steering_under_tensor_parallel(hf):
-    """A compiled TP=2 engine (--compiled-reads --compiled-steering --compiled-unit-reads):
+    """A compiled TP=2 engine (--compiled-reads --compiled-steering --compiled-unit-*):
     every rank fills its steering tables and read buffers in the graph, the first sends; the
     reads see the write, the lens gathers the vocab-parallel lm_head. Heads and neurons,
     which TP=1 serves from the unit buffers, each rank holds only part of: refused naming
@@ -354,14 +355,18 @@ def test_compiled_reads_and_steering_under_tensor_parallel(hf):
                 PROMPT, iv("prompt", read_module=prompt_read("layers.0")), iv(write_module=steer(vector)),
                 iv("l2", read_module=I.ReadModule(module="layers.2")),
                 iv("lens", read_logit_lens=I.ReadLogitLens(layers=[0, 2], top_k=5))), max_tokens=4, **GREEDY))
-            with pytest.raises(grpc.RpcError) as info:
-                run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(
-                    PROMPT, iv("h", read_module=I.ReadModule(module="layers.1.self_attn.heads")))))
+            refused = {}
+            for field, unit in [("read_module", iv("h", read_module=I.ReadModule(module="layers.1.self_attn.heads"))),
+                                ("write_module", iv(write_module=I.WriteModule(module="layers.1.mlp.act",
+                                                                               zero=I.ZeroAblation())))]:
+                with pytest.raises(grpc.RpcError) as info:
+                    run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(PROMPT, unit)))
+                refused[field] = info.value
     finally:
         stop_soon(proc)
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "interventions[0].read_module.module" in info.value.details()
-    assert "--tensor-parallel-size 1" in info.value.details()
+    for field, error in refused.items():
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, field
+        assert f"interventions[0].{field}.module" in error.details() and "--tensor-parallel-size 1" in error.details()
     ids, tokens = hf.encode(PROMPT), result.tokens()
     once_per_step(result, 4)
     np.testing.assert_allclose(result.values("prompt")[0], hf_module_outputs(hf, ids)["layers.0"], atol=ATOL)

@@ -31,7 +31,7 @@ def _steering_engine(slots: int = 2 * BATCH + 1):
     planned.senders[0] = Sender()
     tables = steering.SteeringTables([0, 1], slots=slots, max_tokens=4 * BATCH, hidden=HIDDEN,
                                      dtype=torch.float32, device=torch.device("cpu"))
-    planned.install_compiled_steering(tables)
+    planned.install_compiled_steering([tables])
     sampler = Sampler()
     planned.install(sampler)
     return engine, planned, tables, sampler
@@ -82,7 +82,7 @@ def test_every_slot_comes_back_after_hundreds_of_requests():
         _draw(engine, sampler)
     assert ended > 20 * len(tables.vectors[0])  # far more requests than slots came and went
     assert not [s.error for s in hooks.sequences.by_id.values() if s is not None and s.error]
-    planner = hooks.steering.planner
+    (planner,) = hooks.steering.planners
     live = sum(len(a) for a in planner.assigned)
     assert live == BATCH  # the requests still in the engine hold one slot each
     assert [len(f) for f in planner.free] == [2 * BATCH - len(a) for a in planner.assigned]
@@ -93,7 +93,7 @@ def test_requests_with_the_same_writes_share_a_slot():
     for n in range(3 * BATCH):  # far more requests than slots, two vectors between them
         _join(engine, f"r{n}", _steer(0, 1.0 + n % 2))
     _decode_pass(engine, sampler)
-    planner = hooks.steering.planner
+    (planner,) = hooks.steering.planners
     assert not [s.error for s in hooks.sequences.by_id.values() if s is not None and s.error]
     assert len(planner.assigned[0]) == 2 and not planner.free[0]
     for row in range(3 * BATCH):
@@ -116,7 +116,7 @@ def test_an_unchanged_decode_batch_keeps_its_slots_without_planning():
     engine, hooks, tables, sampler = _steering_engine()
     for n in range(BATCH):
         _join(engine, f"r{n}", _steer(n % 2, float(n)))
-    planner = hooks.steering.planner
+    (planner,) = hooks.steering.planners
     fills = []
     fill = planner.fill
     planner.fill = lambda *args: (fills.append(args), fill(*args))
@@ -146,3 +146,47 @@ def test_an_unchanged_decode_batch_keeps_its_slots_without_planning():
     engine.query_start_loc = types.SimpleNamespace(np=np.array([*range(BATCH), BATCH + 1]))  # the last 2
     engine._model_forward()
     assert float(tables.vectors[0, int(tables.slots[BATCH, 0]), 0]) == 5.0
+
+
+def test_unit_tables_compose_what_the_eager_unit_hooks_do():
+    """A slot of the heads' / neurons' tables (zero, replace, add, composed in plan order)
+    applied as a * input + b gives what the eager pre-hook's edit_units makes of the same
+    input, on the chosen units only; slot 0 leaves the input bit for bit."""
+    from tracewire_server.worker.unit_hooks import edit_units
+
+    heads, head_dim, neurons = 4, 3, 5
+    tables = steering.UnitTables([("layers.0.self_attn.heads", heads * head_dim, head_dim),
+                                  ("layers.0.mlp.act", neurons, 1)], slots=4, max_tokens=2,
+                                 dtype=torch.float32, device=torch.device("cpu"))
+    rng = np.random.default_rng(0)
+
+    def write(path, edit, units, values=None, scale=1.0):
+        vector = b"" if values is None else np.asarray(values, "<f4").tobytes()
+        return P.WriteModule(path, P.Positions(), edit, vector, scale, units=units)
+
+    def operand(edit):  # as Sequence.write_vector makes it: float32, times the scale for adds
+        values = np.frombuffer(edit.vector, "<f4") * (edit.scale if edit.edit == "add" else 1.0)
+        return torch.from_numpy(values.copy())
+
+    cases = [
+        (0, head_dim, [write("layers.0.self_attn.heads", "zero", (1, 3))]),
+        (0, head_dim, [write("layers.0.self_attn.heads", "replace", (2,), rng.normal(size=head_dim)),
+                       write("layers.0.self_attn.heads", "add", (0, 2), rng.normal(size=(2, head_dim)), 0.5)]),
+        (1, 1, [write("layers.0.mlp.act", "add", (4, 0), rng.normal(size=2), 2.0),
+                write("layers.0.mlp.act", "zero", (0,))]),
+        (1, 1, [write("layers.0.mlp.act", "replace", None, rng.normal(size=neurons))]),
+    ]
+    for table, unit_width, edits in cases:
+        tables.compose(table, 1, edits, operand)
+        x = torch.from_numpy(rng.normal(size=(2, tables.tables(table)[0].shape[1])).astype(np.float32))
+        tables.slots[:, table] = 1
+        (served,) = tables.apply(table, (x.clone(),))
+        expected = x.clone()
+        seq = types.SimpleNamespace(write_vector=lambda w, like: operand(w))
+        edit_units(expected, unit_width, [types.SimpleNamespace(rows=[0, 1], write=w, seq=seq, operand=None)
+                                          for w in edits])
+        torch.testing.assert_close(served, expected)
+        assert not torch.equal(served, x)  # the write changed something
+        tables.slots[:, table] = 0
+        (untouched,) = tables.apply(table, (x.clone(),))
+        assert torch.equal(untouched, x)

@@ -34,6 +34,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         use_compiled_reads,
         use_compiled_steering,
         use_compiled_unit_reads,
+        use_compiled_unit_steering,
     )
     from .frontend.vllm_compat import AsyncEngineArgs, FlexibleArgumentParser
 
@@ -139,6 +140,17 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "layer). LAYERS: 'all' (the default) or the layer numbers, e.g. 12,16,20",
     )
     group.add_argument(
+        "--compiled-unit-steering",
+        nargs="?",
+        const="all",
+        metavar="LAYERS",
+        help="serve add / replace / zero writes of attention heads (layers.N.self_attn.heads) and MLP "
+        "neurons (layers.N.mlp.act) on a compiled, CUDA-graph engine: the graph scales and shifts "
+        "o_proj's and down_proj's inputs by per-row table entries in every forward pass (2 x "
+        "(2 x max-num-seqs + 1) x (heads x head_dim + intermediate size) values a layer). LAYERS: "
+        "'all' (the default) or the layer numbers",
+    )
+    group.add_argument(
         "--compiled-unit-reads",
         nargs="?",
         const="all",
@@ -193,7 +205,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
     if (problem := platform_ray_problem(args.distributed_executor_backend)) is not None:
         parser.error(problem)
     graph_flags = {"--compiled-steering": args.compiled_steering, "--compiled-reads": args.compiled_reads,
-                   "--compiled-unit-reads": args.compiled_unit_reads}
+                   "--compiled-unit-reads": args.compiled_unit_reads,
+                   "--compiled-unit-steering": args.compiled_unit_steering}
     if args.pipeline_parallel_size > 1 and any(graph_flags.values()):
         # The steering tables and read buffers of earlier stages' layers would be filled and
         # read by hooks that run on the last stage only (where the sample is drawn).
@@ -205,6 +218,9 @@ def parse_args(argv: list[str]) -> ServerConfig:
         use_compiled_steering(engine_args, _layer_list(parser, "--compiled-steering", args.compiled_steering))
     if args.compiled_reads:
         use_compiled_reads(engine_args, _layer_list(parser, "--compiled-reads", args.compiled_reads))
+    if args.compiled_unit_steering:
+        use_compiled_unit_steering(engine_args, _layer_list(parser, "--compiled-unit-steering",
+                                                            args.compiled_unit_steering))
     if args.compiled_unit_reads:
         use_compiled_unit_reads(engine_args, _layer_list(parser, "--compiled-unit-reads", args.compiled_unit_reads))
     try:

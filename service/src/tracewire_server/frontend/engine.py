@@ -158,6 +158,7 @@ class Engine:
             steerable_layers=steerable_layers(engine_args, description.num_layers),
             readable_layers=readable_layers(engine_args, description.num_layers),
             unit_readable_layers=unit_readable_layers(engine_args, description.num_layers),
+            unit_steerable_layers=unit_steerable_layers(engine_args, description.num_layers),
             num_attention_heads=description.num_attention_heads,
             head_dim=description.head_dim,
             intermediate_size=description.intermediate_size,
@@ -296,6 +297,13 @@ def use_compiled_reads(engine_args: Any, layers: list[int] | None = None) -> Non
     _graph_hooks(engine_args, read_buffers.LAYERS, layers)
 
 
+def use_compiled_unit_steering(engine_args: Any, layers: list[int] | None = None) -> None:
+    """`--compiled-unit-steering [LAYERS]`: build add / replace / zero writes of decoder
+    layers' attention heads and MLP neurons into the compiled graph (steering.py's
+    UnitTables on o_proj's and down_proj's inputs), on `layers` (None: all)."""
+    _graph_hooks(engine_args, steering.UNIT_LAYERS, layers)
+
+
 def use_compiled_unit_reads(engine_args: Any, layers: list[int] | None = None) -> None:
     """`--compiled-unit-reads [LAYERS]`: keep decoder layers' attention heads (o_proj's
     input) and MLP neurons (down_proj's input) in buffers the compiled graph fills, on
@@ -322,6 +330,11 @@ def steerable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
 def readable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
     """The decoder layers a compiled engine has read buffers on."""
     return _hooked_layers(engine_args, read_buffers.LAYERS, num_layers)
+
+
+def unit_steerable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
+    """The decoder layers whose heads and neurons a compiled engine has write tables for."""
+    return _hooked_layers(engine_args, steering.UNIT_LAYERS, num_layers)
 
 
 def unit_readable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:

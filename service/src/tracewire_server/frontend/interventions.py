@@ -188,6 +188,8 @@ class InterventionCompiler:
                    " (or --compiled-reads for reads of decoder layers)")
                 + ("" if self.limits.unit_readable_layers else
                    " (or --compiled-unit-reads for reads of attention heads and MLP neurons)")
+                + ("" if self.limits.unit_steerable_layers else
+                   " (or --compiled-unit-steering for add / replace / zero writes of them)")
             )
 
     def require_reads(self, field: str) -> None:
@@ -271,17 +273,26 @@ class InterventionCompiler:
         what their graph tables express."""
         if self.limits.module_interventions:
             return
-        if not self.limits.steerable_layers:
+        if not self.limits.steerable_layers and not self.limits.unit_steerable_layers:
             self.require_eager(field)
-        if not P.is_decoder_layer(module):
+        if P.unit_kind(module):
+            units = self.limits.unit_steerable_layers
+            if P.layer_number(module) not in units:
+                kept = f"on layers {', '.join(map(str, sorted(units)))} only" if units else "on no layer"
+                raise FailedPrecondition(
+                    f"{field}.module: this server has write tables for attention heads and MLP neurons {kept}, "
+                    f"not {module!r} (--compiled-unit-steering LAYERS, or --enforce-eager)"
+                )
+        elif not P.is_decoder_layer(module):
             raise FailedPrecondition(
                 f"{field}.module: this server's compiled engine writes decoder layers (layers.N) only, "
                 f"not {module!r}; start it with --enforce-eager to write other modules"
             )
-        if P.layer_number(module) not in self.limits.steerable_layers:
-            layers = ", ".join(map(str, sorted(self.limits.steerable_layers)))
+        elif P.layer_number(module) not in self.limits.steerable_layers:
+            steerable = self.limits.steerable_layers
+            kept = f"on layers {', '.join(map(str, sorted(steerable)))} only" if steerable else "on no layer"
             raise FailedPrecondition(
-                f"{field}.module: this server has steering tables on layers {layers} only, not on "
+                f"{field}.module: this server has steering tables {kept}, not on "
                 f"{module!r} (--compiled-steering LAYERS)"
             )
         if edit not in P.COMPILED_EDITS:
@@ -350,6 +361,7 @@ class InterventionCompiler:
 
     def write_module(self, w: ipb.WriteModule, field: str) -> P.Action:
         self.module_path(w.module, f"{field}.module")
+        require_units(self.limits, w.module, f"{field}.module")  # (before the engine's: TP refuses on any)
         self.require_writable(w.module, w.WhichOneof("op"), field)
         if P.unit_kind(w.module) or w.HasField("units"):
             return self.write_units(w, field)

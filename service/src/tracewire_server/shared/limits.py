@@ -58,6 +58,9 @@ class ModelLimits:
     # ... and with --compiled-unit-reads these layers' attention heads and MLP neurons
     # (o_proj's and down_proj's inputs): reads of layers.L.self_attn.heads / .mlp.act.
     unit_readable_layers: frozenset[int] = frozenset()
+    # ... and with --compiled-unit-steering write tables for these layers' heads and
+    # neurons: add / replace / zero of layers.L.self_attn.heads / .mlp.act units.
+    unit_steerable_layers: frozenset[int] = frozenset()
     # Units of the unit-addressed modules (plan.unit_kind): attention query heads of
     # head_dim each (o_proj's input), MLP neurons (down_proj's input).
     num_attention_heads: int = 0
@@ -122,4 +125,4 @@ class ModelLimits:
     def engine_mode(self) -> EngineMode:
         if self.module_interventions:
             return "eager"
-        return "compiled_steering" if self.steerable_layers else "compiled"
+        return "compiled_steering" if self.steerable_layers or self.unit_steerable_layers else "compiled"

@@ -116,7 +116,7 @@ def attach(model: torch.nn.Module, vllm_config: Any, max_tokens: int) -> ReadBuf
         return None
     inner, layers = hooked_layers(model, listed or [], "--compiled-reads")
     _, unit_layers = hooked_layers(model, unit_listed or [], "--compiled-unit-reads")
-    inputs = _unit_inputs(inner, unit_layers)
+    inputs = unit_inputs(inner, unit_layers)
     weight = next(model.parameters())
     buffers = ReadBuffers(layers, max_tokens, int(vllm_config.model_config.get_hidden_size()),
                           weight.dtype, weight.device, {path: unit for path, (_, unit) in inputs.items()})
@@ -128,7 +128,7 @@ def attach(model: torch.nn.Module, vllm_config: Any, max_tokens: int) -> ReadBuf
     return buffers
 
 
-def _unit_inputs(inner: torch.nn.Module, layers: list[int]) -> dict[str, tuple[torch.nn.Module, UnitInput]]:
+def unit_inputs(inner: torch.nn.Module, layers: list[int]) -> dict[str, tuple[torch.nn.Module, UnitInput]]:
     """The unit addresses of `layers` (as the eager hooks find them: worker/runner.py's
     unit_modules) -> the module whose input they are, and its buffer. The width is this
     rank's part of the input (row-parallel linears split it under tensor parallelism)."""
@@ -143,7 +143,8 @@ def _unit_inputs(inner: torch.nn.Module, layers: list[int]) -> dict[str, tuple[t
             found[f"layers.{layer}{NEURONS_SUFFIX}"] = (
                 mlp.down_proj, UnitInput(f"act_{layer}", _input_width(mlp.down_proj), 1))
     if layers and not found:
-        raise RuntimeError(f"--compiled-unit-reads: {type(inner).__name__}'s layers have no o_proj / down_proj")
+        raise RuntimeError(f"{type(inner).__name__}'s layers have no o_proj / down_proj: no heads or neurons to "
+                           "keep buffers or tables for")
     return found
 
 

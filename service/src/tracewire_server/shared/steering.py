@@ -20,6 +20,15 @@ module's loader, which loads the model with the configured format and then
 registers one forward hook per steerable decoder layer (all, or those
 `--compiled-steering LAYERS` names). Dynamo traces those hooks into the compiled
 graph on the first (profiling) forward pass.
+
+Attention heads and MLP neurons (`--compiled-unit-steering`) are written the same way,
+on o_proj's and down_proj's inputs, by forward pre-hooks (UnitTables):
+
+    input' = a[slot] * input + b[slot]            before o_proj / down_proj
+
+with `a` and `b` as wide as the input, so a write changes only its units' columns:
+zeroing head h is a = 0, b = 0 on h's head_dim columns and a = 1, b = 0 elsewhere.
+Both kinds of table compose a slot's writes (`compose`) and are filled by SlotPlanner.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ INNER_EXTRA = "tracewire_inner_extra_config"
 # what keeps vLLM's compile cache apart: its key leaves the load format out, and engines
 # with other tables (or none) would otherwise load each other's compiled graphs.
 LAYERS = "tracewire_steering_tables"
+# ... and the decoder layers whose heads and neurons get tables (UnitTables).
+UNIT_LAYERS = "tracewire_unit_steering_tables"
 
 
 def wrap_load_format(load_format: str, extra: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
@@ -51,9 +62,9 @@ def wrap_load_format(load_format: str, extra: dict[str, Any] | None) -> tuple[st
     return LOAD_FORMAT, {INNER_FORMAT: str(load_format), INNER_EXTRA: dict(extra or {})}
 
 
-def layers_of(additional_config: dict[str, Any] | None) -> list[int] | str | None:
+def layers_of(additional_config: dict[str, Any] | None, key: str = LAYERS) -> list[int] | str | None:
     """The layers an engine's config gives tables: a list, "all", or None (no tables)."""
-    return (additional_config or {}).get(LAYERS)
+    return (additional_config or {}).get(key)
 
 
 class SteeringTables(torch.nn.Module):
@@ -63,6 +74,9 @@ class SteeringTables(torch.nn.Module):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.layers = layers  # decoder layer numbers on this rank, in table order
+        self.names = [f"layer {layer}" for layer in layers]  # (for messages)
+        self.table_of = {f"layers.{layer}": t for t, layer in enumerate(layers)}  # module path -> table
+        self.num_slots = slots
         self.register_buffer("scales", torch.ones(len(layers), slots, 1, dtype=dtype, device=device), persistent=False)
         self.register_buffer("vectors", torch.zeros(len(layers), slots, hidden, dtype=dtype, device=device),
                              persistent=False)
@@ -83,6 +97,89 @@ class SteeringTables(torch.nn.Module):
             return (hidden * a + b, *output[1:])
         return (hidden * a + (a - 1) * residual + b, *output[1:])
 
+    def operand_like(self) -> torch.Tensor:
+        """A tensor of the tables' device and dtype (what write operands are made as)."""
+        return self.vectors
+
+    def compose(self, table: int, slot: int, edits: list[P.WriteModule],
+                vector: Callable[[P.WriteModule], torch.Tensor]) -> None:
+        """Write `edits` (plan order) into one slot: an add is (1, s*v), a replace (0, v),
+        a zero (0, 0), each applied to what the ones before left."""
+        a, b = 1.0, torch.zeros_like(self.vectors[table, 0])
+        for edit in edits:
+            if edit.edit == "add":
+                b = b + vector(edit)
+            elif edit.edit == "replace":
+                a, b = 0.0, vector(edit)
+            else:  # zero
+                a, b = 0.0, torch.zeros_like(b)
+        self.scales[table, slot].fill_(a)
+        self.vectors[table, slot].copy_(b)
+
+
+class UnitTables(torch.nn.Module):
+    """Write tables on unit addresses' module inputs (o_proj's: heads, down_proj's:
+    neurons), one (scales, vectors) pair per address, each as wide as its input: a
+    buffer each, for the reason ReadBuffers' docstring gives (read_buffers.py)."""
+
+    def __init__(self, sites: list[tuple[str, int, int]], slots: int, max_tokens: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        """`sites`: (unit address, input width, one unit's width) each."""
+        super().__init__()
+        self.names = [path for path, _, _ in sites]  # unit addresses, in table order
+        self.table_of = {path: t for t, path in enumerate(self.names)}
+        self.unit_widths = [unit_width for _, _, unit_width in sites]
+        self.num_slots = slots
+        for t, (_, width, _) in enumerate(sites):
+            self.register_buffer(f"scales_{t}", torch.ones(slots, width, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"vectors_{t}", torch.zeros(slots, width, dtype=dtype, device=device),
+                                 persistent=False)
+        self.register_buffer("slots", torch.zeros(max_tokens, len(sites), dtype=torch.long, device=device),
+                             persistent=False)
+
+    def tables(self, table: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"scales_{table}"), getattr(self, f"vectors_{table}")
+
+    def operand_like(self) -> torch.Tensor:
+        return self.tables(0)[1]
+
+    def apply(self, table: int, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """In the graph, a forward pre-hook: the module's input through its rows' slots."""
+        x = args[0]
+        scales, vectors = self.tables(table)
+        slot = self.slots[: x.shape[0], table]
+        return (x * scales.index_select(0, slot) + vectors.index_select(0, slot), *args[1:])
+
+    def compose(self, table: int, slot: int, edits: list[P.WriteModule],
+                vector: Callable[[P.WriteModule], torch.Tensor]) -> None:
+        """As SteeringTables.compose, on the chosen units' columns only: a zero is (0, 0)
+        there, a replace (0, v), an add (1, s*v) (v: [units or 1, head_dim] for heads,
+        [units] for neurons, as the eager unit hooks take it)."""
+        scales, vectors = self.tables(table)
+        unit_width = self.unit_widths[table]
+        a = torch.ones_like(scales[0]).view(-1, unit_width)  # [units, unit width]
+        b = torch.zeros_like(vectors[0]).view(-1, unit_width)
+        for edit in edits:
+            units = list(edit.units) if edit.units is not None else list(range(a.shape[0]))
+            index = torch.tensor(units, dtype=torch.long, device=a.device)
+            if edit.edit == "zero":
+                a[index], b[index] = 0, 0
+                continue
+            v = vector(edit).to(b.dtype).view(-1, unit_width).expand(len(units), unit_width)
+            if edit.edit == "add":
+                b[index] = b[index] + v
+            else:  # replace
+                a[index], b[index] = 0, v
+        scales[slot].copy_(a.reshape(-1))
+        vectors[slot].copy_(b.reshape(-1))
+
+
+def _slots(vllm_config: Any) -> int:
+    """Slot 0, and two per request the scheduler may hold (running, or preempted and
+    waiting with its slots kept; a request uses more than one only for writes that
+    differ between its rows in one pass)."""
+    return 2 * int(vllm_config.scheduler_config.max_num_seqs) + 1
+
 
 def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
     """Register the tables on `model`'s decoder layers, all or those the config lists
@@ -91,12 +188,8 @@ def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
     if listed is None:
         return None
     inner, layers = hooked_layers(model, listed, "--compiled-steering")
-    sched = vllm_config.scheduler_config
     weight = next(model.parameters())
-    # Slot 0, and two per request the scheduler may hold (running, or preempted and
-    # waiting with its slots kept; a request uses more than one only for writes that
-    # differ between its rows in one pass).
-    tables = SteeringTables(layers, slots=2 * int(sched.max_num_seqs) + 1, max_tokens=max_tokens(vllm_config),
+    tables = SteeringTables(layers, slots=_slots(vllm_config), max_tokens=max_tokens(vllm_config),
                             hidden=int(vllm_config.model_config.get_hidden_size()),
                             dtype=weight.dtype, device=weight.device)
     inner.tracewire_steering = tables
@@ -106,6 +199,28 @@ def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
 
 def find(model: Any) -> SteeringTables | None:
     return getattr(getattr(model, "model", None), "tracewire_steering", None)
+
+
+def attach_units(model: torch.nn.Module, vllm_config: Any) -> UnitTables | None:
+    """Register unit write tables on the heads and neurons of the layers the config
+    lists (before the first forward pass compiles the model); None when it lists none.
+    Before the read buffers' pre-hooks (read_buffers.attach): a read sees the write."""
+    listed = layers_of(vllm_config.additional_config, UNIT_LAYERS)
+    if listed is None:
+        return None
+    inner, layers = hooked_layers(model, listed, "--compiled-unit-steering")
+    inputs = read_buffers.unit_inputs(inner, layers)
+    weight = next(model.parameters())
+    tables = UnitTables([(path, unit.width, unit.unit_width) for path, (_, unit) in inputs.items()],
+                        _slots(vllm_config), max_tokens(vllm_config), weight.dtype, weight.device)
+    inner.tracewire_unit_steering = tables
+    for table, (module, _) in enumerate(inputs.values()):
+        module.register_forward_pre_hook(lambda module, args, table=table: tables.apply(table, args))
+    return tables
+
+
+def find_units(model: Any) -> UnitTables | None:
+    return getattr(getattr(model, "model", None), "tracewire_unit_steering", None)
 
 
 @register_model_loader(LOAD_FORMAT)
@@ -131,6 +246,7 @@ class SteerableLoader(BaseModelLoader):
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
         model = self.inner.load_model(vllm_config, model_config, prefix=prefix)
         attach(model, vllm_config)
+        attach_units(model, vllm_config)
         read_buffers.attach(model, vllm_config, max_tokens(vllm_config))
         return model
 
@@ -138,8 +254,8 @@ class SteerableLoader(BaseModelLoader):
 # -- the host side: filling the tables for each forward pass ---------------------
 
 
-# A slot's contents: its composed edits, (edit, vector bytes, scale) each, in plan order.
-SlotKey = tuple[tuple[str, bytes, float], ...]
+# A slot's contents: its composed edits, (edit, vector bytes, scale, units) each, in plan order.
+SlotKey = tuple[tuple[str, bytes, float, tuple[int, ...] | None], ...]
 
 
 class SlotPlanner:
@@ -157,9 +273,9 @@ class SlotPlanner:
 
     RING = 3
 
-    def __init__(self, tables: SteeringTables) -> None:
+    def __init__(self, tables: SteeringTables | UnitTables) -> None:
         self.tables = tables
-        self.table_of = {layer: t for t, layer in enumerate(tables.layers)}
+        self.table_of = tables.table_of  # module path -> table
         max_tokens, num_tables = tables.slots.shape
         pin = tables.slots.device.type == "cuda"
         self.host = [torch.zeros(max_tokens, num_tables, dtype=torch.long, pin_memory=pin) for _ in range(self.RING)]
@@ -169,7 +285,7 @@ class SlotPlanner:
         self.device_rows = 0  # rows of tables.slots that may be nonzero
         self.assigned: list[dict[SlotKey, int]] = [{} for _ in range(num_tables)]
         self.users: list[dict[int, int]] = [{} for _ in range(num_tables)]  # slot -> requests using it
-        self.free: list[list[int]] = [list(range(tables.vectors.shape[1] - 1, 0, -1)) for _ in range(num_tables)]
+        self.free: list[list[int]] = [list(range(tables.num_slots - 1, 0, -1)) for _ in range(num_tables)]
         self.owned: dict[str, set[tuple[int, SlotKey]]] = {}
 
     def slot(self, table: int, owner: str, edits: list[P.WriteModule],
@@ -177,7 +293,7 @@ class SlotPlanner:
         """The slot of `owner`'s `edits` (composed in plan order) at this table; None when
         every slot is taken. `vector(edit)`: the edit's vector on the device (scaled, for
         adds), asked for only when the table does not hold these edits yet."""
-        key: SlotKey = tuple((e.edit, e.vector, e.scale) for e in edits)
+        key: SlotKey = tuple((e.edit, e.vector, e.scale, e.units) for e in edits)
         held = self.owned.setdefault(owner, set())
         found = self.assigned[table].get(key)
         if found is not None:
@@ -190,16 +306,7 @@ class SlotPlanner:
         slot = self.assigned[table][key] = self.free[table].pop()
         self.users[table][slot] = 1
         held.add((table, key))
-        a, b = 1.0, torch.zeros_like(self.tables.vectors[table, 0])
-        for edit in edits:
-            if edit.edit == "add":
-                b = b + vector(edit)
-            elif edit.edit == "replace":
-                a, b = 0.0, vector(edit)
-            else:  # zero
-                a, b = 0.0, torch.zeros_like(b)
-        self.tables.scales[table, slot].fill_(a)
-        self.tables.vectors[table, slot].copy_(b)
+        self.tables.compose(table, slot, edits, vector)
         return slot
 
     def release(self, owner: str) -> None:

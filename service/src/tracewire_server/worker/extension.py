@@ -109,7 +109,8 @@ def install(runner: Any, fault_injection: bool) -> PlanHooks:
     if view.eager:  # hooks cannot fire inside compiled graphs
         hooks.install_module_hooks()
         return hooks
-    if (tables := view.steering_tables()) is not None:
+    tables = [t for t in (view.steering_tables(), view.unit_steering_tables()) if t is not None]
+    if tables:
         hooks.install_compiled_steering(tables)
     if (buffers := view.read_buffers()) is not None:
         hooks.install_compiled_reads(buffers)

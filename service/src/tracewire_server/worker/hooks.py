@@ -181,7 +181,7 @@ class PlanHooks:
                                    self.dictionaries, buffers=buffers)
         self.modules.install()
 
-    def install_compiled_steering(self, tables: steering.SteeringTables) -> None:
+    def install_compiled_steering(self, tables: list[steering.SteeringTables | steering.UnitTables]) -> None:
         """Fill the compiled graph's steering tables before each forward pass."""
         self.steering = SteeringSlots(self.runner, self.sequences, tables, self.collector.drain)
         self.steering.install()

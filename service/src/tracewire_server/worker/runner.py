@@ -175,6 +175,10 @@ class RunnerView:
         """The compiled graph's steering tables (--compiled-steering), if it has them."""
         return steering.find(self._runner.get_model())
 
+    def unit_steering_tables(self) -> steering.UnitTables | None:
+        """Its heads' and neurons' write tables (--compiled-unit-steering), if it has them."""
+        return steering.find_units(self._runner.get_model())
+
     def before_model_forward(self, hook: Callable[[], None]) -> None:
         """Call `hook` on the host before each forward pass (before a compiled graph is
         replayed): wraps the runner's `_model_forward`."""

@@ -2,9 +2,11 @@
 
 shared/steering.py holds the tables the compiled graph reads and their slot algebra
 (SlotPlanner: a slot per distinct composed write, shared, freed when its last user
-ends). This module decides, before each forward pass, which of the pass's rows write
-what: it reads the requests' Sequences, the pass's Spans and write conditions, all
-worker-only types, so it lives in the worker package rather than beside the tables.
+ends): decoder layers' tables, and the heads' and neurons' (UnitTables), one planner
+each; a write goes to the planner whose tables hold its module. This module decides,
+before each forward pass, which of the pass's rows write what: it reads the requests'
+Sequences, the pass's Spans and write conditions, all worker-only types, so it lives in
+the worker package rather than beside the tables.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from .module_hooks import Span
 from .runner import RunnerView
 from .sequences import UNPLANNED, Sequence, Sequences
 
+# One planner's fill for a forward pass: flat token rows, their tables, their slots.
+Fill = tuple[list[int], list[int], list[int]]
+
 # Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
 # worker processes; a logger of our own would have none there.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -28,34 +33,46 @@ log = logging.getLogger(f"vllm.{__name__}")
 class SteeringSlots:
     """Fills the compiled graph's steering tables before each forward pass."""
 
-    def __init__(self, runner: RunnerView, sequences: Sequences, tables: steering.SteeringTables,
-                 drain: Callable[[], None]) -> None:
+    def __init__(self, runner: RunnerView, sequences: Sequences,
+                 tables: list[steering.SteeringTables | steering.UnitTables], drain: Callable[[], None]) -> None:
         self.runner = runner
         self.sequences = sequences
-        self.planner = steering.SlotPlanner(tables)
+        self.planners = [steering.SlotPlanner(t) for t in tables]
         self.drain = drain  # (write conditions on the text: every finished step first)
         # The requests of the last forward pass, when it decoded them one token each and
         # the next pass may keep its steering slots should it decode the same ones.
         self._steered_batch: list[str] | None = None
-        sequences.writer_ended = self.planner.release
+        sequences.writer_ended = self._release
+
+    def _release(self, owner: str) -> None:
+        for planner in self.planners:
+            planner.release(owner)
+
+    def _table(self, module: str) -> tuple[int, int] | None:
+        """(planner, table) holding `module`'s writes; None: none here (another pipeline
+        stage's layer: the compiler refuses the rest)."""
+        for p, planner in enumerate(self.planners):
+            table = planner.table_of.get(module)
+            if table is not None:
+                return p, table
+        return None
 
     def install(self) -> None:
         """Before each forward pass (on the host, before the graph is replayed)."""
         self.runner.before_model_forward(self._steer_safely)
 
     def _steer_safely(self) -> None:
-        planner = self.planner
         req_ids = self.runner.req_ids
         if req_ids == self._steered_batch and self.runner.query_starts(len(req_ids))[-1] == len(req_ids):
             return  # the same requests decoding as in the last pass: the tables already hold their slots
         self._steered_batch = None
-        rows: list[int] = []
-        tables: list[int] = []
-        slots: list[int] = []
+        # per planner: (flat token rows, their tables, their slots)
+        fills: list[Fill] = [([], [], []) for _ in self.planners]
         try:
-            if self._writes_modules() and self._plan(rows, tables, slots):
+            if self._writes_modules() and self._plan(fills):
                 self._steered_batch = list(req_ids)
-            planner.fill(rows, tables, slots)
+            for planner, (rows, tables, slots) in zip(self.planners, fills, strict=True):
+                planner.fill(rows, tables, slots)
         except Exception as e:  # noqa: BLE001 - never break vLLM's forward pass
             self._steered_batch = None
             log.exception("filling the steering tables failed; failing the batch's steering traces")
@@ -63,7 +80,8 @@ class SteeringSlots:
                 seq = self.sequences.by_id.get(req_id)
                 if seq is not None:
                     seq.error = seq.error or f"{type(e).__name__} filling the steering tables: {e}"
-            planner.fill([], [], [])  # nobody steered this pass, rather than stale slots
+            for planner in self.planners:
+                planner.fill([], [], [])  # nobody steered this pass, rather than stale slots
 
     def _writes_modules(self) -> bool:
         """Whether a request in this batch has module writes: requests without cost a
@@ -73,11 +91,10 @@ class SteeringSlots:
         self.sequences.forget_ended_writers()
         return bool(self.sequences.module_writers)
 
-    def _plan(self, rows: list[int], tables: list[int], slots: list[int]) -> bool:
-        """This pass's writes as (flat token row, table, slot) triples. True when the next
-        pass may keep them, should it decode the same requests one token each: every
-        writer here decodes one new token and writes the same at every new token."""
-        planner = self.planner
+    def _plan(self, fills: list[Fill]) -> bool:
+        """This pass's writes as (flat token row, table, slot) triples, per planner. True
+        when the next pass may keep them, should it decode the same requests one token
+        each: every writer here decodes one new token and writes the same at every new token."""
         repeatable = True
         req_ids = self.runner.req_ids
         starts = self.runner.query_starts(len(req_ids)).tolist()
@@ -100,7 +117,8 @@ class SteeringSlots:
                     # (and, recomputing a preempted request, at each new token it had processed)
                     redo = recompute.recomputed(pos0, last - first, len(seq.prompt_ids), drawn)
                     steered = [first + p - pos0 for p in redo if p >= len(seq.prompt_ids) - 1] + [last - 1]
-                    for table, slot in seq.steady:
+                    for p, table, slot in seq.steady:
+                        rows, tables, slots = fills[p]
                         rows.extend(steered)
                         tables.extend([table] * len(steered))
                         slots.extend([slot] * len(steered))
@@ -110,33 +128,35 @@ class SteeringSlots:
                 continue
             repeatable = False
             span = Span.of(len(seq.prompt_ids), drawn, first, last, pos0)
-            by_row: dict[tuple[int, int], list[P.WriteModule]] = {}  # (table, row) -> its writes, in plan order
+            # (planner, table, row) -> its writes, in plan order
+            by_row: dict[tuple[int, int, int], list[P.WriteModule]] = {}
             for replay in span.replays(seq):  # a recomputed request: its writes there again
                 assert isinstance(replay.op.action, P.WriteModule)
-                table = planner.table_of.get(P.layer_number(replay.op.action.module))
-                for row in replay.rows if table is not None else ():
-                    by_row.setdefault((table, row), []).append(replay.op.action)
+                where = self._table(replay.op.action.module)
+                for row in replay.rows if where is not None else ():
+                    by_row.setdefault((*where, row), []).append(replay.op.action)
             for k, op in enumerate(seq.plan.ops):
                 if not isinstance(op.action, P.WriteModule) or not op.selects(seq.step):
                     continue
                 op_rows = span.rows(op.action.positions, seq.step)[0]
-                table = planner.table_of.get(P.layer_number(op.action.module))
-                if table is not None and op_rows and holds_before_forward(op.condition, seq, self.drain):
+                where = self._table(op.action.module)
+                if where is not None and op_rows and holds_before_forward(op.condition, seq, self.drain):
                     seq.applied.add((seq.step, k))
                     for row in op_rows:
-                        by_row.setdefault((table, row), []).append(op.action)
-            for (table, row), edits in by_row.items():
-                slot = self._slot(req_id, seq, table, edits)
+                        by_row.setdefault((*where, row), []).append(op.action)
+            for (p, table, row), edits in by_row.items():
+                slot = self._slot(req_id, seq, p, table, edits)
                 if slot is None:
                     break
+                rows, tables, slots = fills[p]
                 rows.append(row)
                 tables.append(table)
                 slots.append(slot)
         return repeatable
 
-    def _steady_slots(self, req_id: str, seq: Sequence) -> list[tuple[int, int]] | None:
-        """(table, slot) of each layer this request writes, when it writes the same way
-        at every new token and nowhere else (steering); None otherwise."""
+    def _steady_slots(self, req_id: str, seq: Sequence) -> list[tuple[int, int, int]] | None:
+        """(planner, table, slot) of each module this request writes, when it writes the
+        same way at every new token and nowhere else (steering); None otherwise."""
         writes = [op.action for op in seq.plan.ops if isinstance(op.action, P.WriteModule)]
         steady = seq.constant is not None and all(
             op.condition is None and op.action.positions.kind == "new_token"  # type: ignore[union-attr]
@@ -144,25 +164,26 @@ class SteeringSlots:
         )
         if not steady:
             return None
-        by_table: dict[int, list[P.WriteModule]] = {}
+        by_table: dict[tuple[int, int], list[P.WriteModule]] = {}
         for write in writes:
-            table = self.planner.table_of.get(P.layer_number(write.module))
-            if table is not None:  # else another pipeline stage holds that layer
-                by_table.setdefault(table, []).append(write)
+            where = self._table(write.module)
+            if where is not None:  # else another pipeline stage holds that layer
+                by_table.setdefault(where, []).append(write)
         found = []
-        for table, edits in by_table.items():
-            slot = self._slot(req_id, seq, table, edits)
+        for (p, table), edits in by_table.items():
+            slot = self._slot(req_id, seq, p, table, edits)
             if slot is None:
                 return []
-            found.append((table, slot))
+            found.append((p, table, slot))
         return found
 
-    def _slot(self, req_id: str, seq: Sequence, table: int, edits: list[P.WriteModule]) -> int | None:
-        planner = self.planner
-        slot = planner.slot(table, req_id, edits, lambda edit: seq.write_vector(edit, planner.tables.vectors))
+    def _slot(self, req_id: str, seq: Sequence, p: int, table: int, edits: list[P.WriteModule]) -> int | None:
+        planner = self.planners[p]
+        like = planner.tables.operand_like()  # (the operands' device and dtype: the tables')
+        slot = planner.slot(table, req_id, edits, lambda edit: seq.write_vector(edit, like))
         if slot is None:
             seq.error = seq.error or (
-                f"more than {planner.tables.vectors.shape[1] - 1} different writes at layer "
-                f"{planner.tables.layers[table]} at once: too many distinct steering vectors in flight"
+                f"more than {planner.tables.num_slots - 1} different writes at "
+                f"{planner.tables.names[table]} at once: too many distinct steering vectors in flight"
             )
         return slot
