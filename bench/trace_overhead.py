@@ -213,6 +213,7 @@ PATTERN_ROW = "attention pattern (top-5, layer 1, all heads) every step"
 LENS_ROW = "logit lens top-5 (4 layers) every step"
 PROBE_ROW = "probe read (k=16, layer 1) every step"
 SAE_ROW = "SAE top-20 (layer 1) every step"
+HEAD_ZERO_ROW = "head zero (layers.1, head 0) every step"
 HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step",
                "head read every step", PATTERN_ROW, PROBE_ROW, SAE_ROW, LENS_ROW)
 # The dictionary rows' probe and SAE: random weights of the model's hidden size, made at
@@ -225,9 +226,9 @@ COMPILED_STEERING_ROWS = ("trace, no interventions", "top-20 logits every step",
 # --compiled-reads: both engines compiled (CUDA graphs on a GPU), the server with read
 # buffers on every layer, of residual streams and of units (and steering tables: a read of
 # a steered layer is the common research loop); the targets are the layer read, the
-# 4-layer lens and the head read.
+# 4-layer lens and the head read (and unit tables: the head write).
 COMPILED_READS_ROWS = ("trace, no interventions", "layer read every step", "head read every step", LENS_ROW,
-                       PROBE_ROW, SAE_ROW, "steering write every step")
+                       PROBE_ROW, SAE_ROW, "steering write every step", HEAD_ZERO_ROW)
 SERVER_FLAGS: list[str] = []  # tracewire's own options for the server (not the raw engine's)
 
 
@@ -287,6 +288,9 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
         # two heads of layers.1 at each step's new token: [2, head_dim] (o_proj's input)
         "head read every step": [I.Intervention(name="heads", read_module=I.ReadModule(
             module="layers.1.self_attn.heads", units=I.UnitSelection(ids=I.UnitIds(ids=[0, 2]))))],
+        # head 0 of layers.1 zeroed at every step (o_proj's input columns)
+        HEAD_ZERO_ROW: [I.Intervention(write_module=I.WriteModule(
+            module="layers.1.self_attn.heads", units=I.UnitIds(ids=[0]), zero=I.ZeroAblation()))],
         # the new token's weights over every key, each step: the key copy, q . K, softmax, top-k
         PATTERN_ROW: [I.Intervention(name="a", read_attention_pattern=I.ReadAttentionPattern(layers=[1], top_k=5))],
         # the dictionaries' one batched matmul per step over every row reading them
@@ -816,7 +820,7 @@ def main() -> int:
     mode.add_argument("--compiled-reads", action="store_true",
                       help="layer and head reads, the logit lens, probe and SAE reads on compiled engines "
                       "(CUDA graphs on a GPU): the server runs with --compiled-reads --compiled-unit-reads "
-                      "--compiled-steering")
+                      "--compiled-steering --compiled-unit-steering")
     mode.add_argument("--compiled-steering", action="store_true",
                       help="the steering row on compiled engines (CUDA graphs on a GPU): the server "
                       "runs with --compiled-steering")
@@ -870,7 +874,8 @@ def main() -> int:
         ENGINE["enforce_eager"] = True
         kind, kinds = "hidden", HIDDEN_ROWS
     elif args.compiled_reads:
-        SERVER_FLAGS.extend(["--compiled-reads", "--compiled-unit-reads", "--compiled-steering"])
+        SERVER_FLAGS.extend(["--compiled-reads", "--compiled-unit-reads", "--compiled-steering",
+                             "--compiled-unit-steering"])
         kind, kinds = "compiled-reads", COMPILED_READS_ROWS
     elif args.compiled_steering:
         SERVER_FLAGS.append("--compiled-steering")
