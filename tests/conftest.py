@@ -397,8 +397,21 @@ def eager(_server_pool: ServerPool) -> Iterator[ServerProcess]:
     stop_soon(proc)
 
 
+# A compiled server without graph hooks (--graph-hook-bytes 0: what a model too large for
+# the default hooks gets, and `make serve` before them): what it refuses, and the ways out it
+# names (test_dashboard_compiled, test_workflow, test_compiled_reads).
+BARE = ServerSpec("bare", ("--graph-hook-bytes", "0", *_shipped()))
+
+
+@pytest.fixture(scope="session")
+def bare(_server_pool: ServerPool) -> Iterator[ServerProcess]:
+    proc = take(BARE)
+    yield proc
+    stop_soon(proc)
+
+
 # fixture name -> the session server it takes (planned from the tests using the fixture)
-SESSION_SPECS = {"server": DEFAULT, "graph": GRAPH, "eager": EAGER}
+SESSION_SPECS = {"server": DEFAULT, "graph": GRAPH, "eager": EAGER, "bare": BARE}
 
 
 @pytest.fixture(scope="session")

@@ -28,11 +28,18 @@ from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2_grpc
 
 ATOL = 1e-4
+RAW_LOGITS = I.ReadLogits(stage=I.LOGITS_STAGE_RAW, full=I.FullRow())
 
 
 @pytest.fixture(scope="module")
 def gstub(graph):
     with grpc.insecure_channel(graph.target) as channel:
+        yield service_pb2_grpc.TraceServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def bstub(bare):
+    with grpc.insecure_channel(bare.target) as channel:
         yield service_pb2_grpc.TraceServiceStub(channel)
 
 
@@ -244,7 +251,7 @@ def test_head_and_neuron_reads_at_prompt_positions_and_every_step_equal_hf_and_t
             np.testing.assert_allclose(served, expected, atol=ATOL, err_msg=name)
 
 
-def test_what_the_read_buffers_cannot_read_is_refused_naming_the_field(gstub, stub):
+def test_what_the_read_buffers_cannot_read_is_refused_naming_the_field(gstub, bstub):
     cases = [
         (iv("h", read_module=I.ReadModule(module="layers.3")), "read_module.module", "layers 0, 1, 2 only"),
         (iv("h", read_module=I.ReadModule(module="layers.1.mlp")), "read_module.module", "decoder layers"),
@@ -268,9 +275,49 @@ def test_what_the_read_buffers_cannot_read_is_refused_naming_the_field(gstub, st
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, field
         assert f"interventions[0].{field}" in info.value.details() and says in info.value.details(), (
             info.value.details())
-    # the session server is compiled without buffers: it names both ways out
+    # a compiled server without graph hooks names both ways out
     with pytest.raises(grpc.RpcError) as info:
-        run(stub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="layers.0")))))
+        run(bstub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="layers.0")))))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enforce-eager" in info.value.details() and "--compiled-reads" in info.value.details()
     assert "--compiled-unit-reads" in info.value.details()
+
+
+def test_the_default_server_keeps_every_layer_and_reads_and_writes_layer_3_as_hf_and_eager(server, stub, eager, hf):
+    """`make serve`'s server (no --compiled-* flag): the tiny model fits --graph-hook-bytes'
+    default, so its graph has every kind of hook on every layer, layers.3 (the one the
+    `graph` server leaves out) included; ModelInfo says so, and a layer, head and neuron read
+    there equal transformers', a neuron zero there the eager server's logits."""
+    with tw.Client(server.target, timeout=60) as client:
+        info = client.model_info()
+    everything = [0, 1, 2, 3]
+    assert info.engine_mode == "compiled_steering"
+    assert (info.readable_layers, info.steerable_layers) == (everything, everything)
+    assert (info.unit_readable_layers, info.unit_steerable_layers) == (everything, everything)
+    reads = trace(invoke(
+        PROMPT,
+        iv("layer", read_module=prompt_read("layers.3")),
+        iv("heads", read_module=I.ReadModule(module="layers.3.self_attn.heads",
+                                             positions=I.Positions(all_prompt=I.AllPrompt()))),
+        iv("neurons", read_module=I.ReadModule(module="layers.3.mlp.act", units=I.UnitSelection(ids=I.UnitIds(
+            ids=[5, 100])))),
+    ), max_tokens=1, **GREEDY)
+    result = run(stub, reads)
+    ids = hf.encode(PROMPT)
+    np.testing.assert_allclose(result.values("layer")[0], hf_module_outputs(hf, ids)["layers.3"], atol=ATOL)
+    ref, _ = hf_inputs(hf, ids)
+    np.testing.assert_allclose(result.values("heads")[0], ref["layers.3.self_attn.heads"], atol=ATOL)
+    np.testing.assert_allclose(result.values("neurons")[0], ref["layers.3.mlp.act"][-1, [5, 100]], atol=ATOL)
+    zeroed = trace(invoke(PROMPT, iv(write_module=I.WriteModule(module="layers.3.mlp.act",
+                                                                units=I.UnitIds(ids=list(range(0, 640, 3))),
+                                                                zero=I.ZeroAblation())),
+                          iv("raw", read_logits=RAW_LOGITS)), max_tokens=3, **GREEDY)
+    with grpc.insecure_channel(eager.target) as channel:
+        expected = run(service_pb2_grpc.TraceServiceStub(channel), zeroed)
+    got = run(stub, zeroed)
+    assert got.tokens() == expected.tokens()
+    for step in range(3):
+        np.testing.assert_allclose(got.values("raw")[step], expected.values("raw")[step], atol=ATOL)
+    unwritten = run(stub, trace(invoke(PROMPT, iv("raw", read_logits=RAW_LOGITS)),
+                                max_tokens=1, **GREEDY))
+    assert not np.allclose(unwritten.values("raw")[0], got.values("raw")[0], atol=1e-3)  # the write did something

@@ -1,10 +1,11 @@
 """The dashboard (clients/ts/examples/dashboard) on compiled servers, in headless Chromium:
 what a user sees where the server does not serve every module read. On the session's
-compiled server without read buffers (`server`) the lens and steering sections say, in a
+compiled server without graph hooks (`bare`: --graph-hook-bytes 0) the lens and steering sections say, in a
 sentence, why they are not there and which flag would serve them (no blank section, no raw
 status), the feature strip stays hidden, and a run streams its steps; on the compiled one with
 read buffers and steering tables on layers 0-2 (`graph`) the lens reads those layers and
-steering offers them. The TS suite (clients/ts/test/dashboard.test.ts) covers the eager server.
+steering offers them; on `make serve`'s (`server`: the default hooks, every layer) the lens
+reads every layer. The TS suite (clients/ts/test/dashboard.test.ts) covers the eager server.
 
 The page is built here with Vite into this test's folder (the checkout's dist/ is `make
 test-ts`'s, which may be running beside pytest), served from localhost (the servers' default
@@ -79,8 +80,8 @@ def show(site: str, server_url: str, name: str, run: bool = True) -> dict:
     return shown
 
 
-def test_a_compiled_server_without_reads_says_why_lens_and_steering_are_not_there(site, server):
-    shown = show(site, server.http_url, "no-reads")
+def test_a_compiled_server_without_reads_says_why_lens_and_steering_are_not_there(site, bare):
+    shown = show(site, bare.http_url, "no-reads")
     assert shown["state"] == "done", shown
     assert shown["error"] is None
     assert shown["steps"] == STEPS  # a run streams its steps as on an eager server
@@ -118,3 +119,12 @@ def test_a_compiled_server_with_read_buffers_reads_the_lens_and_steers_on_those_
     # the shipped SAE reads layers.2, which this server reads
     assert shown["featuresShown"] is True and shown["features"] == STEPS
     assert shown["featuresNote"] is None
+
+
+def test_the_default_server_reads_the_lens_and_steers_on_every_layer(site, server):
+    shown = show(site, server.http_url, "default")
+    assert shown["state"] == "done" and shown["error"] is None, shown
+    assert shown["lensAvailable"] == "true"
+    assert shown["lensRows"] == [3, 2, 1, 0]
+    assert shown["steerAvailable"] == "true" and shown["steerLayers"] == ["0", "1", "2", "3"]
+    assert shown["featuresShown"] is True and shown["featuresNote"] is None

@@ -298,14 +298,19 @@ def test_bad_dictionary_interventions_name_the_field(estub, intervention, field)
     assert run(estub, trace(invoke(PROMPT, iv("p", read_dictionary=read("t-probe"))), max_tokens=2)).values("p")
 
 
-def test_compiled_servers_refuse_dictionary_interventions(stub):
+def test_the_default_compiled_server_reads_dictionaries_and_refuses_their_writes(stub):
     # The dictionary exists on this server (an unknown one is INVALID_ARGUMENT on every
-    # engine kind); the plain compiled server has no read buffer for its layer.
+    # engine kind). The default graph keeps every layer (a read is served: test_compiled_reads
+    # checks its values against transformers); a write of features has no table there.
     spec, tensors = WEIGHTS["t-probe"]
     register(stub, "t-compiled-probe", spec, tensors)
     try:
-        code, details = _status(stub, iv("r", read_dictionary=read("t-compiled-probe")))
-        assert code == grpc.StatusCode.FAILED_PRECONDITION and "read_dictionary" in details
+        result = run(stub, trace(invoke(PROMPT, iv("r", read_dictionary=read("t-compiled-probe"))), max_tokens=2))
+        assert len(result.values("r")) == 2 and np.isfinite(np.asarray(result.values("r"))).all()
+        # (the SAE shipped with the model, which the default server serves)
+        code, details = _status(stub, iv(write_dictionary=I.WriteDictionary(dictionary="res-l2-sae",
+                                                                         features=[1], clamp=2.0)))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "write_dictionary" in details, details
         code, details = _status(stub, iv("r", read_dictionary=read("t-unregistered")))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "read_dictionary.dictionary" in details
     finally:

@@ -88,8 +88,9 @@ def test_invalid_trace_names_the_field(stub, case):
 
 
 def test_module_interventions_are_refused_until_served(stub):
+    # (the default compiled graph keeps every decoder layer, never the embeddings)
     error, _ = _status(stub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(
-        module="layers.0")))))
+        module="embed_tokens")))))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "read_module" in error.details()
 

@@ -28,6 +28,7 @@ import tracewire.patching
 import tracewire.plot
 import tracewire.steering_sweep
 from conftest import ROOT, free_port
+from test_hidden_states import hf_module_outputs
 from tracewire import cli
 from tracewire.prompt_sources import read_prompts
 
@@ -208,15 +209,30 @@ def test_prompts_from_csv_parquet_and_text_and_the_collect_cli(eclient, eager, t
     np.testing.assert_allclose(last[2], row.value, atol=1e-5)
 
 
-def test_collect_on_a_compiled_server_reads_logits_and_refuses_layers(client, hf, tmp_path):
-    manifest = client.collect(PROMPTS[:3], tmp_path / "logits", samples=True, max_tokens=3, ignore_eos=True)
-    assert set(manifest.fields) == {"prompt_token_ids", "samples"} and manifest.engine_mode == "compiled"
-    samples = tracewire.collect.load(tmp_path / "logits").field("samples")
-    assert [s.tolist() for s in samples] == [hf.greedy(hf.encode(p), 3) for p in PROMPTS[:3]]
-    flags = "--enforce-eager, or a compiled one with --compiled-reads"   # (no read buffers: either serves)
-    with pytest.raises(tw.FailedPrecondition, match=flags) as refused:
-        client.collect(PROMPTS[:3], tmp_path / "layers", layers=[1])
-    assert refused.value.field == "layers" and not (tmp_path / "layers" / "manifest.json").exists()
+def test_collect_on_a_compiled_server_without_hooks_reads_logits_and_refuses_layers(bare, hf, tmp_path):
+    with tw.Client(bare.target, timeout=300) as client:
+        manifest = client.collect(PROMPTS[:3], tmp_path / "logits", samples=True, max_tokens=3, ignore_eos=True)
+        assert set(manifest.fields) == {"prompt_token_ids", "samples"} and manifest.engine_mode == "compiled"
+        samples = tracewire.collect.load(tmp_path / "logits").field("samples")
+        assert [s.tolist() for s in samples] == [hf.greedy(hf.encode(p), 3) for p in PROMPTS[:3]]
+        flags = "--enforce-eager, or a compiled one with --compiled-reads"   # (no read buffers: either serves)
+        with pytest.raises(tw.FailedPrecondition, match=flags) as refused:
+            client.collect(PROMPTS[:3], tmp_path / "layers", layers=[1])
+        assert refused.value.field == "layers" and not (tmp_path / "layers" / "manifest.json").exists()
+
+
+def test_collect_on_the_default_server_reads_every_layer(client, hf, tmp_path):
+    """`make serve`'s server keeps every layer in its graph: collect reads layers.3 too."""
+    manifest = client.collect(PROMPTS[:2], tmp_path / "acts", layers=[1, 3], positions="prompt")
+    assert manifest.engine_mode == "compiled_steering" and manifest.complete
+    acts = tracewire.collect.load(tmp_path / "acts")
+    for k, prompt in enumerate(PROMPTS[:2]):
+        with torch.no_grad():
+            states = hf.model(torch.tensor([hf.encode(prompt)]), output_hidden_states=True).hidden_states
+        np.testing.assert_allclose(acts.field("layers.1")[k], states[2][0].numpy(), atol=1e-4, err_msg=prompt)
+        # (the last layer's output is before the final norm: HF's last hidden state is after it)
+        np.testing.assert_allclose(acts.field("layers.3")[k], hf_module_outputs(hf, hf.encode(prompt))["layers.3"],
+                                   atol=1e-4, err_msg=prompt)
 
 
 def test_collect_and_the_cli_lens_on_a_compiled_server_with_read_buffers(graph, hf, tmp_path, capsys):

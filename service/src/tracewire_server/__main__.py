@@ -14,6 +14,7 @@ from .frontend import connection_limits, launcher
 from .frontend.auth import TokenFileError, TokenTable
 from .frontend.dictionaries import DEFAULT_MAX_BYTES
 from .frontend.dictionary_directory import read_directory
+from .frontend.graph_hooks import DEFAULT_BUDGET_BYTES
 from .frontend.model_path import model_problem
 from .frontend.ray_backend import platform_ray_problem
 from .frontend.server import ServerConfig
@@ -35,6 +36,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         use_compiled_steering,
         use_compiled_unit_reads,
         use_compiled_unit_steering,
+        use_default_graph_hooks,
     )
     from .frontend.vllm_compat import AsyncEngineArgs, FlexibleArgumentParser
 
@@ -151,6 +153,17 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "'all' (the default) or the layer numbers",
     )
     group.add_argument(
+        "--graph-hook-bytes",
+        type=int,
+        default=DEFAULT_BUDGET_BYTES,
+        metavar="N",
+        help="on a compiled engine started without any --compiled-* flag, the device bytes the "
+        "graph's hooks may reserve: layer writes, layer reads, head and neuron writes, head and "
+        "neuron reads, each on every layer while the total fits (the start log says what fit and "
+        "what each kind left off costs); 0: none. Any --compiled-* flag sets exactly what the "
+        "graph carries instead",
+    )
+    group.add_argument(
         "--compiled-unit-reads",
         nargs="?",
         const="all",
@@ -223,6 +236,12 @@ def parse_args(argv: list[str]) -> ServerConfig:
                                                             args.compiled_unit_steering))
     if args.compiled_unit_reads:
         use_compiled_unit_reads(engine_args, _layer_list(parser, "--compiled-unit-reads", args.compiled_unit_reads))
+    if args.graph_hook_bytes < 0:
+        parser.error("--graph-hook-bytes must be >= 0 (0: no default graph hooks)")
+    if not any(graph_flags.values()) and not engine_args.enforce_eager and args.pipeline_parallel_size == 1 \
+            and args.graph_hook_bytes > 0:
+        if (hooks := use_default_graph_hooks(engine_args, args.graph_hook_bytes)) is not None:
+            log.info("%s", hooks.describe(args.graph_hook_bytes))
     try:
         tls = ServerTls.load(args.tls_cert, args.tls_key, args.tls_client_ca)
         tokens = TokenTable.load(Path(args.auth_tokens)) if args.auth_tokens else None

@@ -20,7 +20,7 @@ from ..shared import detokenize, read_buffers, steering
 from ..shared import plan as P
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
 from ..shared.limits import ModelLimits, patch_store_bytes
-from . import metrics, vllm_compat
+from . import graph_hooks, metrics, vllm_compat
 from .compiler import CompiledTrace
 from .errors import InvalidArgument, Unavailable
 from .patch_room import PatchRoom
@@ -146,6 +146,12 @@ class Engine:
             raise
         tokenizer = await vllm_compat.get_tokenizer(llm)
         description = _describe(llm, tokenizer, engine_args)
+        try:
+            hooked = await _attached_hooks(llm)
+        except BaseException:
+            receiver.close()
+            llm.shutdown()
+            raise
         attention = attention_limits(llm.model_config.hf_config, description.tensor_parallel_size)
         limits = ModelLimits(
             vocab_size=description.vocab_size,
@@ -155,10 +161,10 @@ class Engine:
             num_layers=description.num_layers,
             modules=frozenset(m.path for m in description.modules if m.kind != "lm_head"),
             module_interventions=bool(llm.model_config.enforce_eager),
-            steerable_layers=steerable_layers(engine_args, description.num_layers),
-            readable_layers=readable_layers(engine_args, description.num_layers),
-            unit_readable_layers=unit_readable_layers(engine_args, description.num_layers),
-            unit_steerable_layers=unit_steerable_layers(engine_args, description.num_layers),
+            steerable_layers=frozenset(hooked[steering.LAYERS]),
+            readable_layers=frozenset(hooked[read_buffers.LAYERS]),
+            unit_readable_layers=frozenset(hooked[read_buffers.UNIT_LAYERS]),
+            unit_steerable_layers=frozenset(hooked[steering.UNIT_LAYERS]),
             num_attention_heads=description.num_attention_heads,
             head_dim=description.head_dim,
             intermediate_size=description.intermediate_size,
@@ -311,6 +317,32 @@ def use_compiled_unit_reads(engine_args: Any, layers: list[int] | None = None) -
     _graph_hooks(engine_args, read_buffers.UNIT_LAYERS, layers)
 
 
+def use_default_graph_hooks(engine_args: Any, budget: int) -> graph_hooks.DefaultHooks | None:
+    """No --compiled-* flag: the hooks graph_hooks.py chooses for this model within
+    `budget` bytes, on every layer (a model that cannot take a kind starts without it:
+    steering.DEFAULTED). The model's config is read here, before the engine starts; one
+    that cannot be read here, or lacks the widths, gets none (None), and vLLM says why
+    if it cannot read it either."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(engine_args.model, trust_remote_code=engine_args.trust_remote_code,
+                                            revision=engine_args.revision)
+        shape = graph_hooks.shape_of(config, engine_args.dtype)
+    except Exception as e:  # noqa: BLE001 - the default is a convenience; the start goes on without it
+        log.warning("no default compiled graph hooks: the model's config gave no widths (%s: %s)",
+                    type(e).__name__, e)
+        return None
+    hooks = graph_hooks.choose(shape,
+                               graph_hooks.pass_size(engine_args.max_num_batched_tokens, engine_args.max_num_seqs),
+                               budget, units=engine_args.tensor_parallel_size == 1)
+    for kind, _ in hooks.chosen:
+        _graph_hooks(engine_args, kind.key, None)
+    if hooks.chosen:
+        engine_args.additional_config = {**engine_args.additional_config, steering.DEFAULTED: True}
+    return hooks
+
+
 def _graph_hooks(engine_args: Any, key: str, layers: list[int] | None) -> None:
     """Load through steering.py's loader, which attaches what additional_config's `key` lists."""
     if engine_args.enforce_eager:
@@ -322,31 +354,13 @@ def _graph_hooks(engine_args: Any, key: str, layers: list[int] | None) -> None:
     engine_args.additional_config = {**(engine_args.additional_config or {}), key: layers or "all"}
 
 
-def steerable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
-    """The decoder layers a compiled engine has steering tables on."""
-    return _hooked_layers(engine_args, steering.LAYERS, num_layers)
-
-
-def readable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
-    """The decoder layers a compiled engine has read buffers on."""
-    return _hooked_layers(engine_args, read_buffers.LAYERS, num_layers)
-
-
-def unit_steerable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
-    """The decoder layers whose heads and neurons a compiled engine has write tables for."""
-    return _hooked_layers(engine_args, steering.UNIT_LAYERS, num_layers)
-
-
-def unit_readable_layers(engine_args: Any, num_layers: int) -> frozenset[int]:
-    """The decoder layers whose heads and neurons a compiled engine keeps in buffers."""
-    return _hooked_layers(engine_args, read_buffers.UNIT_LAYERS, num_layers)
-
-
-def _hooked_layers(engine_args: Any, key: str, num_layers: int) -> frozenset[int]:
-    layers = (engine_args.additional_config or {}).get(key)
-    if engine_args.load_format != steering.LOAD_FORMAT or layers is None:
-        return frozenset()
-    return frozenset(range(num_layers) if layers == "all" else layers)
+async def _attached_hooks(llm: Any) -> dict[str, list[int]]:
+    """The layers the compiled graph has each kind of hook on (steering.attached's keys),
+    as the first worker reports them: the flags say what was asked, the worker what the
+    model took (a default the model cannot take is left off there). Every rank of a
+    tensor-parallel engine hooks the same layers."""
+    answers = await _start_call(llm, "tracewire_graph_hooks")
+    return dict(answers[0])
 
 
 # HF config markers of attention that attention-pattern reads do not compute (they would
@@ -450,7 +464,7 @@ async def _release_trace(llm: Any, trace_key: str) -> bool:
     """collective_rpc("tracewire_release") on every worker; the last rank's answer updates
     the patch-store metrics (it is on the last pipeline stage, where the hooks keep the
     patches; without pipeline stages every rank keeps the same). Shielded for the reason
-    _install_worker_hooks says. Whether every worker answered."""
+    _start_call says. Whether every worker answered."""
     call = asyncio.ensure_future(llm.collective_rpc("tracewire_release", args=(trace_key,)))
     try:
         answers = await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S)
@@ -470,12 +484,16 @@ async def _install_worker_hooks(llm: Any, address: str, fault_injection: bool, r
     first tensor-parallel rank) sends frontend `route`'s
     records to `address`. An engine core that never answers fails the start with a
     clear error instead of hanging it (as a lost answer once did: vllm_compat's
-    FrontendGroup says why). Shielded: cancelling vLLM's utility future would break
-    its output handler if the answer came late."""
-    call = asyncio.ensure_future(llm.collective_rpc("tracewire_install", args=(address, fault_injection, route)))
+    FrontendGroup says why)."""
+    await _start_call(llm, "tracewire_install", address, fault_injection, route, who=f" (frontend {route})")
+
+
+async def _start_call(llm: Any, method: str, *args: Any, who: str = "") -> list[Any]:
+    """Every worker's answer to the extension's `method` during the start, in at most
+    INSTALL_TIMEOUT_S. Shielded: cancelling vLLM's utility future would break its
+    output handler if the answer came late."""
+    call = asyncio.ensure_future(llm.collective_rpc(method, args=args))
     try:
-        await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S)
+        return list(await asyncio.wait_for(asyncio.shield(call), INSTALL_TIMEOUT_S))
     except TimeoutError:
-        raise RuntimeError(
-            f"the engine core did not answer tracewire_install (frontend {route}) in {INSTALL_TIMEOUT_S:.0f} s"
-        ) from None
+        raise RuntimeError(f"the engine core did not answer {method}{who} in {INSTALL_TIMEOUT_S:.0f} s") from None

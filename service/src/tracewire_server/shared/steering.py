@@ -34,6 +34,7 @@ Both kinds of table compose a slot's writes (`compose`) and are filled by SlotPl
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,9 @@ from . import plan as P
 from . import read_buffers
 from .graph_layers import hook_layers, hooked_layers, max_tokens
 
+# Under vLLM's logger: it configures the handlers in the worker processes, where this runs.
+log = logging.getLogger(f"vllm.{__name__}")
+
 LOAD_FORMAT = "tracewire_steering"
 # model_loader_extra_config keys: the format (and its own extra config) that loads the weights.
 INNER_FORMAT = "tracewire_inner_load_format"
@@ -55,6 +59,9 @@ INNER_EXTRA = "tracewire_inner_extra_config"
 LAYERS = "tracewire_steering_tables"
 # ... and the decoder layers whose heads and neurons get tables (UnitTables).
 UNIT_LAYERS = "tracewire_unit_steering_tables"
+# Set when the server chose the hooks itself (no --compiled-* flag: graph_hooks.py): a
+# model without the decoder stack they attach to starts without them instead of failing.
+DEFAULTED = "tracewire_graph_hooks_defaulted"
 
 
 def wrap_load_format(load_format: str, extra: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
@@ -245,10 +252,33 @@ class SteerableLoader(BaseModelLoader):
 
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
         model = self.inner.load_model(vllm_config, model_config, prefix=prefix)
-        attach(model, vllm_config)
-        attach_units(model, vllm_config)
-        read_buffers.attach(model, vllm_config, max_tokens(vllm_config))
+        defaulted = bool((vllm_config.additional_config or {}).get(DEFAULTED))
+        for what, attach_one in (("layer writes", attach), ("head and neuron writes", attach_units),
+                                 ("reads", lambda m, c: read_buffers.attach(m, c, max_tokens(c)))):
+            try:
+                attach_one(model, vllm_config)
+            except RuntimeError as e:  # each attach fails before it registers anything
+                if not defaulted:
+                    raise
+                log.warning("tracewire: no compiled %s on this model (%s); the engine serves the rest", what, e)
         return model
+
+
+def attached(model: Any) -> dict[str, list[int]]:
+    """The decoder layers each kind of graph hook is on in `model` (its config key ->
+    layers, ascending): what the frontend's compiler serves, as this worker has it."""
+    tables, units, reads = find(model), find_units(model), read_buffers.find(model)
+    unit_reads = sorted({_layer_of(path) for path in reads.units}) if reads is not None else []
+    return {
+        LAYERS: sorted(tables.layers) if tables is not None else [],
+        UNIT_LAYERS: sorted({_layer_of(path) for path in units.names}) if units is not None else [],
+        read_buffers.LAYERS: sorted(reads.layers) if reads is not None else [],
+        read_buffers.UNIT_LAYERS: unit_reads,
+    }
+
+
+def _layer_of(unit_address: str) -> int:
+    return int(unit_address.split(".")[1])  # layers.L.self_attn.heads, layers.L.mlp.act
 
 
 # -- the host side: filling the tables for each forward pass ---------------------

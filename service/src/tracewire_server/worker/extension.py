@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..shared import steering
 from ..shared.dictionary_spec import decode_info, encode_info
 from .cpu_generators import keep_cpu_generators
 from .hooks import PlanHooks
@@ -43,6 +44,12 @@ class TracewireWorkerExtension:
                 previous.close()
             log.info("tracewire hooks installed; records of frontend %d go to %s", route, address)
         return int(rank)
+
+    def tracewire_graph_hooks(self) -> dict[str, list[int]]:
+        """The layers this worker's compiled graph has each kind of hook on (steering.py's
+        config keys -> layers): what the frontend serves compiled, from the one place
+        that knows (a defaulted kind the model could not take is not there)."""
+        return steering.attached(self.model_runner.get_model())  # type: ignore[attr-defined]
 
     def tracewire_release(self, trace: str) -> tuple[int, int, int, int]:
         """Forget trace `trace`'s patch sources' values (the frontend calls this when the
