@@ -214,11 +214,12 @@ LENS_ROW = "logit lens top-5 (4 layers) every step"
 PROBE_ROW = "probe read (k=16, layer 1) every step"
 SAE_ROW = "SAE top-20 (layer 1) every step"
 HEAD_ZERO_ROW = "head zero (layers.1, head 0) every step"
+SAE_STEER_ROW = "SAE feature steering (layer 1, 2 features) every step"
 HIDDEN_ROWS = ("trace, no interventions", "layer read every step", "steering write every step",
                "head read every step", PATTERN_ROW, PROBE_ROW, SAE_ROW, LENS_ROW)
 # The dictionary rows' probe and SAE: random weights of the model's hidden size, made at
 # start (write_dictionaries); --sae-features sets the SAE's width.
-DICTIONARY_ROWS = (PROBE_ROW, SAE_ROW)
+DICTIONARY_ROWS = (PROBE_ROW, SAE_ROW, SAE_STEER_ROW)
 # --compiled-steering: both engines compiled (CUDA graphs on a GPU), the server with its
 # steering tables; layer reads need eager engines, so only the write is measured (and
 # top-20, which the tables cost as they cost every request).
@@ -228,7 +229,7 @@ COMPILED_STEERING_ROWS = ("trace, no interventions", "top-20 logits every step",
 # a steered layer is the common research loop); the targets are the layer read, the
 # 4-layer lens and the head read (and unit tables: the head write).
 COMPILED_READS_ROWS = ("trace, no interventions", "layer read every step", "head read every step", LENS_ROW,
-                       PROBE_ROW, SAE_ROW, "steering write every step", HEAD_ZERO_ROW)
+                       PROBE_ROW, SAE_ROW, "steering write every step", HEAD_ZERO_ROW, SAE_STEER_ROW)
 SERVER_FLAGS: list[str] = []  # tracewire's own options for the server (not the raw engine's)
 
 
@@ -291,6 +292,9 @@ def trace_request(kind: str, prompt: str, new_tokens: int):
         # head 0 of layers.1 zeroed at every step (o_proj's input columns)
         HEAD_ZERO_ROW: [I.Intervention(write_module=I.WriteModule(
             module="layers.1.self_attn.heads", units=I.UnitIds(ids=[0]), zero=I.ZeroAblation()))],
+        # two features' decoder rows added at every step (a steering-table slot, as a layer write)
+        SAE_STEER_ROW: [I.Intervention(write_dictionary=I.WriteDictionary(dictionary="bench-sae", features=[1, 2],
+                                                                           steer=4.0))],
         # the new token's weights over every key, each step: the key copy, q . K, softmax, top-k
         PATTERN_ROW: [I.Intervention(name="a", read_attention_pattern=I.ReadAttentionPattern(layers=[1], top_k=5))],
         # the dictionaries' one batched matmul per step over every row reading them

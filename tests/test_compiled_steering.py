@@ -208,7 +208,7 @@ def test_steering_from_a_later_step_only(sstub, hf):
     assert tokens[:3] == hf.greedy(ids, 3) and tokens != hf.greedy(ids, 8)
 
 
-def test_what_the_compiled_tables_cannot_do_is_refused(sstub, stub):
+def test_what_the_compiled_tables_cannot_do_is_refused(sstub, bare):
     zero = np.zeros(256, np.float32)
     cases = [  # (what the read buffers cannot read: test_compiled_reads.py)
         (iv(write_module=steer(zero, module="layers.1.mlp")), "write_module.module", "layers.N"),
@@ -226,9 +226,9 @@ def test_what_the_compiled_tables_cannot_do_is_refused(sstub, stub):
             run(sstub, trace(invoke(PROMPT, intervention)))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, field
         assert f"interventions[0].{field}" in info.value.details() and says in info.value.details()
-    # the session server is compiled without the tables: it names both ways out
-    with pytest.raises(grpc.RpcError) as info:
-        run(stub, trace(invoke(PROMPT, iv(write_module=steer(zero)))))
+    # a compiled server without graph hooks names both ways out
+    with grpc.insecure_channel(bare.target) as channel, pytest.raises(grpc.RpcError) as info:
+        run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(PROMPT, iv(write_module=steer(zero)))))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enforce-eager" in info.value.details() and "--compiled-steering" in info.value.details()
     assert "--compiled-unit-steering" in info.value.details()

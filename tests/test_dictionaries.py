@@ -10,6 +10,8 @@ position.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import grpc
 import numpy as np
 import pytest
@@ -176,12 +178,20 @@ def test_jumprelu_and_topk_activations(estub, hf):
 
 def _steered_run(estub, hf, write, edit, steps_n=5):
     """Greedy tokens and raw logits under `write`, against HF with `edit` at each
-    new-token position: (server tokens, reference tokens)."""
+    new-token position: the server's tokens."""
+    return _check_steered(_steered(estub, write, steps_n), hf, edit, steps_n)
+
+
+def _steered(stub, write, steps_n):
+    return run(stub, trace(invoke(PROMPT, iv(write_dictionary=write),
+                                  iv("raw", read_logits=I.ReadLogits(stage=I.LOGITS_STAGE_RAW, full=I.FullRow()))),
+                           max_tokens=steps_n, **GREEDY))
+
+
+def _check_steered(result, hf, edit, steps_n):
+    """`result`'s tokens and raw logits against HF with `edit` at each new-token position
+    (HF's hooks are on the one shared model: one check at a time)."""
     ids = hf.encode(PROMPT)
-    result = run(estub, trace(invoke(PROMPT, iv(write_dictionary=write),
-                                     iv("raw", read_logits=I.ReadLogits(stage=I.LOGITS_STAGE_RAW,
-                                                                        full=I.FullRow()))),
-                              max_tokens=steps_n, **GREEDY))
     tokens = result.tokens()
     seq = list(ids)
     for s in range(steps_n):
@@ -198,6 +208,33 @@ def test_feature_steering_equals_an_hf_hook(estub, hf):
     write = I.WriteDictionary(dictionary="t-sae", features=[5, 9], steer=40.0)
     tokens = _steered_run(estub, hf, write, lambda row: row + 40.0 * (w_dec[5] + w_dec[9]))
     assert tokens != hf.greedy(hf.encode(PROMPT), 5)  # the steer changes the continuation
+
+
+def test_feature_steering_on_a_compiled_server_equals_an_hf_hook(graph, hf):
+    """A steer is an add of its features' directions: a compiled server's steering tables
+    serve it (conftest's `graph`: tables on layers 0-2, the SAE on layers.2), two traces
+    steering different features at once each get their own slot; a clamp (its delta
+    depends on the row's activations) is refused naming the field."""
+    w_dec = torch.from_numpy(WEIGHTS["t-sae"][1]["W_dec"])
+    spec, tensors = WEIGHTS["t-sae"]
+    with grpc.insecure_channel(graph.target) as channel:
+        gstub = service_pb2_grpc.TraceServiceStub(channel)
+        register(gstub, "t-sae", spec, tensors)
+        try:
+            runs = [(I.WriteDictionary(dictionary="t-sae", features=[5, 9], steer=40.0),
+                     lambda row: row + 40.0 * (w_dec[5] + w_dec[9])),
+                    (I.WriteDictionary(dictionary="t-sae", features=[3], steer=-30.0),
+                     lambda row: row - 30.0 * w_dec[3])]
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both in the engine at once
+                results = list(pool.map(lambda w: _steered(gstub, w, 5), [w for w, _ in runs]))
+            tokens = [_check_steered(result, hf, e, 5) for result, (_, e) in zip(results, runs, strict=True)]
+            assert tokens[0] != hf.greedy(hf.encode(PROMPT), 5) and tokens[0] != tokens[1]
+            code, details = _status(gstub, iv(write_dictionary=I.WriteDictionary(dictionary="t-sae", features=[2],
+                                                                                clamp=25.0)))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+            assert "interventions[0].write_dictionary.op" in details and "'clamp'" in details, details
+        finally:
+            gstub.DeleteDictionary(D.DeleteDictionaryRequest(name="t-sae"), timeout=30)
 
 
 def _clamp(name, features, value):

@@ -190,9 +190,10 @@ def test_bad_module_reads(estub, stub):
             "layers.0", prompt_list=I.PositionList(positions=[2, 50]))))))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "read_module.positions.prompt_list.positions[1]" in info.value.details()
-    # The session server runs compiled: module reads are refused, never silently empty.
+    # The session server runs compiled: what its graph does not keep is refused, never
+    # silently empty (it keeps every decoder layer, never the embeddings).
     with pytest.raises(grpc.RpcError) as info:
-        run(stub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="layers.0")))))
+        run(stub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="embed_tokens")))))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enforce-eager" in info.value.details()
 

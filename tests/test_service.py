@@ -36,8 +36,10 @@ def test_model_info_describes_the_served_model(client, hf):
     assert paths[0] == "embed_tokens" and paths[-2:] == ["norm", "lm_head"]
     assert f"layers.{cfg.num_hidden_layers - 1}.mlp" in paths
     assert info.vllm_version and info.server_version == tracewire.__version__
-    # compiled, no steering tables: no module interventions (a client knows up front)
-    assert info.engine_mode == "compiled" and info.steerable_layers == []
+    # compiled, with the default graph hooks on every layer (the tiny model fits them all)
+    everything = list(range(cfg.num_hidden_layers))
+    assert info.engine_mode == "compiled_steering" and info.steerable_layers == everything
+    assert info.readable_layers == everything and info.unit_steerable_layers == everything
 
 
 def test_health_went_not_serving_then_serving(server):

@@ -416,7 +416,7 @@ class MaskLogits(msgspec.Struct, frozen=True, tag="mask_logits"):
 ModuleEdit = Literal["add", "replace", "zero", "mean", "patch", "add_read", "steer", "clamp"]
 # What a compiled engine's steering tables express (stream' = a * stream + b, steering.py);
 # a mean depends on the rows it averages: eager engines only.
-COMPILED_EDITS: tuple[ModuleEdit, ...] = ("add", "replace", "zero")
+COMPILED_EDITS: tuple[ModuleEdit, ...] = ("add", "replace", "zero", "steer")
 
 
 def is_decoder_layer(path: str) -> bool:

@@ -110,11 +110,12 @@ class SteeringTables(torch.nn.Module):
 
     def compose(self, table: int, slot: int, edits: list[P.WriteModule],
                 vector: Callable[[P.WriteModule], torch.Tensor]) -> None:
-        """Write `edits` (plan order) into one slot: an add is (1, s*v), a replace (0, v),
-        a zero (0, 0), each applied to what the ones before left."""
+        """Write `edits` (plan order) into one slot: an add is (1, s*v) (a dictionary steer
+        too: v its features' directions times its value), a replace (0, v), a zero (0, 0),
+        each applied to what the ones before left."""
         a, b = 1.0, torch.zeros_like(self.vectors[table, 0])
         for edit in edits:
-            if edit.edit == "add":
+            if edit.edit in ("add", "steer"):
                 b = b + vector(edit)
             elif edit.edit == "replace":
                 a, b = 0.0, vector(edit)
@@ -172,6 +173,8 @@ class UnitTables(torch.nn.Module):
             if edit.edit == "zero":
                 a[index], b[index] = 0, 0
                 continue
+            if edit.edit not in ("add", "replace"):  # (dictionaries never read unit addresses)
+                raise ValueError(f"unit tables write add / replace / zero, not {edit.edit!r}")
             v = vector(edit).to(b.dtype).view(-1, unit_width).expand(len(units), unit_width)
             if edit.edit == "add":
                 b[index] = b[index] + v
@@ -284,8 +287,9 @@ def _layer_of(unit_address: str) -> int:
 # -- the host side: filling the tables for each forward pass ---------------------
 
 
-# A slot's contents: its composed edits, (edit, vector bytes, scale, units) each, in plan order.
-SlotKey = tuple[tuple[str, bytes, float, tuple[int, ...] | None], ...]
+# A slot's contents: its composed edits, (edit, vector bytes, scale, units, dictionary edit)
+# each, in plan order (a dictionary steer's vector is its dictionary's, by name and generation).
+SlotKey = tuple[tuple[str, bytes, float, tuple[int, ...] | None, P.DictionaryEdit | None], ...]
 
 
 class SlotPlanner:
@@ -323,7 +327,7 @@ class SlotPlanner:
         """The slot of `owner`'s `edits` (composed in plan order) at this table; None when
         every slot is taken. `vector(edit)`: the edit's vector on the device (scaled, for
         adds), asked for only when the table does not hold these edits yet."""
-        key: SlotKey = tuple((e.edit, e.vector, e.scale, e.units) for e in edits)
+        key: SlotKey = tuple((e.edit, e.vector, e.scale, e.units, e.dictionary) for e in edits)
         held = self.owned.setdefault(owner, set())
         found = self.assigned[table].get(key)
         if found is not None:

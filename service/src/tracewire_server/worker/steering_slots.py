@@ -18,6 +18,7 @@ from ..shared import plan as P
 from ..shared import steering
 from . import recompute
 from .conditions import holds_before_forward
+from .dictionaries import Dictionaries
 from .module_hooks import Span
 from .runner import RunnerView
 from .sequences import UNPLANNED, Sequence, Sequences
@@ -34,9 +35,11 @@ class SteeringSlots:
     """Fills the compiled graph's steering tables before each forward pass."""
 
     def __init__(self, runner: RunnerView, sequences: Sequences,
-                 tables: list[steering.SteeringTables | steering.UnitTables], drain: Callable[[], None]) -> None:
+                 tables: list[steering.SteeringTables | steering.UnitTables], drain: Callable[[], None],
+                 dictionaries: Dictionaries | None = None) -> None:
         self.runner = runner
         self.sequences = sequences
+        self.dictionaries = dictionaries if dictionaries is not None else Dictionaries()  # (steer writes' directions)
         self.planners = [steering.SlotPlanner(t) for t in tables]
         self.drain = drain  # (write conditions on the text: every finished step first)
         # The requests of the last forward pass, when it decoded them one token each and
@@ -180,7 +183,12 @@ class SteeringSlots:
     def _slot(self, req_id: str, seq: Sequence, p: int, table: int, edits: list[P.WriteModule]) -> int | None:
         planner = self.planners[p]
         like = planner.tables.operand_like()  # (the operands' device and dtype: the tables')
-        slot = planner.slot(table, req_id, edits, lambda edit: seq.write_vector(edit, like))
+        try:  # before the planner takes a slot: a dictionary replaced since fails this request only
+            named = {id(e): self.dictionaries.get(e.dictionary.dictionary) for e in edits if e.dictionary is not None}
+        except RuntimeError as e:
+            seq.error = seq.error or f"steer of {edits[0].module}: {e}"
+            return None
+        slot = planner.slot(table, req_id, edits, lambda edit: seq.write_vector(edit, like, named.get(id(edit))))
         if slot is None:
             seq.error = seq.error or (
                 f"more than {planner.tables.num_slots - 1} different writes at "

@@ -461,7 +461,8 @@ export type GetModelInfoResponse = Message<"tracewire.v1.GetModelInfoResponse"> 
 
   /**
    * The decoder layers (layers.N) whose compiled steering tables serve add /
-   * replace / zero writes, ascending: set with ENGINE_MODE_COMPILED_STEERING
+   * replace / zero writes and dictionary steers (write_dictionary.steer of a
+   * dictionary reading the layer), ascending: set with ENGINE_MODE_COMPILED_STEERING
    * only (an eager engine writes every module; a plain compiled one none).
    *
    * @generated from field: repeated int32 steerable_layers = 15;
@@ -707,8 +708,9 @@ export enum EngineMode {
 
   /**
    * Compiled with steering tables (--compiled-steering): add / replace / zero
-   * writes on the decoder layers in steerable_layers; no mean ablation, no
-   * writes to other modules; module reads as ENGINE_MODE_COMPILED.
+   * writes and dictionary steers on the decoder layers in steerable_layers; no
+   * mean ablation, no dictionary clamps, no writes to other modules; module
+   * reads as ENGINE_MODE_COMPILED.
    *
    * @generated from enum value: ENGINE_MODE_COMPILED_STEERING = 3;
    */
