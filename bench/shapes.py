@@ -45,8 +45,11 @@ def write_model_dir(shape: str, directory: Path) -> Path:
     config = dict(SHAPES[shape])
     config["max_window_layers"] = config["num_hidden_layers"]
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer = ROOT / "models" / "tracewire-tiny"
+    if not (tokenizer / "tokenizer.json").exists():  # (a carried snapshot without models/: empty prompts)
+        raise SystemExit(f"bench: no tokenizer at {tokenizer}; carry models/tracewire-tiny's tokenizer files")
     for name in TOKENIZER_FILES:
-        source = ROOT / "models" / "tracewire-tiny" / name
+        source = tokenizer / name
         if source.exists():
             shutil.copy(source, directory / name)
     return directory

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import re
@@ -21,12 +22,27 @@ from tracewire_server.frontend import server as server_module
 from tracewire_server.frontend.model_path import looks_like_path
 
 
+def _env() -> dict[str, str]:
+    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+
+
 def start(*args: str) -> subprocess.CompletedProcess[str]:
     """The server with `args`, from the checkout's root as `make serve` runs it; it is
     expected to exit on its own."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     return subprocess.run([sys.executable, "-m", "tracewire_server", *args], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=env)
+                          text=True, timeout=300, cwd=ROOT, env=_env())
+
+
+def start_forked(starts: dict[str, tuple[str, ...]]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The same starts, each in a fork of one process that imported vLLM once
+    (tests/start_forks.py): what each printed and its exit status."""
+    runner = subprocess.run([sys.executable, str(Path(__file__).with_name("start_forks.py"))],
+                            input=json.dumps({name: list(args) for name, args in starts.items()}),
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())
+    assert runner.returncode == 0, runner.stderr[-3000:]
+    return {name: subprocess.CompletedProcess(["python", "-m", "tracewire_server", *starts[name]],
+                                              r["returncode"], r["stdout"], r["stderr"])
+            for name, r in json.loads(runner.stdout).items()}
 
 
 def last_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -45,37 +61,41 @@ GRAPH_FLAGS = ["--compiled-steering", "--compiled-reads"]
 
 
 class Starts:
-    """Every start this file's tests make, all begun at once and run on every core: each is a
-    process of its own that spends ~10 s importing vLLM (its argument parser is vLLM's) and
-    exits, so one after another they were most of this file's time. A test takes its own
-    start's result by name; none depends on another's. `taken`: a port another socket
-    listens on for as long as the starts run."""
+    """Every start this file's tests make. Each would be a process of its own that spends
+    ~7 s of a core importing vLLM (its argument parser is vLLM's) and exits: one, the
+    unknown flag, is; the others run in forks of one process that imported it once
+    (start_forks.py), beside it. A test takes its own start's result by name; none depends
+    on another's. `taken`: a port another socket listens on for as long as the starts run."""
+
+    REAL = "unknown flag"  # the start made as a user makes it, `python -m tracewire_server`
 
     def __init__(self, pool: concurrent.futures.ThreadPoolExecutor, taken: int, not_a_model: Path) -> None:
         self.taken = taken
         self.not_a_model = not_a_model
-        self._runs: dict[str, concurrent.futures.Future[subprocess.CompletedProcess[str]]] = {}
+        self._args: dict[str, tuple[str, ...]] = {}
         for flag, _ in FLAGS:
             ports = {"--port": "0", "--http-port": "0", "--metrics-port": "0", flag: str(taken)}
-            self._submit(pool, f"port {flag}", *[word for item in ports.items() for word in item])
+            self._add(f"port {flag}", *[word for item in ports.items() for word in item])
             # --frontends N: the second frontend's metrics port is the flag's + 1.
             free = {f: _free_port() for f, _ in FLAGS}
             free[flag] = taken - 1 if flag == "--metrics-port" else taken
-            self._submit(pool, f"frontends {flag}", "--frontends", "2",
+            self._add(f"frontends {flag}", "--frontends", "2",
                          *[word for f, port in free.items() for word in (f, str(port))])
         for model in MISSING_MODELS:
-            self._submit(pool, f"model {model}", "--port", "0", "--model", model)
-        self._submit(pool, "not a model", "--port", "0", "--model", str(not_a_model))
-        self._submit(pool, "unknown flag", "--port", "0", "--max-num-seqz", "3")
-        self._submit(pool, "frontends 0", "--frontends", "0")
+            self._add(f"model {model}", "--port", "0", "--model", model)
+        self._add("not a model", "--port", "0", "--model", str(not_a_model))
+        self._add("unknown flag", "--port", "0", "--max-num-seqz", "3")
+        self._add("frontends 0", "--frontends", "0")
         for flag in GRAPH_FLAGS:
-            self._submit(pool, f"pp {flag}", "--pipeline-parallel-size", "2", flag)
+            self._add(f"pp {flag}", "--pipeline-parallel-size", "2", flag)
+        self._real = pool.submit(start, *self._args.pop(self.REAL))
+        self._forked = pool.submit(start_forked, self._args)
 
-    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, name: str, *args: str) -> None:
-        self._runs[name] = pool.submit(start, *args)
+    def _add(self, name: str, *args: str) -> None:
+        self._args[name] = args
 
     def __getitem__(self, name: str) -> subprocess.CompletedProcess[str]:
-        return self._runs[name].result()
+        return self._real.result() if name == self.REAL else self._forked.result()[name]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +105,7 @@ def starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Starts]:
         other.listen()
         runs = Starts(pool, int(other.getsockname()[1]), tmp_path_factory.mktemp("not-a-model"))
         yield runs
-        for name in list(runs._runs):
-            runs[name]  # every start has ended before the socket closes
+        runs[Starts.REAL], runs[next(iter(runs._args))]  # every start has ended before the socket closes
 
 
 @pytest.mark.parametrize(("flag", "what"), FLAGS)
@@ -173,6 +192,9 @@ def test_start_says_what_is_served_where(server: ServerProcess) -> None:
     port = server.target.rsplit(":", 1)[1]
     assert re.search(r"starting the vLLM engine for \S+tracewire-tiny", log), log
     assert re.search(r"engine ready in \d+\.\d s", log), log
+    # no --compiled-* flag: the default graph hooks, what they reserve
+    assert re.search(r"compiled graph hooks on every layer: layer writes, layer reads, head and neuron writes, "
+                     r"head and neuron reads \(\d+ MiB of --graph-hook-bytes 2048 MiB\)$", log, re.M), log
     served = [line for line in log.splitlines() if "tracewire SERVING" in line]
     assert len(served) == 1, log
     assert served[0].endswith(
