@@ -21,7 +21,7 @@ import tracewire
 from conftest import DICTIONARIES, MODEL, SHARED_MAX_DICTIONARY_BYTES, take
 from safetensors.numpy import load_file
 from server_pool import Prepared, ServerSpec, servers
-from test_startup import last_line, start
+from test_startup import last_line, start_forked
 from tracewire.dictionaries import safetensors_bytes
 from tracewire.v1 import dictionary_pb2
 from tracewire_server.frontend.dictionaries import DictionaryRegistry
@@ -196,18 +196,34 @@ def write_dictionary(directory: Path, name: str, spec: dict, tensors: dict[str, 
 GOOD_SPEC = {"kind": "DICTIONARY_KIND_PROBE", "module": "layers.1"}
 
 
-@pytest.mark.parametrize(("spec", "tensors", "names"), [
-    ({**GOOD_SPEC, "colour": "red"}, probe(), ("p.json", "not a DictionarySpec")),
-    ({**GOOD_SPEC, "kind": "DICTIONARY_KIND_UNSPECIFIED"}, probe(), ("p.json", "spec.kind")),
-    (GOOD_SPEC, _nan(), ("p.safetensors", "tensors.W")),
-])
-def test_bad_dictionary_directory_refuses_start_in_one_line(tmp_path, spec, tensors, names) -> None:
+BAD_DIRECTORIES = {
+    "unknown field": ({**GOOD_SPEC, "colour": "red"}, probe(), ("p.json", "not a DictionarySpec")),
+    "no kind": ({**GOOD_SPEC, "kind": "DICTIONARY_KIND_UNSPECIFIED"}, probe(), ("p.json", "spec.kind")),
+    "nan weights": (GOOD_SPEC, _nan(), ("p.safetensors", "tensors.W")),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_directory_starts(tmp_path_factory):
+    """A start on each of BAD_DIRECTORIES, in forks of one process (test_startup's
+    start_forked: each start would otherwise pay vLLM's import): (its directory, result)."""
+    starts, folders = {}, {}
+    for case, (spec, tensors, _) in BAD_DIRECTORIES.items():
+        folders[case] = tmp_path_factory.mktemp("bad") / "d"
+        write_dictionary(folders[case], "p", spec, tensors)
+        starts[case] = ("--port", "0", "--dictionaries", str(folders[case]))
+    results = start_forked(starts)
+    return {case: (folders[case], results[case]) for case in BAD_DIRECTORIES}
+
+
+@pytest.mark.parametrize("case", BAD_DIRECTORIES)
+def test_bad_dictionary_directory_refuses_start_in_one_line(bad_directory_starts, case) -> None:
     """Found before the engine starts: one line naming the file and the field."""
-    write_dictionary(tmp_path / "d", "p", spec, tensors)
-    result = start("--port", "0", "--dictionaries", str(tmp_path / "d"))
+    names = BAD_DIRECTORIES[case][2]
+    directory, result = bad_directory_starts[case]
     assert result.returncode == 1
     line = last_line(result)
-    assert line.startswith(f"tracewire: --dictionaries {tmp_path / 'd' / names[0]}: "), line
+    assert line.startswith(f"tracewire: --dictionaries {directory / names[0]}: "), line
     assert names[1] in line
 
 
