@@ -436,17 +436,23 @@ test("dashboard: what the page says before any run, for a run of no candidates, 
     // naming the step, the lens growing a column per step.
     await empty.fill("#prompt", FRANCE);
     await empty.fill("#max-tokens", String(LONG));
-    await empty.click("#run");
-    // Polled from a timer (not animation frames, which a page busy drawing rows may not get to).
-    const seen = await empty.waitForFunction(
-      () => {
+    // Seen by a MutationObserver, at the DOM change that makes the fifth row: a poll (a timer's
+    // or animation frames') can miss the whole run on a loaded machine, where the page's
+    // thread gets its turn only after the last step has been drawn.
+    await empty.evaluate(() => {
+      const page = window as unknown as { midway?: object };
+      page.midway = undefined;
+      const observer = new MutationObserver(() => {
         const rows = document.querySelectorAll(".step").length;
+        if (rows < 5) return;
         const status = document.getElementById("status");
-        return rows >= 5 ? { state: status?.dataset.state, status: status?.textContent, rows } : false;
-      },
-      undefined,
-      { polling: 20 },
-    );
+        page.midway = { state: status?.dataset.state, status: status?.textContent, rows };
+        observer.disconnect();
+      });
+      observer.observe(document.body, { subtree: true, childList: true, characterData: true, attributes: true });
+    });
+    await empty.click("#run");
+    const seen = await empty.waitForFunction(() => (window as unknown as { midway?: object }).midway ?? false);
     const midway = (await seen.jsonValue()) as { state: string; status: string; rows: number };
     await empty.screenshot({ path: screenshotPath("dashboard-streaming.png"), fullPage: true });
     assert.equal(midway.state, "running", JSON.stringify(midway));
