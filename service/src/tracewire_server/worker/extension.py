@@ -1,9 +1,10 @@
 """The worker extension: what vLLM mixes into its worker class (`worker_extension_cls`).
 
 The frontend names `TracewireWorkerExtension` in the engine's config (frontend/engine.py)
-and calls `tracewire_install` on every worker through collective_rpc. Separate from
-the hooks because every method of the extension class becomes an RPC vLLM offers:
-this class holds only that one, and `install` is a plain function.
+and calls its `tracewire_*` methods on every worker through collective_rpc (install the
+hooks, say which graph hooks the model took, release a trace's patches, dictionaries).
+Separate from the hooks because every method of the extension class becomes an RPC vLLM
+offers: this class holds only those, and `install` is a plain function.
 """
 
 from __future__ import annotations
