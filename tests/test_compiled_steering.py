@@ -16,7 +16,16 @@ import prefix_cache
 import pytest
 import torch
 import tracewire as tw
-from test_heads_neurons import HEAD_DIM, NEURONS, STEPS, check_logits, check_write_against_hf, hf_inputs, zero_heads
+from test_heads_neurons import (
+    HEAD_DIM,
+    STEPS,
+    check_head_replace_and_add,
+    check_logits,
+    check_neuron_set_zero_and_add,
+    check_write_against_hf,
+    hf_inputs,
+    zero_heads,
+)
 from test_heads_neurons import PROMPT as HEADS_PROMPT
 from test_hidden_states import GREEDY, PROMPT, hf_steered, steer
 from trace_requests import f32, invoke, iv, run, steps, trace
@@ -75,35 +84,9 @@ def gsdk(steerable):
 def test_head_and_neuron_writes_at_every_position_equal_hfs_pre_hooks(gsdk, hf):
     """The unit tables (o_proj's and down_proj's inputs through a * x + b): test_heads_neurons'
     writes and its transformers reference, on the compiled engine."""
-    rng = np.random.default_rng(0)
-    vector = rng.normal(size=HEAD_DIM).astype(np.float32) * 3
-    per_head = rng.normal(size=(2, HEAD_DIM)).astype(np.float32) * 3
-    ids, values = [3, 100, 511], np.array([8.0, -6.0, 5.0], np.float32)
-    many = list(range(1, NEURONS, 4))
-
-    def replace(x):
-        x[:, [0, 2]] = torch.from_numpy(vector)
-        return x
-
-    def add(x):
-        x[:, [3, 1]] += 2.5 * torch.from_numpy(per_head)
-        return x
-
-    def set_(x):
-        x[:, ids] = torch.from_numpy(values)
-        return x
-
-    def zero(x):
-        x[:, many] = 0
-        return x
-
     check_write_against_hf(gsdk, hf, lambda ref: ref.select([1, 3]).zero(), "layers.1.self_attn.heads", zero_heads)
-    check_write_against_hf(gsdk, hf, lambda ref: ref.select([0, 2]).replace(vector), "layers.2.self_attn.heads",
-                           replace)
-    check_write_against_hf(gsdk, hf, lambda ref: ref.select([3, 1]).add(per_head, scale=2.5),
-                           "layers.0.self_attn.heads", add)
-    check_write_against_hf(gsdk, hf, lambda ref: ref.select(ids).set(values), "layers.1.mlp.act", set_)
-    check_write_against_hf(gsdk, hf, lambda ref: ref.select(many).zero(), "layers.2.mlp.act", zero)
+    check_head_replace_and_add(gsdk, hf)
+    check_neuron_set_zero_and_add(gsdk, hf)
 
 
 def test_a_head_steered_at_every_new_token_and_a_read_of_it_equal_hf(gsdk, hf):

@@ -128,6 +128,12 @@ def test_head_zero_ablation_equals_hf(sdk, hf):
 
 
 def test_head_replace_and_add_equal_hf(sdk, hf):
+    check_head_replace_and_add(sdk, hf)
+
+
+def check_head_replace_and_add(sdk, hf):
+    """A replace and an add of chosen heads on `sdk`'s server, each against HF's pre-hook
+    (test_compiled_steering runs them on the compiled server too)."""
     rng = np.random.default_rng(0)
     vector = rng.normal(size=HEAD_DIM).astype(np.float32) * 3
     per_head = rng.normal(size=(2, HEAD_DIM)).astype(np.float32) * 3
@@ -190,6 +196,12 @@ def test_neuron_reads_at_ids_and_top_k_equal_hf(sdk, hf):
 
 
 def test_neuron_set_zero_and_add_equal_hf(sdk, hf):
+    check_neuron_set_zero_and_add(sdk, hf)
+
+
+def check_neuron_set_zero_and_add(sdk, hf):
+    """A set, a zero and an add of chosen neurons on `sdk`'s server, each against HF's
+    pre-hook (test_compiled_steering runs them on the compiled server too)."""
     ids = [3, 100, 511]
     values = np.array([8.0, -6.0, 5.0], np.float32)
 

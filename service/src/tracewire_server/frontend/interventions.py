@@ -206,7 +206,7 @@ class InterventionCompiler:
         if P.unit_kind(module):
             units = self.limits.unit_readable_layers
             if P.layer_number(module) not in units:
-                kept = f"on layers {', '.join(map(str, sorted(units)))} only" if units else "on no layer"
+                kept = _kept_on(units)
                 raise FailedPrecondition(
                     f"{field}: this server keeps attention heads and MLP neurons in read buffers {kept}, "
                     f"not {module!r} (--compiled-unit-reads LAYERS, or --enforce-eager)"
@@ -219,7 +219,7 @@ class InterventionCompiler:
                 f"not {module!r}; start it with --enforce-eager to read other modules"
             )
         if P.layer_number(module) not in readable:
-            kept = f"on layers {', '.join(map(str, sorted(readable)))} only" if readable else "on no layer"
+            kept = _kept_on(readable)
             raise FailedPrecondition(
                 f"{field}: this server keeps read buffers of residual streams {kept}, not on "
                 f"{module!r} (--compiled-reads LAYERS)"
@@ -278,7 +278,7 @@ class InterventionCompiler:
         if P.unit_kind(module):
             units = self.limits.unit_steerable_layers
             if P.layer_number(module) not in units:
-                kept = f"on layers {', '.join(map(str, sorted(units)))} only" if units else "on no layer"
+                kept = _kept_on(units)
                 raise FailedPrecondition(
                     f"{field}.module: this server has write tables for attention heads and MLP neurons {kept}, "
                     f"not {module!r} (--compiled-unit-steering LAYERS, or --enforce-eager)"
@@ -290,7 +290,7 @@ class InterventionCompiler:
             )
         elif P.layer_number(module) not in self.limits.steerable_layers:
             steerable = self.limits.steerable_layers
-            kept = f"on layers {', '.join(map(str, sorted(steerable)))} only" if steerable else "on no layer"
+            kept = _kept_on(steerable)
             raise FailedPrecondition(
                 f"{field}.module: this server has steering tables {kept}, not on "
                 f"{module!r} (--compiled-steering LAYERS)"
@@ -611,6 +611,11 @@ class InterventionCompiler:
 def dictionary_ref(info: DictionaryInfo) -> P.DictRef:
     """How a plan refers to a dictionary: by name and generation."""
     return P.DictRef(info.name, info.generation, info.module, info.size)
+
+
+def _kept_on(layers: frozenset[int]) -> str:
+    """Where a compiled graph keeps a kind of hook, for the refusals naming it."""
+    return f"on layers {', '.join(map(str, sorted(layers)))} only" if layers else "on no layer"
 
 
 def _module_order(path: str) -> tuple[int, str]:
