@@ -101,8 +101,11 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero():
 # the noise of a dirty exit.
 DIRTY_EXIT = ("Traceback", "EngineCore encountered a fatal error", "died unexpectedly",
               "nanobind: leaked", "resource_tracker")
-# Steps of the trace in flight: ~2.5 s of the tiny model on 2 CPU cores, which leaves
-# the drain time to be watched (400 steps, the limit of --max-model-len 512, take 1 s).
+# Steps of the trace in flight, each step's whole logits row (8 KiB for the tiny model's
+# vocabulary): 8 MiB in all, more than HTTP/2 lets the server send ahead of a client that
+# is not reading, so while the client holds off (below) the trace stays in flight however
+# fast the machine generates. (Timing alone was not enough: a quick CI machine finished a
+# 1000-step trace before the refusal came.)
 STEPS = 1000
 
 
@@ -128,6 +131,7 @@ def test_a_signal_to_the_process_group_drains_like_sigterm_to_the_server(sig, sp
     UNAVAILABLE, the process exits 0 with a clean log and leaves no process behind."""
     server = take(spec)
     processes = psutil.Process(server.process.pid).children(recursive=True)
+    traced: _TraceInFlight | None = None
     try:
         warm = grpc.insecure_channel(server.target, options=[("grpc.enable_retries", 0)])
         _tokenize(warm)  # a connection open before the signal
@@ -135,20 +139,26 @@ def test_a_signal_to_the_process_group_drains_like_sigterm_to_the_server(sig, sp
         assert traced.started.wait(60), traced.error
         server.signal_group(sig)
         refused = _refused_while(traced, warm, server.target)
+        time.sleep(0.5)  # still refused: the held trace is what keeps the server draining
+        refused_later = _refused_while(traced, warm, server.target)
+        traced.hold.set()
         warm.close()
         code = server.process.wait(timeout=180)
         traced.join(timeout=60)
         log = server.log()
         assert code == 0, log[-5000:]
         assert refused is not None, "no call was refused while the trace drained"
+        assert refused_later is not None, "the server stopped draining before the trace was read"
         assert traced.error is None, traced.error  # neither INTERNAL nor "the engine died"
         result = TraceResult(traced.events)
-        assert len(result.tokens()) == STEPS and len(result.values("top")) == STEPS
+        assert len(result.tokens()) == STEPS and len(result.values("row")) == STEPS
         assert [line for line in log.splitlines() if any(s in line for s in DIRTY_EXIT)] == []
         assert "draining" in log
         _, alive = psutil.wait_procs(processes, timeout=30)
         assert alive == [], [(p.pid, p.name()) for p in alive]
     finally:
+        if traced is not None:
+            traced.hold.set()
         _kill(server, processes)
 
 
@@ -178,23 +188,28 @@ def test_a_killed_server_takes_its_engine_with_it():
 
 class _TraceInFlight(threading.Thread):
     """A long trace (STEPS steps, each read) on its own connection; `started` is set
-    once its first step has arrived, so it is running in the engine."""
+    once its first step has arrived, so it is running in the engine. After that first
+    step it reads no more until `hold` is set (at most 60 s): a slow reader, which keeps
+    the trace in flight on the server while the test watches the drain."""
 
     def __init__(self, server: ServerProcess) -> None:
         super().__init__(daemon=True)
         self.channel = grpc.insecure_channel(server.target)
         self.started = threading.Event()
+        self.hold = threading.Event()
         self.events: list[object] = []
         self.error: grpc.RpcError | None = None
         self.start()
 
     def run(self) -> None:
-        request = trace(invoke("The capital of France is", iv("top", read_logits=logits(k=3))),
+        request = trace(invoke("The capital of France is", iv("row", read_logits=logits())),
                         max_tokens=STEPS, ignore_eos=True, temperature=0.0)
         try:
             for event in service_pb2_grpc.TraceServiceStub(self.channel).Trace(request, timeout=120):
                 self.events.append(event)
-                self.started.set()
+                if not self.started.is_set():
+                    self.started.set()
+                    self.hold.wait(60)
         except grpc.RpcError as e:
             self.error = e
         finally:
