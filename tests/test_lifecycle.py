@@ -101,17 +101,21 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero():
 # the noise of a dirty exit.
 DIRTY_EXIT = ("Traceback", "EngineCore encountered a fatal error", "died unexpectedly",
               "nanobind: leaked", "resource_tracker")
-# Steps of the trace in flight, each step's whole logits row (8 KiB for the tiny model's
-# vocabulary): 8 MiB in all, more than HTTP/2 lets the server send ahead of a client that
-# is not reading, so while the client holds off (below) the trace stays in flight however
-# fast the machine generates. (Timing alone was not enough: a quick CI machine finished a
+# Steps of the trace in flight, each step's whole logits rows, raw and processed (16 KiB
+# for the tiny model's vocabulary): 16 MiB in all. While the client holds off reading
+# (below), HTTP/2 takes some of it (6-8 MiB seen here) and the server's write waits with
+# the rest (its per-trace buffer, 64 MiB on these servers, holds it all), so the trace
+# stays in flight however fast the machine generates; the test checks it still is 0.5 s
+# after the first refusal. (Timing alone was not enough: a quick CI machine finished a
 # 1000-step trace before the refusal came.)
 STEPS = 1000
 
 
 def _group(name: str, *extra: str) -> ServerSpec:
-    """A server leading a process group of its own, to signal the whole group."""
-    return ServerSpec(name, ("--grace-period", "60", "--max-model-len", "1024", *extra), own_session=True)
+    """A server leading a process group of its own, to signal the whole group; its per-trace
+    buffer holds the whole held trace (the suite's 2 MiB would fail it as too slow a reader)."""
+    args = ("--grace-period", "60", "--max-model-len", "1024", "--trace-buffer-bytes", str(64 << 20), *extra)
+    return ServerSpec(name, args, own_session=True)
 
 
 GROUP_SIGINT, GROUP_SIGTERM = _group("group-sigint"), _group("group-sigterm")
@@ -141,7 +145,7 @@ def test_a_signal_to_the_process_group_drains_like_sigterm_to_the_server(sig, sp
         refused = _refused_while(traced, warm, server.target)
         time.sleep(0.5)  # still refused: the held trace is what keeps the server draining
         refused_later = _refused_while(traced, warm, server.target)
-        traced.hold.set()
+        traced.release.set()
         warm.close()
         code = server.process.wait(timeout=180)
         traced.join(timeout=60)
@@ -151,14 +155,14 @@ def test_a_signal_to_the_process_group_drains_like_sigterm_to_the_server(sig, sp
         assert refused_later is not None, "the server stopped draining before the trace was read"
         assert traced.error is None, traced.error  # neither INTERNAL nor "the engine died"
         result = TraceResult(traced.events)
-        assert len(result.tokens()) == STEPS and len(result.values("row")) == STEPS
+        assert len(result.tokens()) == STEPS and len(result.values("row")) == len(result.values("raw")) == STEPS
         assert [line for line in log.splitlines() if any(s in line for s in DIRTY_EXIT)] == []
         assert "draining" in log
         _, alive = psutil.wait_procs(processes, timeout=30)
         assert alive == [], [(p.pid, p.name()) for p in alive]
     finally:
         if traced is not None:
-            traced.hold.set()
+            traced.release.set()
         _kill(server, processes)
 
 
@@ -189,27 +193,27 @@ def test_a_killed_server_takes_its_engine_with_it():
 class _TraceInFlight(threading.Thread):
     """A long trace (STEPS steps, each read) on its own connection; `started` is set
     once its first step has arrived, so it is running in the engine. After that first
-    step it reads no more until `hold` is set (at most 60 s): a slow reader, which keeps
+    step it reads no more until `release` is set (at most 60 s): a slow reader, which keeps
     the trace in flight on the server while the test watches the drain."""
 
     def __init__(self, server: ServerProcess) -> None:
         super().__init__(daemon=True)
         self.channel = grpc.insecure_channel(server.target)
         self.started = threading.Event()
-        self.hold = threading.Event()
+        self.release = threading.Event()
         self.events: list[object] = []
         self.error: grpc.RpcError | None = None
         self.start()
 
     def run(self) -> None:
-        request = trace(invoke("The capital of France is", iv("row", read_logits=logits())),
-                        max_tokens=STEPS, ignore_eos=True, temperature=0.0)
+        rows = iv("row", read_logits=logits()), iv("raw", read_logits=logits(raw=True))
+        request = trace(invoke("The capital of France is", *rows), max_tokens=STEPS, ignore_eos=True, temperature=0.0)
         try:
             for event in service_pb2_grpc.TraceServiceStub(self.channel).Trace(request, timeout=120):
                 self.events.append(event)
                 if not self.started.is_set():
                     self.started.set()
-                    self.hold.wait(60)
+                    self.release.wait(60)
         except grpc.RpcError as e:
             self.error = e
         finally:
