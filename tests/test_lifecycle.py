@@ -18,8 +18,9 @@ import pytest
 import tracewire
 from conftest import NO_COMPILE, ServerProcess, take, wait_for_unfinished
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from held_trace import SERVER_ARGS as HELD_TRACE_ARGS
+from held_trace import HeldTrace
 from server_pool import ServerSpec, servers
-from trace_requests import TraceResult, invoke, iv, logits, trace
 from tracewire.v1 import service_pb2, service_pb2_grpc
 
 # (eager: the drain does not depend on the engine kind; the signals to the whole group and
@@ -101,20 +102,12 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero():
 # the noise of a dirty exit.
 DIRTY_EXIT = ("Traceback", "EngineCore encountered a fatal error", "died unexpectedly",
               "nanobind: leaked", "resource_tracker")
-# Steps of the trace in flight, each step's whole logits rows, raw and processed (16 KiB
-# for the tiny model's vocabulary): 16 MiB in all. While the client holds off reading
-# (below), HTTP/2 takes some of it (6-8 MiB seen here) and the server's write waits with
-# the rest (its per-trace buffer, 64 MiB on these servers, holds it all), so the trace
-# stays in flight however fast the machine generates; the test checks it still is 0.5 s
-# after the first refusal. (Timing alone was not enough: a quick CI machine finished a
-# 1000-step trace before the refusal came.)
-STEPS = 1000
 
 
 def _group(name: str, *extra: str) -> ServerSpec:
     """A server leading a process group of its own, to signal the whole group; its per-trace
     buffer holds the whole held trace (the suite's 2 MiB would fail it as too slow a reader)."""
-    args = ("--grace-period", "60", "--max-model-len", "1024", "--trace-buffer-bytes", str(64 << 20), *extra)
+    args = ("--grace-period", "60", *HELD_TRACE_ARGS, *extra)
     return ServerSpec(name, args, own_session=True)
 
 
@@ -135,11 +128,11 @@ def test_a_signal_to_the_process_group_drains_like_sigterm_to_the_server(sig, sp
     UNAVAILABLE, the process exits 0 with a clean log and leaves no process behind."""
     server = take(spec)
     processes = psutil.Process(server.process.pid).children(recursive=True)
-    traced: _TraceInFlight | None = None
+    traced: HeldTrace | None = None
     try:
         warm = grpc.insecure_channel(server.target, options=[("grpc.enable_retries", 0)])
         _tokenize(warm)  # a connection open before the signal
-        traced = _TraceInFlight(server)
+        traced = HeldTrace(server)
         assert traced.started.wait(60), traced.error
         server.signal_group(sig)
         refused = _refused_while(traced, warm, server.target)
@@ -153,9 +146,7 @@ def test_a_signal_to_the_process_group_drains_like_sigterm_to_the_server(sig, sp
         assert code == 0, log[-5000:]
         assert refused is not None, "no call was refused while the trace drained"
         assert refused_later is not None, "the server stopped draining before the trace was read"
-        assert traced.error is None, traced.error  # neither INTERNAL nor "the engine died"
-        result = TraceResult(traced.events)
-        assert len(result.tokens()) == STEPS and len(result.values("row")) == len(result.values("raw")) == STEPS
+        traced.check_complete()  # neither INTERNAL nor "the engine died"
         assert [line for line in log.splitlines() if any(s in line for s in DIRTY_EXIT)] == []
         assert "draining" in log
         _, alive = psutil.wait_procs(processes, timeout=30)
@@ -190,42 +181,11 @@ def test_a_killed_server_takes_its_engine_with_it():
         _kill(server, processes)
 
 
-class _TraceInFlight(threading.Thread):
-    """A long trace (STEPS steps, each read) on its own connection; `started` is set
-    once its first step has arrived, so it is running in the engine. After that first
-    step it reads no more until `release` is set (at most 60 s): a slow reader, which keeps
-    the trace in flight on the server while the test watches the drain."""
-
-    def __init__(self, server: ServerProcess) -> None:
-        super().__init__(daemon=True)
-        self.channel = grpc.insecure_channel(server.target)
-        self.started = threading.Event()
-        self.release = threading.Event()
-        self.events: list[object] = []
-        self.error: grpc.RpcError | None = None
-        self.start()
-
-    def run(self) -> None:
-        rows = iv("row", read_logits=logits()), iv("raw", read_logits=logits(raw=True))
-        request = trace(invoke("The capital of France is", *rows), max_tokens=STEPS, ignore_eos=True, temperature=0.0)
-        try:
-            for event in service_pb2_grpc.TraceServiceStub(self.channel).Trace(request, timeout=120):
-                self.events.append(event)
-                if not self.started.is_set():
-                    self.started.set()
-                    self.release.wait(60)
-        except grpc.RpcError as e:
-            self.error = e
-        finally:
-            self.started.set()
-            self.channel.close()
-
-
 def _tokenize(channel: grpc.Channel) -> None:
     service_pb2_grpc.TraceServiceStub(channel).Tokenize(service_pb2.TokenizeRequest(text="a"), timeout=5)
 
 
-def _refused_while(traced: _TraceInFlight, warm: grpc.Channel, target: str) -> str | None:
+def _refused_while(traced: HeldTrace, warm: grpc.Channel, target: str) -> str | None:
     """What a new call is told while `traced` is still draining (None: no "shutting
     down" came while it ran). Each round tries the connection opened before the signal
     and a new one: with --frontends, a frontend with nothing in flight stops at once,

@@ -28,8 +28,14 @@ _MAX_RECEIVE_BYTES = 256 * 1024 * 1024
 
 # Round-robin over a target's addresses; UNAVAILABLE before a response: retried up to 4
 # times, 50 ms to 1 s apart (with jitter: gRPC's), each attempt on the next address.
+# Round-robin alone cannot tell a draining replica from a serving one (its connection stays
+# up), and concurrent calls advance the rotation between one call's attempts, so during a
+# long drain a call could meet the draining replica five times and fail. With client-side
+# health checking (gRPC's A17) each connection watches the server's health, which reads
+# NOT_SERVING while it starts or drains, and round-robin picks only SERVING replicas.
 SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
+    "healthCheckConfig": {"serviceName": "tracewire.v1.TraceService"},
     "methodConfig": [{
         "name": [{"service": "tracewire.v1.TraceService"}],
         "retryPolicy": {
