@@ -66,8 +66,12 @@ def test_kinds_are_taken_in_order_while_the_total_fits() -> None:
     assert line.startswith("compiled graph hooks on every layer: layer writes, layer reads (")
     assert "left off: head and neuron writes: --compiled-unit-steering [LAYERS] (" in line
     assert "head and neuron reads: --compiled-unit-reads [LAYERS] (" in line
-    # a later, cheaper kind still fits after a dear one was left off
-    skip = G.choose(TINY, size, costs["--compiled-steering"] + costs["--compiled-unit-steering"])
+    # a later, cheaper kind still fits after a dear one was left off (many tokens, few
+    # sequences: layer reads cost more than the unit tables' slots)
+    few = G.pass_size(16384, 8)
+    few_costs = {kind.flag: cost for kind, cost in G.choose(TINY, few, budget=1 << 40).chosen}
+    assert few_costs["--compiled-reads"] > few_costs["--compiled-unit-steering"]
+    skip = G.choose(TINY, few, few_costs["--compiled-steering"] + few_costs["--compiled-unit-steering"])
     assert [kind.flag for kind, _ in skip.chosen] == ["--compiled-steering", "--compiled-unit-steering"]
     nothing = G.choose(TINY, size, 1)
     assert nothing.chosen == () and nothing.describe(1).startswith("no compiled graph hooks fit --graph-hook-bytes")

@@ -343,12 +343,16 @@ def test_compiled_reads_and_steering_under_tensor_parallel(hf):
     every rank fills its steering tables and read buffers in the graph, the first sends; the
     reads see the write, the lens gathers the vocab-parallel lm_head. Heads and neurons,
     which TP=1 serves from the unit buffers, each rank holds only part of: refused naming
-    the field, as on the eager TP=2 engine."""
+    the field, as on the eager TP=2 engine. Activation patching of layers: each rank keeps
+    the source's rows and patches through its own tables."""
     from test_compiled_reads import _hf_steered_outputs
     from test_hidden_states import prompt_read
+    from test_patching import check_prompt_position_patches
 
     proc = take(COMPILED_TP2)
     try:
+        with grpc.insecure_channel(proc.target) as channel:
+            check_prompt_position_patches(service_pb2_grpc.TraceServiceStub(channel), hf)
         vector = np.random.default_rng(11).normal(size=hf.model.config.hidden_size).astype(np.float32) * 4.0
         with grpc.insecure_channel(proc.target) as channel:
             result = run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(

@@ -111,6 +111,15 @@ def patch_at(layer: int, target: int, name: str, source: int, op: str = "patch",
 
 
 def test_a_prompt_position_patch_gives_the_logits_of_hfs_forward_hook_copy(pstub, hf, patched):
+    before = patched.scrape()
+    check_prompt_position_patches(pstub, hf)
+    # the worker kept the sources' rows (3 rows + 1 row of [256] float32) and freed them at the end
+    assert wait_for(lambda: delta(before, patched.scrape(), "tracewire_patch_released_bytes_total") == 3 * 256 * 4)
+    assert patched.scrape()["tracewire_patch_store_bytes"] == 0
+
+
+def check_prompt_position_patches(pstub, hf) -> None:
+    """Patches and an add_read of prompt positions (layers 1 and 2), against HF's copies."""
     clean_ids, bad_ids = hf.encode(CLEAN), hf.encode(CORRUPTED)
     raw0 = iv("logits", steps(at=[0]), read_logits=logits(raw=True))
     request = trace(
@@ -120,7 +129,6 @@ def test_a_prompt_position_patch_gives_the_logits_of_hfs_forward_hook_copy(pstub
         invoke(CORRUPTED, patch_at(2, 3, "clean_l2", -2, "add_read", 0.5), raw0),  # add, scaled
         invoke(CORRUPTED, raw0),  # unpatched
         max_tokens=2, **GREEDY)
-    before = patched.scrape()
     result = run(pstub, request)
     l1, l2 = hf_streams(hf, clean_ids, 1), hf_streams(hf, clean_ids, 2)
     # the source's read itself is what HF's layer gives
@@ -136,9 +144,6 @@ def test_a_prompt_position_patch_gives_the_logits_of_hfs_forward_hook_copy(pstub
         np.testing.assert_allclose(served, ref, atol=ATOL, rtol=RTOL, err_msg=f"invoke {k}")
     # the patch changed something (the test could fail): patched != unpatched
     assert np.abs(expected[1] - expected[4]).max() > 10 * ATOL
-    # the worker kept the sources' rows (3 rows + 1 row of [256] float32) and freed them at the end
-    assert wait_for(lambda: delta(before, patched.scrape(), "tracewire_patch_released_bytes_total") == 3 * 256 * 4)
-    assert patched.scrape()["tracewire_patch_store_bytes"] == 0
 
 
 def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
@@ -158,6 +163,11 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
 
 
 def test_a_generation_step_patch_equals_hf_copying_during_its_greedy_loop(pstub, hf):
+    check_step_patch(pstub, hf)
+
+
+def check_step_patch(pstub, hf) -> None:
+    """A new-token patch of layers.1 at steps 1 and 2, against HF's greedy loop doing it."""
     layer, patched_steps, max_tokens = 1, [1, 2], 4
     request = trace(
         invoke(CLEAN, iv("clean", read_module=I.ReadModule(module=f"layers.{layer}"))),
@@ -214,8 +224,12 @@ def assert_step_patch(result, expected: StepPatch, max_tokens: int) -> None:
 
 
 def test_the_sweep_is_one_trace_equal_to_separate_hf_runs(patched, hf):
+    check_sweep(patched.server.target, hf)
+
+
+def check_sweep(target: str, hf) -> None:
     layers, positions = [0, 2], [1, 3, -1]
-    with tw.Client(patched.server.target, timeout=120) as client:
+    with tw.Client(target, timeout=120) as client:
         heatmap = tracewire.patching.sweep(client, CLEAN, CORRUPTED, layers, positions, (PARIS, ROME))
     assert heatmap.shape == (2, 3)
     clean_ids, bad_ids = hf.encode(CLEAN), hf.encode(CORRUPTED)
@@ -275,6 +289,10 @@ def hf_logits_with_input(hf, ids: list[int], module: str, p: int, columns: slice
 
 
 def test_heads_and_neurons_patch_from_the_sources_same_units(patched, hf):
+    check_units_patch(patched.server.target, hf)
+
+
+def check_units_patch(target: str, hf) -> None:
     """A head of layers.1.self_attn.heads and two neurons of layers.2.mlp.act, patched at
     position 3 from the clean run: HF doing the same copy on o_proj's / down_proj's input.
     The source's read chose other units: the store keeps whole rows, the write takes its own."""
@@ -283,7 +301,7 @@ def test_heads_and_neurons_patch_from_the_sources_same_units(patched, hf):
     # the 32 neurons the two prompts differ most in at position 3 (a patch that shows)
     differ = np.abs(down[3] - hf_module_inputs(hf, bad_ids, "model.layers.2.mlp.down_proj")[3])
     head, head_dim, neurons = 2, 64, [int(i) for i in np.argsort(-differ)[:32]]
-    with tw.Client(patched.server.target, timeout=120) as client:
+    with tw.Client(target, timeout=120) as client:
         with client.trace(max_tokens=1, temperature=0.0) as tracer:
             with tracer.invoke(CLEAN) as clean:
                 heads = clean.iter[0].model.layers[1].self_attn.heads.output[3].select([0]).save("h")

@@ -190,3 +190,33 @@ def test_unit_tables_compose_what_the_eager_unit_hooks_do():
         tables.slots[:, table] = 0
         (untouched,) = tables.apply(table, (x.clone(),))
         assert torch.equal(untouched, x)
+
+
+def test_patch_slots_last_one_pass_and_compose_the_sources_rows():
+    """A patched row's slot (a vector of its own: the source's row) is one of the tables'
+    last `patch_slots`, for one forward pass: when they are all used the next row gets
+    None, and begin_pass gives them back. Shared slots never take them."""
+    counts = steering.SlotCounts(2)  # 1 + 4 shared + 2 patch slots
+    tables = steering.SteeringTables([0], slots=counts.total, max_tokens=8, hidden=HIDDEN, dtype=torch.float32,
+                                     device=torch.device("cpu"), patch_slots=counts.patch)
+    planner = steering.SlotPlanner(tables)
+    source = {"patch": torch.arange(HIDDEN, dtype=torch.float32), "add_read": torch.full((HIDDEN,), 0.5)}
+    ref = P.ReadRef("t", 0, "clean")
+    patch = P.WriteModule("layers.0", P.Positions(), "patch", ref=ref)
+    add = P.WriteModule("layers.0", P.Positions(), "add", np.full(HIDDEN, 2, "<f4").tobytes())
+    add_read = P.WriteModule("layers.0", P.Positions(), "add_read", scale=0.5, ref=ref)
+
+    def vector(edit: P.WriteModule) -> torch.Tensor:
+        return source[edit.edit] if edit.ref is not None else torch.full((HIDDEN,), 2.0)
+
+    shared = [planner.slot(0, f"r{k}", [_steer(0, float(k)).action], vector) for k in range(counts.shared)]
+    assert sorted(shared) == [1, 2, 3, 4] and planner.slot(0, "r9", [_steer(0, 9.0).action], vector) is None
+    first = planner.patch_slot(0, [add, patch], vector)  # the patch replaces what the add left
+    second = planner.patch_slot(0, [patch, add_read], vector)  # the source's row, plus half of another
+    assert {first, second} == {5, 6} and planner.patch_slot(0, [patch], vector) is None
+    stream = torch.full((HIDDEN,), 7.0)
+    for slot, expected in ((first, source["patch"]), (second, source["patch"] + 0.5)):
+        out = tables.scales[0, slot] * stream + tables.vectors[0, slot]
+        torch.testing.assert_close(out, expected)
+    planner.begin_pass()
+    assert planner.patch_slot(0, [patch], vector) == 5

@@ -48,11 +48,11 @@ class ModelShape:
 @dataclasses.dataclass(frozen=True)
 class PassSize:
     tokens: int  # rows of the largest forward pass
-    seqs: int  # sequences the scheduler holds (two table slots each, and slot 0)
+    seqs: int  # sequences the scheduler holds (steering.SlotCounts: the table slots)
 
     @property
     def slots(self) -> int:
-        return 2 * self.seqs + 1
+        return steering.SlotCounts(self.seqs).total
 
 
 @dataclasses.dataclass(frozen=True)

@@ -297,8 +297,8 @@ class InterventionCompiler:
             )
         if edit not in P.COMPILED_EDITS:
             raise FailedPrecondition(
-                f"{field}.op: this server's compiled engine serves add, replace and zero writes and "
-                f"dictionary steers, not {edit!r}; start it with --enforce-eager for it"
+                f"{field}.op: this server's compiled engine serves add, replace, zero, patch and add_read "
+                f"writes and dictionary steers, not {edit!r}; start it with --enforce-eager for it"
             )
 
     def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:

@@ -29,6 +29,11 @@ on o_proj's and down_proj's inputs, by forward pre-hooks (UnitTables):
 with `a` and `b` as wide as the input, so a write changes only its units' columns:
 zeroing head h is a = 0, b = 0 on h's head_dim columns and a = 1, b = 0 elsewhere.
 Both kinds of table compose a slot's writes (`compose`) and are filled by SlotPlanner.
+
+Activation patching is a replace (or, add_read, an add) whose vector differs row by row:
+the source's stored row for that token (worker/patch_store.py). Such a row takes a patch
+slot of its own for one forward pass (`SlotPlanner.patch_slot`), composed like any other,
+and given back before the next pass: the graph is the same, only more slots are filled.
 """
 
 from __future__ import annotations
@@ -78,8 +83,10 @@ class SteeringTables(torch.nn.Module):
     """The per-layer write tables the compiled graph reads (buffers: fixed addresses)."""
 
     def __init__(self, layers: list[int], slots: int, max_tokens: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, patch_slots: int = 0) -> None:
+        """`slots` in all, the last `patch_slots` of them for patched rows (SlotCounts)."""
         super().__init__()
+        self.patch_slots = patch_slots
         self.layers = layers  # decoder layer numbers on this rank, in table order
         self.names = [f"layer {layer}" for layer in layers]  # (for messages)
         self.table_of = {f"layers.{layer}": t for t, layer in enumerate(layers)}  # module path -> table
@@ -111,16 +118,19 @@ class SteeringTables(torch.nn.Module):
     def compose(self, table: int, slot: int, edits: list[P.WriteModule],
                 vector: Callable[[P.WriteModule], torch.Tensor]) -> None:
         """Write `edits` (plan order) into one slot: an add is (1, s*v) (a dictionary steer
-        too: v its features' directions times its value), a replace (0, v), a zero (0, 0),
+        too: v its features' directions times its value; an add_read: v the source's row
+        times its scale), a replace (0, v) (a patch: v the source's row), a zero (0, 0),
         each applied to what the ones before left."""
         a, b = 1.0, torch.zeros_like(self.vectors[table, 0])
         for edit in edits:
-            if edit.edit in ("add", "steer"):
+            if edit.edit in ("add", "steer", "add_read"):
                 b = b + vector(edit)
-            elif edit.edit == "replace":
+            elif edit.edit in ("replace", "patch"):
                 a, b = 0.0, vector(edit)
-            else:  # zero
+            elif edit.edit == "zero":
                 a, b = 0.0, torch.zeros_like(b)
+            else:
+                raise ValueError(f"steering tables write {', '.join(P.COMPILED_EDITS)}, not {edit.edit!r}")
         self.scales[table, slot].fill_(a)
         self.vectors[table, slot].copy_(b)
 
@@ -131,9 +141,11 @@ class UnitTables(torch.nn.Module):
     buffer each, for the reason ReadBuffers' docstring gives (read_buffers.py)."""
 
     def __init__(self, sites: list[tuple[str, int, int]], slots: int, max_tokens: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        """`sites`: (unit address, input width, one unit's width) each."""
+                 dtype: torch.dtype, device: torch.device, patch_slots: int = 0) -> None:
+        """`sites`: (unit address, input width, one unit's width) each; `slots` and
+        `patch_slots` as SteeringTables takes them."""
         super().__init__()
+        self.patch_slots = patch_slots
         self.names = [path for path, _, _ in sites]  # unit addresses, in table order
         self.table_of = {path: t for t, path in enumerate(self.names)}
         self.unit_widths = [unit_width for _, _, unit_width in sites]
@@ -162,7 +174,9 @@ class UnitTables(torch.nn.Module):
                 vector: Callable[[P.WriteModule], torch.Tensor]) -> None:
         """As SteeringTables.compose, on the chosen units' columns only: a zero is (0, 0)
         there, a replace (0, v), an add (1, s*v) (v: [units or 1, head_dim] for heads,
-        [units] for neurons, as the eager unit hooks take it)."""
+        [units] for neurons, as the eager unit hooks take it). A patch / add_read's v is the
+        source's row of every unit ([input width], the source read's own units): the
+        chosen units' columns of it are taken."""
         scales, vectors = self.tables(table)
         unit_width = self.unit_widths[table]
         a = torch.ones_like(scales[0]).view(-1, unit_width)  # [units, unit width]
@@ -173,22 +187,52 @@ class UnitTables(torch.nn.Module):
             if edit.edit == "zero":
                 a[index], b[index] = 0, 0
                 continue
-            if edit.edit not in ("add", "replace"):  # (dictionaries never read unit addresses)
-                raise ValueError(f"unit tables write add / replace / zero, not {edit.edit!r}")
-            v = vector(edit).to(b.dtype).view(-1, unit_width).expand(len(units), unit_width)
-            if edit.edit == "add":
+            if edit.edit in ("patch", "add_read"):
+                v = vector(edit).to(b.dtype).view(-1, unit_width).index_select(0, index)
+            elif edit.edit in ("add", "replace"):  # (dictionaries never read unit addresses)
+                v = vector(edit).to(b.dtype).view(-1, unit_width).expand(len(units), unit_width)
+            else:
+                raise ValueError(f"unit tables write add / replace / zero / patch / add_read, not {edit.edit!r}")
+            if edit.edit in ("add", "add_read"):
                 b[index] = b[index] + v
-            else:  # replace
+            else:  # replace / patch
                 a[index], b[index] = 0, v
         scales[slot].copy_(a.reshape(-1))
         vectors[slot].copy_(b.reshape(-1))
 
 
-def _slots(vllm_config: Any) -> int:
-    """Slot 0, and two per request the scheduler may hold (running, or preempted and
-    waiting with its slots kept; a request uses more than one only for writes that
-    differ between its rows in one pass)."""
-    return 2 * int(vllm_config.scheduler_config.max_num_seqs) + 1
+@dataclasses.dataclass(frozen=True)
+class SlotCounts:
+    """How a table's slots are spent, from the sequences the scheduler holds (max_num_seqs):
+    slot 0; two shared slots per sequence (running, or preempted and waiting with its
+    slots kept; a request uses more than one only for writes that differ between its rows
+    in one pass); and patch slots, held for one forward pass each: a pass's patched rows
+    at one table (a row of a source's values each), PATCH_ROWS_PER_SEQ per sequence."""
+
+    seqs: int
+
+    @property
+    def shared(self) -> int:
+        return 2 * self.seqs
+
+    @property
+    def patch(self) -> int:
+        return PATCH_ROWS_PER_SEQ * self.seqs
+
+    @property
+    def total(self) -> int:
+        return 1 + self.shared + self.patch
+
+
+# Patched rows one forward pass may write at one table, per sequence the scheduler holds (a
+# patching sweep's targets patch a position each; a slot spans every layer of its table, so
+# each costs the tables' width times their layers): a pass that needs more fails the traces
+# whose rows did not fit, saying so (SteeringSlots._patch_slot).
+PATCH_ROWS_PER_SEQ = 1
+
+
+def _slots(vllm_config: Any) -> SlotCounts:
+    return SlotCounts(int(vllm_config.scheduler_config.max_num_seqs))
 
 
 def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
@@ -199,9 +243,10 @@ def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
         return None
     inner, layers = hooked_layers(model, listed, "--compiled-steering")
     weight = next(model.parameters())
-    tables = SteeringTables(layers, slots=_slots(vllm_config), max_tokens=max_tokens(vllm_config),
+    counts = _slots(vllm_config)
+    tables = SteeringTables(layers, slots=counts.total, max_tokens=max_tokens(vllm_config),
                             hidden=int(vllm_config.model_config.get_hidden_size()),
-                            dtype=weight.dtype, device=weight.device)
+                            dtype=weight.dtype, device=weight.device, patch_slots=counts.patch)
     inner.tracewire_steering = tables
     hook_layers(inner, layers, tables.apply)
     return tables
@@ -221,8 +266,9 @@ def attach_units(model: torch.nn.Module, vllm_config: Any) -> UnitTables | None:
     inner, layers = hooked_layers(model, listed, "--compiled-unit-steering")
     inputs = read_buffers.unit_inputs(inner, layers)
     weight = next(model.parameters())
+    counts = _slots(vllm_config)
     tables = UnitTables([(path, unit.width, unit.unit_width) for path, (_, unit) in inputs.items()],
-                        _slots(vllm_config), max_tokens(vllm_config), weight.dtype, weight.device)
+                        counts.total, max_tokens(vllm_config), weight.dtype, weight.device, counts.patch)
     inner.tracewire_unit_steering = tables
     for table, (module, _) in enumerate(inputs.values()):
         module.register_forward_pre_hook(lambda module, args, table=table: tables.apply(table, args))
@@ -319,8 +365,29 @@ class SlotPlanner:
         self.device_rows = 0  # rows of tables.slots that may be nonzero
         self.assigned: list[dict[SlotKey, int]] = [{} for _ in range(num_tables)]
         self.users: list[dict[int, int]] = [{} for _ in range(num_tables)]  # slot -> requests using it
-        self.free: list[list[int]] = [list(range(tables.num_slots - 1, 0, -1)) for _ in range(num_tables)]
+        shared = tables.num_slots - tables.patch_slots  # slot 0 and the shared ones
+        self.free: list[list[int]] = [list(range(shared - 1, 0, -1)) for _ in range(num_tables)]
         self.owned: dict[str, set[tuple[int, SlotKey]]] = {}
+        # Patch slots: handed out for one pass, all free again at the next (begin_pass).
+        self.patch_range = range(shared, tables.num_slots)
+        self.patch_used = [0] * num_tables
+
+    def begin_pass(self) -> None:
+        """A new forward pass: the last one's patch slots are free (the device runs the
+        passes in order, so the next pass's writes into them come after the last read)."""
+        self.patch_used = [0] * len(self.patch_used)
+
+    def patch_slot(self, table: int, edits: list[P.WriteModule],
+                   vector: Callable[[P.WriteModule], torch.Tensor]) -> int | None:
+        """A slot for one row whose writes take a patch source's row (a vector of its own,
+        so never shared), for this pass only; None when the pass has used them all."""
+        used = self.patch_used[table]
+        if used == len(self.patch_range):
+            return None
+        self.patch_used[table] = used + 1
+        slot = self.patch_range[used]
+        self.tables.compose(table, slot, edits, vector)
+        return slot
 
     def slot(self, table: int, owner: str, edits: list[P.WriteModule],
              vector: Callable[[P.WriteModule], torch.Tensor]) -> int | None:

@@ -183,7 +183,8 @@ class PlanHooks:
 
     def install_compiled_steering(self, tables: list[steering.SteeringTables | steering.UnitTables]) -> None:
         """Fill the compiled graph's steering tables before each forward pass."""
-        self.steering = SteeringSlots(self.runner, self.sequences, tables, self.collector.drain, self.dictionaries)
+        self.steering = SteeringSlots(self.runner, self.sequences, tables, self.collector.drain, self.dictionaries,
+                                      self.patches)
         self.steering.install()
 
     # -- per step --------------------------------------------------------------

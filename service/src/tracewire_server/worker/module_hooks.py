@@ -347,25 +347,13 @@ class ModuleHooks:
         operand = dictionary = None
         try:
             if write.ref is not None:
-                operand = self._operand(write, write.ref, seq, step, wanted)
+                operand = self.store.operand(write, len(seq.prompt_ids), step, wanted)
             if write.dictionary is not None:
                 dictionary = self.dictionaries.get(write.dictionary.dictionary)
         except RuntimeError as e:  # fails this request's trace only
             seq.error = seq.error or f"{write.edit} of {write.module}: {e}"
             return
         self._edits.setdefault(write.module, []).append(Edit(rows, write, seq, operand, dictionary))
-
-    def _operand(self, write: P.WriteModule, ref: P.ReadRef, seq: Sequence, step: int,
-                 wanted: list[int]) -> torch.Tensor:
-        """The source's stored rows of step `step` for the target positions `wanted` of
-        this pass (a chunked prefill's pass holds some of the write's positions: row i of
-        the reference goes to the write's i-th selected position)."""
-        stored = self.store.get(ref.trace, ref.invoke, ref.name, step)
-        if write.positions.kind == "new_token":
-            return stored
-        selected = write.positions.prompt_positions(len(seq.prompt_ids))
-        rows = ref.rows or tuple(range(stored.shape[0]))
-        return stored[[rows[selected.index(p)] for p in wanted]]
 
     def _hook(self, path: str, output: Any) -> None:
         """Never raises into vLLM's forward pass: a failure fails the traces involved."""

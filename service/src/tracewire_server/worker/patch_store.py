@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..shared import plan as P
 from ..shared.limits import PATCH_STORE_BYTES_ENV, patch_store_bytes
 
 log = logging.getLogger(f"vllm.{__name__}")
@@ -63,6 +64,20 @@ class PatchStore:
                                f"({self.max_bytes} bytes, --patch-store-bytes / {PATCH_STORE_BYTES_ENV}): "
                                "room the frontends admitted is held by traces whose release was lost")
         raise RuntimeError(f"invoke {invoke}'s {name!r} has no value at step {step} on the worker")
+
+    def operand(self, write: P.WriteModule, prompt_len: int, step: int, wanted: list[int]) -> torch.Tensor:
+        """A patch / add_read's operand: the source's stored rows of step `step` for the
+        target positions `wanted` ([len(wanted), width]; a chunked prefill's pass holds some
+        of the write's positions: row i of the reference goes to the write's i-th selected
+        position). A RuntimeError when they are not here (the target fails)."""
+        ref = write.ref
+        assert ref is not None
+        stored = self.get(ref.trace, ref.invoke, ref.name, step)
+        if write.positions.kind == "new_token":
+            return stored
+        selected = write.positions.prompt_positions(prompt_len)
+        rows = ref.rows or tuple(range(stored.shape[0]))
+        return stored[[rows[selected.index(p)] for p in wanted]]
 
     def release(self, trace: str) -> int:
         """Forget a trace's values; the bytes freed."""

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
 
 from ..shared import plan as P
 from ..shared import steering
@@ -20,11 +23,23 @@ from . import recompute
 from .conditions import holds_before_forward
 from .dictionaries import Dictionaries
 from .module_hooks import Span
+from .patch_store import PatchStore
 from .runner import RunnerView
 from .sequences import UNPLANNED, Sequence, Sequences
 
 # One planner's fill for a forward pass: flat token rows, their tables, their slots.
 Fill = tuple[list[int], list[int], list[int]]
+
+
+
+class Placed(NamedTuple):
+    """A write at one flat token row of this pass: the step making it and the row's token
+    position (what a patch's operand row is looked up by)."""
+
+    write: P.WriteModule
+    step: int
+    position: int
+
 
 # Under vLLM's logger: vLLM configures its handlers (with the process prefix) in the
 # worker processes; a logger of our own would have none there.
@@ -36,10 +51,11 @@ class SteeringSlots:
 
     def __init__(self, runner: RunnerView, sequences: Sequences,
                  tables: list[steering.SteeringTables | steering.UnitTables], drain: Callable[[], None],
-                 dictionaries: Dictionaries | None = None) -> None:
+                 dictionaries: Dictionaries | None = None, store: PatchStore | None = None) -> None:
         self.runner = runner
         self.sequences = sequences
         self.dictionaries = dictionaries if dictionaries is not None else Dictionaries()  # (steer writes' directions)
+        self.store = store if store is not None else PatchStore()  # (patch / add_read operands)
         self.planners = [steering.SlotPlanner(t) for t in tables]
         self.drain = drain  # (write conditions on the text: every finished step first)
         # The requests of the last forward pass, when it decoded them one token each and
@@ -71,6 +87,8 @@ class SteeringSlots:
         self._steered_batch = None
         # per planner: (flat token rows, their tables, their slots)
         fills: list[Fill] = [([], [], []) for _ in self.planners]
+        for planner in self.planners:
+            planner.begin_pass()
         try:
             if self._writes_modules() and self._plan(fills):
                 self._steered_batch = list(req_ids)
@@ -132,23 +150,26 @@ class SteeringSlots:
             repeatable = False
             span = Span.of(len(seq.prompt_ids), drawn, first, last, pos0)
             # (planner, table, row) -> its writes, in plan order
-            by_row: dict[tuple[int, int, int], list[P.WriteModule]] = {}
+            by_row: dict[tuple[int, int, int], list[Placed]] = {}
             for replay in span.replays(seq):  # a recomputed request: its writes there again
                 assert isinstance(replay.op.action, P.WriteModule)
                 where = self._table(replay.op.action.module)
-                for row in replay.rows if where is not None else ():
-                    by_row.setdefault((*where, row), []).append(replay.op.action)
+                for row, position in zip(replay.rows, replay.positions, strict=True) if where is not None else ():
+                    by_row.setdefault((*where, row), []).append(Placed(replay.op.action, replay.step, position))
             for k, op in enumerate(seq.plan.ops):
                 if not isinstance(op.action, P.WriteModule) or not op.selects(seq.step):
                     continue
-                op_rows = span.rows(op.action.positions, seq.step)[0]
+                op_rows, positions = span.rows(op.action.positions, seq.step)
                 where = self._table(op.action.module)
                 if where is not None and op_rows and holds_before_forward(op.condition, seq, self.drain):
                     seq.applied.add((seq.step, k))
-                    for row in op_rows:
-                        by_row.setdefault((*where, row), []).append(op.action)
-            for (p, table, row), edits in by_row.items():
-                slot = self._slot(req_id, seq, p, table, edits)
+                    for row, position in zip(op_rows, positions, strict=True):
+                        by_row.setdefault((*where, row), []).append(Placed(op.action, seq.step, position))
+            for (p, table, row), placed in by_row.items():
+                if any(w.write.ref is not None for w in placed):
+                    slot = self._patch_slot(seq, p, table, placed)
+                else:
+                    slot = self._slot(req_id, seq, p, table, [w.write for w in placed])
                 if slot is None:
                     break
                 rows, tables, slots = fills[p]
@@ -163,6 +184,7 @@ class SteeringSlots:
         writes = [op.action for op in seq.plan.ops if isinstance(op.action, P.WriteModule)]
         steady = seq.constant is not None and all(
             op.condition is None and op.action.positions.kind == "new_token"  # type: ignore[union-attr]
+            and op.action.ref is None  # type: ignore[union-attr] - (a patch's rows differ step by step)
             for op in seq.plan.ops if isinstance(op.action, P.WriteModule)
         )
         if not steady:
@@ -191,7 +213,35 @@ class SteeringSlots:
         slot = planner.slot(table, req_id, edits, lambda edit: seq.write_vector(edit, like, named.get(id(edit))))
         if slot is None:
             seq.error = seq.error or (
-                f"more than {planner.tables.num_slots - 1} different writes at "
+                f"more than {planner.tables.num_slots - planner.tables.patch_slots - 1} different writes at "
                 f"{planner.tables.names[table]} at once: too many distinct steering vectors in flight"
+            )
+        return slot
+
+    def _patch_slot(self, seq: Sequence, p: int, table: int, placed: list[Placed]) -> int | None:
+        """A slot of this pass for one row whose writes take a patch source's row."""
+        planner = self.planners[p]
+        like = planner.tables.operand_like()
+        prompt_len = len(seq.prompt_ids)
+
+        def vector(edit: P.WriteModule) -> torch.Tensor:
+            if edit.ref is None:
+                named = self.dictionaries.get(edit.dictionary.dictionary) if edit.dictionary is not None else None
+                return seq.write_vector(edit, like, named)
+            w = next(w for w in placed if w.write is edit)
+            row = self.store.operand(edit, prompt_len, w.step, [w.position])[0]
+            row = row.to(device=like.device, dtype=like.dtype)
+            return row * edit.scale if edit.edit == "add_read" else row
+
+        try:  # a source's row missing fails this request only
+            slot = planner.patch_slot(table, [w.write for w in placed], vector)
+        except RuntimeError as e:
+            seq.error = seq.error or f"{placed[0].write.edit} of {placed[0].write.module}: {e}"
+            return None
+        if slot is None:
+            seq.error = seq.error or (
+                f"more than {planner.tables.patch_slots} patched rows at {planner.tables.names[table]} in one "
+                f"forward pass ({steering.PATCH_ROWS_PER_SEQ} per sequence the engine holds, --max-num-seqs): "
+                "patch fewer positions at once, or in more traces"
             )
         return slot
