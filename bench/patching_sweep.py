@@ -1,7 +1,9 @@
 """The 4x4 (layer, position) activation-patching sweep: one trace vs 16 traces (`make bench`).
 
-One tracewire server (eager: module hooks) in a subprocess; the same 16 patched runs
-measured three ways, interleaved, each the median of the repeats:
+A tracewire server per engine kind (`--engines`: eager, module hooks; compiled, the default
+graph hooks: patches through the steering tables) in a subprocess, one after the other; on
+each the same 16 patched runs measured three ways, interleaved, each the median of the
+repeats, and the compiled engine's one-trace sweep as a ratio to the eager one's:
 
   one trace        a clean invoke + 16 corrupted invokes, each patched at one (layer,
                    position) from the clean one (tracewire.patching.sweep): the 16 wait
@@ -37,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CLEAN, CORRUPTED = "The capital of France is", "The capital of Italy is"
 PARIS, ROME = 806, 834  # " Paris", " Rome" in the default model's tokenizer
 LAYERS, POSITIONS = [0, 1, 2, 3], [0, 1, 3, 4]
-SERVER_FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "64"]
+SERVER_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "64"]
+ENGINE_FLAGS = {"eager": ["--enforce-eager"], "compiled": []}  # (compiled: the default graph hooks)
 
 
 def free_port() -> int:
@@ -46,11 +49,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: str, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(model: str, engine: str, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "tracewire_server", "--model", model, "--port", str(port),
-                                 *SERVER_FLAGS], stdout=out, stderr=subprocess.STDOUT)
+                                 *SERVER_FLAGS, *ENGINE_FLAGS[engine]], stdout=out, stderr=subprocess.STDOUT)
     return proc, f"127.0.0.1:{port}"
 
 
@@ -93,66 +96,94 @@ def separate(client: Any, new_tokens: int, threads: int) -> np.ndarray:
     return np.array(values, dtype=np.float32).reshape(len(LAYERS), len(POSITIONS))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(ROOT / "models" / "tracewire-tiny"))
-    parser.add_argument("--target", default=None, help="a running eager server instead of starting one")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=1)
-    parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
-    args = parser.parse_args()
+def measure(client: Any, new_tokens: int, repeats: int) -> tuple[list[dict[str, Any]], np.ndarray]:
+    """The three rows on one server: each row's median wall time and rates, and the heatmap."""
+    cells = len(LAYERS) * len(POSITIONS)
+    rows: dict[str, tuple[Any, int]] = {
+        "one trace (clean + 16 patched invokes)": (lambda: one_trace(client, new_tokens), cells + 1),
+        "16 traces, one after another": (lambda: separate(client, new_tokens, 1), 2 * cells),
+        "16 traces at once": (lambda: separate(client, new_tokens, cells), 2 * cells),
+    }
+    for run, _ in rows.values():  # warm-up, and the three must agree
+        run()
+    reference = one_trace(client, new_tokens)
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(repeats):
+        for name, (run, _) in rows.items():
+            started = time.perf_counter()
+            heatmap = run()
+            times[name].append(time.perf_counter() - started)
+            np.testing.assert_allclose(heatmap, reference, atol=1e-3, err_msg=name)
+    results = []
+    for name, (_, invokes) in rows.items():
+        wall = statistics.median(times[name])
+        results.append({"row": name, "wall_s": wall, "patched_runs_per_s": cells / wall,
+                        "generated_tokens_per_s": invokes * new_tokens / wall, "walls_s": times[name]})
+    return results, reference
 
+
+def on_engine(engine: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], np.ndarray]:
+    """`measure` on a server of this engine kind (`--target`: that running server instead)."""
     import tracewire
 
     proc, log_path = None, Path(tempfile.mkdtemp()) / "server.log"
     target = args.target
     if target is None:
-        proc, target = start_server(args.model, log_path)
+        proc, target = start_server(args.model, engine, log_path)
     client = tracewire.Client(target, timeout=300)
     try:
         wait_ready(client, proc, log_path) if proc is not None else client.model_info()
-        cells = len(LAYERS) * len(POSITIONS)
-        rows: dict[str, tuple[Any, int]] = {
-            "one trace (clean + 16 patched invokes)": (lambda: one_trace(client, args.new_tokens), cells + 1),
-            "16 traces, one after another": (lambda: separate(client, args.new_tokens, 1), 2 * cells),
-            "16 traces at once": (lambda: separate(client, args.new_tokens, cells), 2 * cells),
-        }
-        for run, _ in rows.values():  # warm-up, and the three must agree
-            run()
-        reference = one_trace(client, args.new_tokens)
-        times: dict[str, list[float]] = {name: [] for name in rows}
-        for _ in range(args.repeats):
-            for name, (run, _) in rows.items():
-                started = time.perf_counter()
-                heatmap = run()
-                times[name].append(time.perf_counter() - started)
-                np.testing.assert_allclose(heatmap, reference, atol=1e-3, err_msg=name)
+        return measure(client, args.new_tokens, args.repeats)
     finally:
         client.close()
         if proc is not None:
             proc.terminate()
             proc.wait(120)
-    results = []
-    for name, (_, invokes) in rows.items():
-        wall = statistics.median(times[name])
-        results.append({"row": name, "wall_s": wall, "patched_runs_per_s": cells / wall,
-                        "generated_tokens_per_s": invokes * args.new_tokens / wall, "walls_s": times[name]})
-    base = results[0]["wall_s"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(ROOT / "models" / "tracewire-tiny"))
+    parser.add_argument("--engines", default="eager,compiled", help="engine kinds, in order: eager, compiled")
+    parser.add_argument("--target", default=None, help="a running server instead of starting one (one engine)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=1)
+    parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if unknown := [e for e in engines if e not in ENGINE_FLAGS]:
+        parser.error(f"--engines: unknown {unknown}; known: {', '.join(ENGINE_FLAGS)}")
+    if args.target is not None and len(engines) != 1:
+        parser.error("--target measures one running server: name its engine alone in --engines")
+
+    cells = len(LAYERS) * len(POSITIONS)
+    measured = {engine: on_engine(engine, args) for engine in engines}
+    heatmaps = [heatmap for _, heatmap in measured.values()]
+    for heatmap in heatmaps[1:]:  # every engine draws the same heatmap
+        np.testing.assert_allclose(heatmap, heatmaps[0], atol=2e-3, err_msg="the engines' heatmaps differ")
     print(f"4x4 patching sweep, {args.new_tokens} new token(s) per run, median of {args.repeats}:")
-    print("| | wall | patched runs/s | generated tok/s | vs one trace |")
-    print("|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['row']} | {r['wall_s'] * 1000:.0f} ms | {r['patched_runs_per_s']:.1f} | "
-              f"{r['generated_tokens_per_s']:.1f} | {r['wall_s'] / base:.2f}x |")
+    print("| engine | | wall | patched runs/s | generated tok/s | vs one trace |")
+    print("|---|---|---|---|---|---|")
+    for engine, (results, _) in measured.items():
+        base = results[0]["wall_s"]
+        for r in results:
+            print(f"| {engine} | {r['row']} | {r['wall_s'] * 1000:.0f} ms | {r['patched_runs_per_s']:.1f} | "
+                  f"{r['generated_tokens_per_s']:.1f} | {r['wall_s'] / base:.2f}x |")
+    if "eager" in measured and "compiled" in measured:
+        eager, compiled = (measured[e][0][0]["wall_s"] for e in ("eager", "compiled"))
+        print(f"one-trace sweep: compiled {eager / compiled:.2f}x as fast as eager "
+              f"({cells} patched runs in {compiled * 1000:.0f} ms vs {eager * 1000:.0f} ms)")
     now = dt.datetime.now(dt.UTC)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"patching-sweep-{now:%Y%m%d-%H%M}-{platform.node()}.json"
     path.write_text(json.dumps({
         "date": now.isoformat(), "host": platform.node(), "machine": platform.machine(), "model": args.model,
-        "server_flags": SERVER_FLAGS, "layers": LAYERS, "positions": POSITIONS, "new_tokens": args.new_tokens,
-        "repeats": args.repeats, "method": "rows interleaved, median of repeats", "rows": results,
-        "heatmap": reference.tolist(),
+        "server_flags": SERVER_FLAGS, "engine_flags": {e: ENGINE_FLAGS[e] for e in engines}, "layers": LAYERS,
+        "positions": POSITIONS, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "method": "rows interleaved on each server, servers one after the other, median of repeats",
+        "engines": {engine: {"rows": results, "heatmap": heatmap.tolist()}
+                    for engine, (results, heatmap) in measured.items()},
     }, indent=2))
     print(f"results: {path}")
     return 0
