@@ -28,9 +28,11 @@ STEPS = 4
 LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 14)
 
 
-@pytest.fixture(scope="module")
-def client(eager):
-    with tw.Client(eager.target, timeout=180) as c:
+@pytest.fixture(scope="module", params=["eager", "server"])
+def client(request):
+    """The eager session server (module hooks), and the shared compiled one (`server`: its
+    default graph hooks keep every layer's queries and keys, --compiled-pattern-reads)."""
+    with tw.Client(request.getfixturevalue(request.param).target, timeout=180) as c:
         yield c
 
 
@@ -196,17 +198,25 @@ def test_bad_pattern_reads_name_the_field(eager):
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_model_info_says_where_patterns_are_served(eager, server):
-    """GetModelInfo's attention_patterns_refusal: empty on the eager server; on a compiled
-    one (the session's shared server) the reason its pattern reads are refused with."""
-    assert tw.Client(eager.target, timeout=60).model_info().attention_patterns_refusal == ""
-    refusal = tw.Client(server.target, timeout=60).model_info().attention_patterns_refusal
-    assert "--enforce-eager" in refusal
-    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as info:
-        run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(PROMPT, iv("p", read_attention_pattern=(
-            I.ReadAttentionPattern(layers=[0]))))))
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert info.value.details().startswith("invokes[0].interventions[0].read_attention_pattern: ")
+def test_model_info_says_where_patterns_are_served(eager, server, graph, bare):
+    """GetModelInfo's attention_patterns_refusal and pattern_readable_layers: the eager
+    server serves every layer; the shared compiled one (default graph hooks) every layer from
+    its buffers; the graph server layers 0-2 (layers.3 refused naming the field and the flag);
+    a compiled one without graph hooks (`bare`) none, saying why."""
+    infos = {name: tw.Client(s.target, timeout=60).model_info()
+             for name, s in (("eager", eager), ("server", server), ("graph", graph), ("bare", bare))}
+    assert [(i.attention_patterns_refusal, i.pattern_readable_layers) for i in infos.values()] == [
+        ("", []), ("", [0, 1, 2, 3]), ("", [0, 1, 2]), (infos["bare"].attention_patterns_refusal, [])]
+    assert "--enforce-eager" in infos["bare"].attention_patterns_refusal
+    assert "--compiled-pattern-reads" in infos["bare"].attention_patterns_refusal
+    for target, layers, field in ((bare.target, [0], "read_attention_pattern: "),
+                                  (graph.target, [1, 3], "read_attention_pattern.layers[1]: ")):
+        with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as info:
+            run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(PROMPT, iv("p", read_attention_pattern=(
+                I.ReadAttentionPattern(layers=layers))))))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.details().startswith(f"invokes[0].interventions[0].{field}"), info.value.details()
+    assert "not on layer 3 (--compiled-pattern-reads LAYERS" in info.value.details()
 
 
 # -- what the tiny model lacks: sliding windows and soft-capping (no engine) ------------

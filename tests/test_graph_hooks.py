@@ -37,6 +37,9 @@ def _allocated(layers: int, size: G.PassSize, dtype: torch.dtype) -> dict[str, i
         read_buffers.LAYERS: nbytes(read_buffers.ReadBuffers(list(range(layers)), size.tokens, 256, dtype, cpu)),
         steering.UNIT_LAYERS: nbytes(steering.UnitTables(sites, size.slots, size.tokens, dtype, cpu)),
         read_buffers.UNIT_LAYERS: nbytes(read_buffers.ReadBuffers([], size.tokens, 256, dtype, cpu, units)),
+        read_buffers.PATTERN_LAYERS: nbytes(read_buffers.ReadBuffers(
+            [], size.tokens, 256, dtype, cpu, attention={layer: read_buffers.AttentionInput(4 * 64, 4 * 64)
+                                                         for layer in range(layers)})),
     }
 
 
@@ -45,7 +48,8 @@ def test_the_estimate_is_what_the_hook_modules_allocate(tokens: int, seqs: int) 
     size = G.pass_size(tokens, seqs)
     chosen = G.choose(TINY, size, budget=1 << 40).chosen
     assert [kind.flag for kind, _ in chosen] == [
-        "--compiled-steering", "--compiled-reads", "--compiled-unit-steering", "--compiled-unit-reads"]
+        "--compiled-steering", "--compiled-reads", "--compiled-unit-steering", "--compiled-unit-reads",
+        "--compiled-pattern-reads"]
     real = _allocated(4, size, torch.bfloat16)
     assert {kind.key: cost for kind, cost in chosen} == real
 
@@ -60,7 +64,8 @@ def test_kinds_are_taken_in_order_while_the_total_fits() -> None:
     assert [kind.flag for kind, _ in hooks.chosen] == ["--compiled-steering", "--compiled-reads"]
     assert [(kind.flag, cost) for kind, cost in hooks.left] == [
         ("--compiled-unit-steering", costs["--compiled-unit-steering"]),
-        ("--compiled-unit-reads", costs["--compiled-unit-reads"])]
+        ("--compiled-unit-reads", costs["--compiled-unit-reads"]),
+        ("--compiled-pattern-reads", costs["--compiled-pattern-reads"])]
     assert hooks.reserved == costs["--compiled-steering"] + costs["--compiled-reads"] <= budget
     line = hooks.describe(budget)
     assert line.startswith("compiled graph hooks on every layer: layer writes, layer reads (")
@@ -80,7 +85,7 @@ def test_kinds_are_taken_in_order_while_the_total_fits() -> None:
 def test_the_default_budget_gives_a_small_model_everything_and_a_large_one_the_cheap_kinds() -> None:
     size = G.pass_size(None, None)
     small = G.choose(TINY, size, G.DEFAULT_BUDGET_BYTES)
-    assert len(small.chosen) == 4 and small.left == ()
+    assert len(small.chosen) == len(G.KINDS) and small.left == ()
     qwen3_8b = G.shape_of(_config(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, head_dim=128,
                                   intermediate_size=12288), "auto")
     large = G.choose(qwen3_8b, size, G.DEFAULT_BUDGET_BYTES)
@@ -96,7 +101,9 @@ def test_tensor_parallel_engines_reserve_nothing_for_heads_and_neurons() -> None
 
 
 def test_shapes_come_from_the_text_model_and_the_engine_dtype() -> None:
-    assert TINY == G.ModelShape(num_layers=4, hidden=256, unit_width=4 * 64 + 640, dtype_bytes=2)
+    assert TINY == G.ModelShape(num_layers=4, hidden=256, unit_width=4 * 64 + 640, attention_width=8 * 64,
+                                dtype_bytes=2)
+    assert G.shape_of(_config(num_key_value_heads=2), "auto").attention_width == (4 + 2) * 64  # GQA
     assert G.shape_of(_config(), "float32").dtype_bytes == 4
     assert G.shape_of(_config(dtype="float32"), "auto").dtype_bytes == 4
     assert G.shape_of(_config(dtype="float32"), "half").dtype_bytes == 2
@@ -120,7 +127,7 @@ class _Loaded:
 def _vllm_config(**extra: object) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         additional_config={steering.LAYERS: "all", steering.UNIT_LAYERS: "all", read_buffers.LAYERS: "all",
-                           read_buffers.UNIT_LAYERS: "all", **extra},
+                           read_buffers.UNIT_LAYERS: "all", read_buffers.PATTERN_LAYERS: "all", **extra},
         scheduler_config=types.SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16),
         compilation_config=types.SimpleNamespace(cudagraph_capture_sizes=[8]),
         model_config=types.SimpleNamespace(get_hidden_size=lambda: 2))
@@ -134,6 +141,6 @@ def test_a_model_the_default_hooks_cannot_attach_to_starts_without_them() -> Non
     loader.inner = _Loaded()
     model = loader.load_model(_vllm_config(**{steering.DEFAULTED: True}), None)
     assert steering.attached(model) == {steering.LAYERS: [], steering.UNIT_LAYERS: [], read_buffers.LAYERS: [],
-                                        read_buffers.UNIT_LAYERS: []}
+                                        read_buffers.UNIT_LAYERS: [], read_buffers.PATTERN_LAYERS: []}
     with pytest.raises(RuntimeError, match="--compiled-steering needs a decoder model with model.layers"):
         loader.load_model(_vllm_config(), None)

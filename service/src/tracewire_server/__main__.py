@@ -32,6 +32,7 @@ _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-ti
 def parse_args(argv: list[str]) -> ServerConfig:
     from .frontend.engine import (
         default_cpu_environment,
+        use_compiled_pattern_reads,
         use_compiled_reads,
         use_compiled_steering,
         use_compiled_unit_reads,
@@ -175,6 +176,16 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "the layer numbers",
     )
     group.add_argument(
+        "--compiled-pattern-reads",
+        nargs="?",
+        const="all",
+        metavar="LAYERS",
+        help="serve attention-pattern reads on a compiled, CUDA-graph engine: the graph copies "
+        "each layer's attention queries and keys (after rotary) into buffers in every forward pass "
+        "(max-num-batched-tokens x (heads + KV heads) x head_dim values a layer), and the patterns "
+        "are computed from them after the pass. LAYERS: 'all' (the default) or the layer numbers",
+    )
+    group.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -219,7 +230,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
         parser.error(problem)
     graph_flags = {"--compiled-steering": args.compiled_steering, "--compiled-reads": args.compiled_reads,
                    "--compiled-unit-reads": args.compiled_unit_reads,
-                   "--compiled-unit-steering": args.compiled_unit_steering}
+                   "--compiled-unit-steering": args.compiled_unit_steering,
+                   "--compiled-pattern-reads": args.compiled_pattern_reads}
     if args.pipeline_parallel_size > 1 and any(graph_flags.values()):
         # The steering tables and read buffers of earlier stages' layers would be filled and
         # read by hooks that run on the last stage only (where the sample is drawn).
@@ -236,6 +248,9 @@ def parse_args(argv: list[str]) -> ServerConfig:
                                                             args.compiled_unit_steering))
     if args.compiled_unit_reads:
         use_compiled_unit_reads(engine_args, _layer_list(parser, "--compiled-unit-reads", args.compiled_unit_reads))
+    if args.compiled_pattern_reads:
+        use_compiled_pattern_reads(engine_args, _layer_list(parser, "--compiled-pattern-reads",
+                                                            args.compiled_pattern_reads))
     if args.graph_hook_bytes < 0:
         parser.error("--graph-hook-bytes must be >= 0 (0: no default graph hooks)")
     if not any(graph_flags.values()) and not engine_args.enforce_eager and args.pipeline_parallel_size == 1 \

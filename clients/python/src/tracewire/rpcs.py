@@ -87,6 +87,8 @@ class ModelInfo:
     readable_layers: list[int] = field(default_factory=list)
     unit_readable_layers: list[int] = field(default_factory=list)
     unit_steerable_layers: list[int] = field(default_factory=list)
+    # The layers whose attention patterns a compiled engine serves (--compiled-pattern-reads).
+    pattern_readable_layers: list[int] = field(default_factory=list)
     # Pipeline stages and the first decoder layer of each (the logit lens and conditions
     # read only the last stage's layers); 1 and [0] without stages (and from an older server).
     pipeline_parallel_size: int = 1
@@ -213,6 +215,7 @@ def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
         readable_layers=list(r.readable_layers),
         unit_readable_layers=list(r.unit_readable_layers),
         unit_steerable_layers=list(r.unit_steerable_layers),
+        pattern_readable_layers=list(r.pattern_readable_layers),
         pipeline_parallel_size=r.pipeline_parallel_size or 1,
         stage_first_layers=list(r.stage_first_layers) or [0],
         max_lens_rows=r.max_lens_rows,

@@ -165,6 +165,7 @@ class Engine:
             readable_layers=frozenset(hooked[read_buffers.LAYERS]),
             unit_readable_layers=frozenset(hooked[read_buffers.UNIT_LAYERS]),
             unit_steerable_layers=frozenset(hooked[steering.UNIT_LAYERS]),
+            pattern_readable_layers=frozenset(hooked[read_buffers.PATTERN_LAYERS]),
             num_attention_heads=description.num_attention_heads,
             head_dim=description.head_dim,
             intermediate_size=description.intermediate_size,
@@ -315,6 +316,13 @@ def use_compiled_unit_reads(engine_args: Any, layers: list[int] | None = None) -
     input) and MLP neurons (down_proj's input) in buffers the compiled graph fills, on
     `layers` (None: all), through the same loader."""
     _graph_hooks(engine_args, read_buffers.UNIT_LAYERS, layers)
+
+
+def use_compiled_pattern_reads(engine_args: Any, layers: list[int] | None = None) -> None:
+    """`--compiled-pattern-reads [LAYERS]`: keep decoder layers' attention queries and keys
+    (after rotary) in buffers the compiled graph fills, on `layers` (None: all), through the
+    same loader; the host computes attention patterns from them after each pass."""
+    _graph_hooks(engine_args, read_buffers.PATTERN_LAYERS, layers)
 
 
 def use_default_graph_hooks(engine_args: Any, budget: int) -> graph_hooks.DefaultHooks | None:

@@ -42,6 +42,7 @@ class ModelShape:
     num_layers: int
     hidden: int
     unit_width: int  # heads x head_dim (o_proj's input) + intermediate size (down_proj's)
+    attention_width: int  # (heads + KV heads) x head_dim: an attention module's queries and keys
     dtype_bytes: int
 
 
@@ -74,6 +75,9 @@ KINDS = (
              lambda m, p: m.dtype_bytes * 2 * p.slots * m.unit_width + 2 * INDEX_BYTES * p.tokens),
     HookKind("--compiled-unit-reads", read_buffers.UNIT_LAYERS, "head and neuron reads", True,
              lambda m, p: m.dtype_bytes * p.tokens * m.unit_width),
+    # (heads split across tensor-parallel ranks, as units: at --tensor-parallel-size 1 only)
+    HookKind("--compiled-pattern-reads", read_buffers.PATTERN_LAYERS, "attention-pattern reads", True,
+             lambda m, p: m.dtype_bytes * p.tokens * m.attention_width),
 )
 
 
@@ -126,8 +130,10 @@ def shape_of(hf_config: Any, dtype: str) -> ModelShape:
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     head_dim = int(getattr(text, "head_dim", 0) or (hidden // heads if heads else 0))
     intermediate = int(getattr(text, "intermediate_size", 0) or 0)
+    kv_heads = int(getattr(text, "num_key_value_heads", 0) or heads)
     return ModelShape(num_layers=int(text.num_hidden_layers), hidden=hidden,
-                      unit_width=heads * head_dim + intermediate, dtype_bytes=_dtype_bytes(dtype, text))
+                      unit_width=heads * head_dim + intermediate, attention_width=(heads + kv_heads) * head_dim,
+                      dtype_bytes=_dtype_bytes(dtype, text))
 
 
 def pass_size(max_num_batched_tokens: int | None, max_num_seqs: int | None) -> PassSize:

@@ -190,6 +190,8 @@ class InterventionCompiler:
                    " (or --compiled-unit-reads for reads of attention heads and MLP neurons)")
                 + ("" if self.limits.unit_steerable_layers else
                    " (or --compiled-unit-steering for add / replace / zero writes of them)")
+                + ("" if self.limits.pattern_readable_layers else
+                   " (or --compiled-pattern-reads for attention patterns)")
             )
 
     def require_reads(self, field: str) -> None:
@@ -334,9 +336,15 @@ class InterventionCompiler:
             raise InvalidArgument(f"{field}.top_k", f"must be in [0, {limits.max_model_len}] (the model's "
                                   f"context; 0 returns full rows), got {r.top_k}")
         positions = self.positions(r.positions, f"{field}.positions") if r.HasField("positions") else P.Positions()
-        self.require_eager(field)
         if why := limits.attention_patterns_refusal():
             raise FailedPrecondition(f"{field}: {why}")
+        if not limits.module_interventions:  # compiled: the layers whose q / k the graph keeps
+            kept = limits.pattern_readable_layers
+            for k, layer in enumerate(layers):
+                if layer not in kept:
+                    raise FailedPrecondition(
+                        f"{field}.layers[{k}]: this server keeps attention queries and keys in read buffers "
+                        f"{_kept_on(kept)}, not on layer {layer} (--compiled-pattern-reads LAYERS, or --enforce-eager)")
         group = heads_count // kv_count  # query heads per KV head
         return P.ReadAttentionPattern(
             tuple(layers), tuple(heads), positions, r.top_k,

@@ -438,6 +438,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             steerable_layers=sorted(engine.limits.steerable_layers),
             readable_layers=sorted(engine.limits.readable_layers),
             unit_readable_layers=sorted(engine.limits.unit_readable_layers),
+            pattern_readable_layers=sorted(engine.limits.pattern_readable_layers),
             unit_steerable_layers=sorted(engine.limits.unit_steerable_layers),
             pipeline_parallel_size=engine.limits.pipeline_parallel_size,
             stage_first_layers=list(engine.limits.stage_first_layers),

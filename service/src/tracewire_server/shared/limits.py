@@ -61,6 +61,9 @@ class ModelLimits:
     # ... and with --compiled-unit-steering write tables for these layers' heads and
     # neurons: add / replace / zero of layers.L.self_attn.heads / .mlp.act units.
     unit_steerable_layers: frozenset[int] = frozenset()
+    # ... and with --compiled-pattern-reads these layers' attention queries and keys in
+    # graph buffers: attention-pattern reads of them are served.
+    pattern_readable_layers: frozenset[int] = frozenset()
     # Units of the unit-addressed modules (plan.unit_kind): attention query heads of
     # head_dim each (o_proj's input), MLP neurons (down_proj's input).
     num_attention_heads: int = 0
@@ -112,9 +115,11 @@ class ModelLimits:
                 f"layers.{self.num_layers - 1} and norm")
 
     def attention_patterns_refusal(self) -> str:
-        """Why read_attention_pattern is refused on this server; "" when it is served."""
-        if not self.module_interventions:
-            return "attention patterns are computed in module hooks: they need an eager engine (--enforce-eager)"
+        """Why read_attention_pattern is refused on this server; "" when it is served (a
+        compiled engine: on its pattern_readable_layers)."""
+        if not self.module_interventions and not self.pattern_readable_layers:
+            return ("attention patterns need the model's queries and keys: an eager engine (--enforce-eager), "
+                    "or a compiled one that keeps them in graph buffers (--compiled-pattern-reads)")
         if self.attention_patterns_refused:
             return self.attention_patterns_refused
         if not self.num_attention_heads or not self.num_key_value_heads:

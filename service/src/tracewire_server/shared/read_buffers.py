@@ -24,6 +24,12 @@ traced into the graph copies o_proj's input (the attention output, [tokens, head
 head_dim]: layers.L.self_attn.heads) and down_proj's (the activated gate x up, [tokens,
 intermediate]: layers.L.mlp.act) into buffers of their own. They cost more than a
 layer's stream (an 8B model's neurons are 3x its hidden size), hence a flag of their own.
+
+Attention patterns (`--compiled-pattern-reads`) need each layer's queries and keys after
+rotary embedding, where vLLM's `Attention` module (layers.L.self_attn.attn) gets them: a
+pre-hook traced into the graph copies both into buffers, and after the pass the host
+computes the patterns from there exactly as the eager pre-hook computes them from its
+arguments (worker/attention_patterns.py).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from .plan import HEADS_SUFFIX, NEURONS_SUFFIX
 # compile-cache key (as steering.LAYERS is).
 LAYERS = "tracewire_read_buffers"
 UNIT_LAYERS = "tracewire_unit_read_buffers"
+PATTERN_LAYERS = "tracewire_pattern_read_buffers"
 
 
 def layers_of(additional_config: dict[str, Any] | None, key: str = LAYERS) -> list[int] | str | None:
@@ -57,7 +64,8 @@ class ReadBuffers(torch.nn.Module):
     (seen in vLLM's compiled code on the CPU build: every layer's max_tokens rows, twice)."""
 
     def __init__(self, layers: list[int], max_tokens: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device, units: dict[str, UnitInput] | None = None) -> None:
+                 device: torch.device, units: dict[str, UnitInput] | None = None,
+                 attention: dict[int, AttentionInput] | None = None) -> None:
         super().__init__()
         self.layers = layers  # decoder layer numbers on this rank, in buffer order
         self.table_of = {layer: t for t, layer in enumerate(layers)}
@@ -69,6 +77,13 @@ class ReadBuffers(torch.nn.Module):
         for unit in self.units.values():
             self.register_buffer(unit.buffer, torch.zeros(max_tokens, unit.width, dtype=dtype, device=device),
                                  persistent=False)
+        # Decoder layer -> its attention module's queries' and keys' widths (patterns)
+        self.attention = dict(attention or {})
+        for layer, inputs in self.attention.items():
+            self.register_buffer(f"queries_{layer}", torch.zeros(max_tokens, inputs.query_width, dtype=dtype,
+                                                                 device=device), persistent=False)
+            self.register_buffer(f"keys_{layer}", torch.zeros(max_tokens, inputs.key_width, dtype=dtype,
+                                                              device=device), persistent=False)
 
     def capture(self, table: int, output: Any) -> None:
         """In the graph: keep this layer's stream. vLLM's decoder layers return (hidden,
@@ -83,6 +98,19 @@ class ReadBuffers(torch.nn.Module):
     def capture_input(self, buffer: str, value: torch.Tensor) -> None:
         """In the graph, before o_proj / down_proj run: keep their input."""
         getattr(self, buffer)[: value.shape[0]].copy_(value)
+
+    def capture_attention(self, layer: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """In the graph, before layer `layer`'s attention runs: keep its queries and keys
+        (called as `attn(q, k, v)`, [tokens, heads x head_size] each, after rotary)."""
+        q = args[0] if args else kwargs["query"]
+        k = args[1] if len(args) > 1 else kwargs["key"]
+        getattr(self, f"queries_{layer}")[: q.shape[0]].copy_(q.reshape(q.shape[0], -1))
+        getattr(self, f"keys_{layer}")[: k.shape[0]].copy_(k.reshape(k.shape[0], -1))
+
+    def attention_inputs(self, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the host, after the forward pass: layer `layer`'s queries and keys of that
+        pass's `tokens` rows (views, as stream() gives)."""
+        return getattr(self, f"queries_{layer}")[:tokens], getattr(self, f"keys_{layer}")[:tokens]
 
     def stream(self, layer: int, tokens: int) -> torch.Tensor:
         """On the host, after the forward pass: layer `layer`'s stream of that pass's
@@ -107,25 +135,55 @@ class UnitInput:
     unit_width: int
 
 
+@dataclass(frozen=True)
+class AttentionInput:
+    """A layer's attention queries and keys kept in buffers: their widths on this rank."""
+
+    query_width: int  # heads x head_size
+    key_width: int  # KV heads x head_size
+
+
 def attach(model: torch.nn.Module, vllm_config: Any, max_tokens: int) -> ReadBuffers | None:
-    """Register read buffers on `model`'s decoder layers (and units) the config lists
-    (before its first forward pass compiles it); None when it lists none."""
+    """Register read buffers on `model`'s decoder layers (and units, and attention inputs)
+    the config lists (before its first forward pass compiles it); None when it lists none."""
     listed = layers_of(vllm_config.additional_config)
     unit_listed = layers_of(vllm_config.additional_config, UNIT_LAYERS)
-    if listed is None and unit_listed is None:
+    pattern_listed = layers_of(vllm_config.additional_config, PATTERN_LAYERS)
+    if listed is None and unit_listed is None and pattern_listed is None:
         return None
     inner, layers = hooked_layers(model, listed or [], "--compiled-reads")
     _, unit_layers = hooked_layers(model, unit_listed or [], "--compiled-unit-reads")
+    _, pattern_layers = hooked_layers(model, pattern_listed or [], "--compiled-pattern-reads")
     inputs = unit_inputs(inner, unit_layers)
+    attention = attention_inputs(inner, pattern_layers)
     weight = next(model.parameters())
     buffers = ReadBuffers(layers, max_tokens, int(vllm_config.model_config.get_hidden_size()),
-                          weight.dtype, weight.device, {path: unit for path, (_, unit) in inputs.items()})
+                          weight.dtype, weight.device, {path: unit for path, (_, unit) in inputs.items()},
+                          {layer: found for layer, (_, found) in attention.items()})
     inner.tracewire_reads = buffers
     hook_layers(inner, layers, buffers.capture)
     for module, unit in inputs.values():
         module.register_forward_pre_hook(
             lambda module, args, buffer=unit.buffer: buffers.capture_input(buffer, args[0]))
+    for layer, (module, _) in attention.items():
+        module.register_forward_pre_hook(
+            lambda module, args, kwargs, layer=layer: buffers.capture_attention(layer, args, kwargs),
+            with_kwargs=True)
     return buffers
+
+
+def attention_inputs(inner: torch.nn.Module, layers: list[int]) -> dict[int, tuple[torch.nn.Module, AttentionInput]]:
+    """Each of `layers`' attention module (layers.L.self_attn.attn, as the eager hooks find
+    it: worker/runner.py's attention_layers) and its inputs' widths on this rank."""
+    found: dict[int, tuple[torch.nn.Module, AttentionInput]] = {}
+    for layer in layers:
+        attn = getattr(getattr(inner.layers[layer], "self_attn", None), "attn", None)
+        if attn is None or not all(hasattr(attn, a) for a in ("num_heads", "num_kv_heads", "head_size")):
+            raise RuntimeError(f"{type(inner).__name__}'s layer {layer} has no attention module with heads "
+                               "to keep queries and keys for")
+        found[layer] = (attn, AttentionInput(int(attn.num_heads) * int(attn.head_size),
+                                             int(attn.num_kv_heads) * int(attn.head_size)))
+    return found
 
 
 def unit_inputs(inner: torch.nn.Module, layers: list[int]) -> dict[str, tuple[torch.nn.Module, UnitInput]]:

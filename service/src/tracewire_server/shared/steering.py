@@ -323,6 +323,7 @@ def attached(model: Any) -> dict[str, list[int]]:
         UNIT_LAYERS: sorted({_layer_of(path) for path in units.names}) if units is not None else [],
         read_buffers.LAYERS: sorted(reads.layers) if reads is not None else [],
         read_buffers.UNIT_LAYERS: unit_reads,
+        read_buffers.PATTERN_LAYERS: sorted(reads.attention) if reads is not None else [],
     }
 
 

@@ -13,7 +13,9 @@ the layer has it, in float32, for the selected query rows of each forward pass; 
 chunks of a step (a chunked prefill runs several passes) are joined at its sample
 (module_reads.py). What a sequence keeps meanwhile is in pattern_state.py.
 
-Eager engines only, like every module hook: Python hooks do not fire inside CUDA graphs.
+On eager engines the pre-hook computes them inside the forward pass; compiled engines with
+`--compiled-pattern-reads` keep q / k in read buffers (shared/read_buffers.py) and the
+host computes the same after the pass (`compute`, from module_hooks.py).
 """
 
 from __future__ import annotations
@@ -208,15 +210,28 @@ class AttentionPatterns:
             return f"head size {layer.head_size}, not the {read.head_dim} the server planned for"
         return ""
 
+    def planned_layers(self) -> list[int]:
+        """The layers this pass computes patterns at (a compiled pass: from read buffers)."""
+        return [index for index, tasks in self._tasks.items() if tasks]
+
     def _hook(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Never raises into vLLM's forward pass: a failure fails the traces involved."""
+        """The eager pre-hook: this pass's q and k at layer `index`, as the model calls it."""
+        if not self._tasks.get(index):
+            return
+        self.compute(index, args[0] if args else kwargs.get("query"),
+                     args[1] if len(args) > 1 else kwargs.get("key"))
+
+    def compute(self, index: int, q: torch.Tensor | None, k: torch.Tensor | None) -> None:
+        """The planned patterns at layer `index` from this pass's queries and keys there
+        ([tokens, heads x head_size] each). Never raises into vLLM's step: a failure fails
+        the traces involved."""
         tasks = self._tasks.get(index)
         if not tasks:
             return
         try:
             layer = self.layers[index]
-            q = args[0] if args else kwargs["query"]
-            k = args[1] if len(args) > 1 else kwargs["key"]
+            if q is None or k is None:
+                raise RuntimeError("no queries and keys at this layer")
             q = q.detach().reshape(-1, layer.num_heads, layer.head_size)
             k = k.detach().reshape(-1, layer.num_kv_heads, layer.head_size)
         except Exception as e:  # noqa: BLE001

@@ -380,10 +380,14 @@ class ModuleHooks:
         takes them from the output on an eager engine. Never raises into vLLM's step."""
         wants, self._wants = self._wants, {}
         columns, self._column_rows = self._column_rows, {}
-        if not wants and not columns:
+        patterns = self.patterns.planned_layers()
+        if not wants and not columns and not patterns:
             return
         assert self.buffers is not None
         tokens = self.runner.pass_tokens(len(self.runner.req_ids))
+        for index in patterns:  # (the compiler refuses layers without buffers: else those traces fail)
+            kept = index in self.buffers.attention
+            self.patterns.compute(index, *(self.buffers.attention_inputs(index, tokens) if kept else (None, None)))
         for path, planned in columns.items():
             # No device work here: the column is the layer's buffer and the rows its
             # readers take (they launch at this step's sample, before the next pass
