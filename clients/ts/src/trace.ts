@@ -168,7 +168,8 @@ export const read = {
    * model's own post-rotary q / k. Values [layers, positions, heads, topK], largest first,
    * with tokenIds the key positions (-1 past the keys a query sees) and positions the query
    * positions; topK 0 gives full rows [layers, positions, heads, last query position + 1]
-   * (keys a query does not see weigh 0). Needs --enforce-eager.
+   * (keys a query does not see weigh 0). Needs --enforce-eager, or a compiled server keeping
+   * the layers' queries and keys (--compiled-pattern-reads: patternReadableLayers).
    */
   attention(
     layers: number | readonly number[],
@@ -307,7 +308,9 @@ export const write = {
    * module read of the same trace (`from`: its invoke index and read name), on the server,
    * at the same step: prompt positions take the source's step-0 rows (`from.positions`:
    * which of its prompt positions, in order; unset: all it read), the new token its row of
-   * the same step. The invoke starts once the source has that step. Needs --enforce-eager.
+   * the same step. The invoke starts once the source has that step. Needs --enforce-eager, or
+   * a compiled server that reads the source's module and writes this one (readableLayers and
+   * steerableLayers; heads and neurons: the unit pair).
    */
   patch(path: string, from: ReadRefInput, options: { positions?: PositionsInput } = {}): WriteAction {
     return {
@@ -316,7 +319,7 @@ export const write = {
     };
   },
 
-  /** Add scale * another invoke's module read (taken as `patch` takes it). Needs --enforce-eager. */
+  /** Add scale * another invoke's module read (taken as `patch` takes it); served where `patch` is. */
   addRead(path: string, from: ReadRefInput, options: { scale?: number; positions?: PositionsInput } = {}): WriteAction {
     return {
       case: "writeModule",
