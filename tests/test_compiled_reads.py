@@ -264,8 +264,8 @@ def test_what_the_read_buffers_cannot_read_is_refused_naming_the_field(gstub, bs
         (iv("h", read_module=I.ReadModule(module="embed_tokens")), "read_module.module", "decoder layers"),
         (iv("l", read_logit_lens=I.ReadLogitLens(layers=[1, -1])), "read_logit_lens.layers[1]",
          "'layers.3' (--compiled-reads LAYERS)"),
-        (iv("p", read_attention_pattern=I.ReadAttentionPattern(layers=[1])), "read_attention_pattern",
-         "--enforce-eager"),
+        (iv("p", read_attention_pattern=I.ReadAttentionPattern(layers=[3])), "read_attention_pattern.layers[0]",
+         "not on layer 3 (--compiled-pattern-reads LAYERS"),
         (iv(write_dictionary=I.WriteDictionary(dictionary="res-l2-sae", features=[1], clamp=2.0)),
          "write_dictionary", "--enforce-eager"),
     ]
