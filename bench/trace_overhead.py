@@ -229,7 +229,7 @@ COMPILED_STEERING_ROWS = ("trace, no interventions", "top-20 logits every step",
 # a steered layer is the common research loop); the targets are the layer read, the
 # 4-layer lens and the head read (and unit tables: the head write).
 COMPILED_READS_ROWS = ("trace, no interventions", "layer read every step", "head read every step", LENS_ROW,
-                       PROBE_ROW, SAE_ROW, "steering write every step", HEAD_ZERO_ROW, SAE_STEER_ROW)
+                       PROBE_ROW, SAE_ROW, "steering write every step", HEAD_ZERO_ROW, SAE_STEER_ROW, PATTERN_ROW)
 SERVER_FLAGS: list[str] = []  # tracewire's own options for the server (not the raw engine's)
 
 
@@ -824,7 +824,8 @@ def main() -> int:
     mode.add_argument("--compiled-reads", action="store_true",
                       help="layer and head reads, the logit lens, probe and SAE reads on compiled engines "
                       "(CUDA graphs on a GPU): the server runs with --compiled-reads --compiled-unit-reads "
-                      "--compiled-steering --compiled-unit-steering")
+                      "--compiled-steering --compiled-unit-steering --compiled-pattern-reads 1 (the pattern "
+                      "row's layer)")
     mode.add_argument("--compiled-steering", action="store_true",
                       help="the steering row on compiled engines (CUDA graphs on a GPU): the server "
                       "runs with --compiled-steering")
@@ -879,7 +880,7 @@ def main() -> int:
         kind, kinds = "hidden", HIDDEN_ROWS
     elif args.compiled_reads:
         SERVER_FLAGS.extend(["--compiled-reads", "--compiled-unit-reads", "--compiled-steering",
-                             "--compiled-unit-steering"])
+                             "--compiled-unit-steering", "--compiled-pattern-reads", "1"])
         kind, kinds = "compiled-reads", COMPILED_READS_ROWS
     elif args.compiled_steering:
         SERVER_FLAGS.append("--compiled-steering")
