@@ -131,9 +131,10 @@ def test_a_draining_replica_sheds_its_traffic_without_failing_a_call(replicas: l
     assert len(outcomes) > after_stop > stopped_at, (stopped_at, after_stop, len(outcomes))
     assert b.process.returncode == 0
     # Nothing b began after the signal was served there; the health check took b out of the
-    # rotation, so at most a call per worker met it in between (and was retried on a).
+    # rotation, so only the calls racing the health change met it (a call or two per worker,
+    # each retried on a; without health checks, b refused 71 here while a served its 24)
     refused = traces_by_code(b, started_after=signalled)
-    assert refused.keys() <= {"UNAVAILABLE"} and refused.get("UNAVAILABLE", 0) <= WORKERS, refused
+    assert refused.keys() <= {"UNAVAILABLE"} and refused.get("UNAVAILABLE", 0) <= 2 * WORKERS, refused
     # every trace served once: the first, the held one, and the load's
     assert traces_by_code(a).get("OK", 0) + traces_by_code(b).get("OK", 0) == len(outcomes) + 2
 

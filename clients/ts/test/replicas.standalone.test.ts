@@ -178,10 +178,11 @@ test("replicas: a draining replica sheds its traffic without failing a call; bot
     assert.equal(exitCode, 0);
     const onB = tracesByCode(b);
     // b refused the traces it met while draining (none began there after the signal was
-    // served), and each of them was retried on a; benched after each refusal, it met few
+    // served), and each of them was retried on a; benched after each refusal (1 s, doubling),
+    // it met few: those sent before the first refusal came back, then one a cooldown
     const refused = tracesByCode(b, signalled);
     assert.deepEqual(Object.keys(refused), ["UNAVAILABLE"], JSON.stringify(refused));
-    assert.ok(refused.UNAVAILABLE! <= 2 * WORKERS, JSON.stringify(refused));
+    assert.ok(refused.UNAVAILABLE! <= 4 * WORKERS, JSON.stringify(refused));
     // every trace served once: the first, the held one, and the load's
     assert.equal((tracesByCode(a).OK ?? 0) + (onB.OK ?? 0), outcomes.length + 2);
   } finally {
