@@ -450,6 +450,16 @@ def engine_stats(target: str) -> object:
         )
 
 
+def eventually(check, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Whether `check()` comes true within `timeout` seconds (asked every `interval`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(interval)
+    return bool(check())
+
+
 def wait_for_unfinished(target: str, predicate, timeout: float = 30.0) -> bool:
     """Poll until predicate(num_unfinished_requests) holds; False on timeout."""
     deadline = time.monotonic() + timeout

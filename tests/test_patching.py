@@ -18,7 +18,7 @@ import pytest
 import torch
 import tracewire as tw
 import tracewire.patching
-from conftest import wait_for_unfinished
+from conftest import eventually, wait_for_unfinished
 from trace_requests import TraceResult, invoke, iv, logits, run, steps, trace
 from tracewire.v1 import intervention_pb2 as I
 from tracewire.v1 import service_pb2_grpc
@@ -114,7 +114,7 @@ def test_a_prompt_position_patch_gives_the_logits_of_hfs_forward_hook_copy(pstub
     before = patched.scrape()
     check_prompt_position_patches(pstub, hf)
     # the worker kept the sources' rows (3 rows + 1 row of [256] float32) and freed them at the end
-    assert wait_for(lambda: delta(before, patched.scrape(), "tracewire_patch_released_bytes_total") == 3 * 256 * 4)
+    assert eventually(lambda: delta(before, patched.scrape(), "tracewire_patch_released_bytes_total") == 3 * 256 * 4)
     assert patched.scrape()["tracewire_patch_store_bytes"] == 0
 
 
@@ -149,14 +149,6 @@ def check_prompt_position_patches(pstub, hf) -> None:
 def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # -- generation steps ----------------------------------------------------------------
@@ -359,7 +351,7 @@ def test_a_source_that_ends_before_the_step_fails_the_trace_clearly(pstub, patch
         run(pstub, request)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "needs invoke 0's step 3, but invoke 0 ended before it" in info.value.details()
-    assert wait_for(lambda: delta(before, patched.scrape(), "tracewire_patch_released_bytes_total") >= 2 * 256 * 4)
+    assert eventually(lambda: delta(before, patched.scrape(), "tracewire_patch_released_bytes_total") >= 2 * 256 * 4)
     assert patched.scrape()["tracewire_patch_store_bytes"] == 0
 
 
@@ -378,7 +370,7 @@ def test_a_cancelled_trace_frees_the_workers_store(pstub, patched):
         if seen >= 3:
             break
     call.cancel()
-    assert wait_for(lambda: delta(before, patched.scrape(), "tracewire_patch_released_bytes_total") >= 3 * 256 * 4)
+    assert eventually(lambda: delta(before, patched.scrape(), "tracewire_patch_released_bytes_total") >= 3 * 256 * 4)
     assert patched.scrape()["tracewire_patch_store_bytes"] == 0
     assert patched.scrape()["tracewire_patch_store_traces"] == 0
     assert wait_for_unfinished(patched.server.target, lambda n: n == 0)
@@ -409,7 +401,7 @@ def test_a_trace_the_patch_store_has_no_room_for_is_refused_and_never_pushes_out
     result = tracewire_result(first)  # the running trace lost nothing
     assert len(result.values("clean")) == long
     assert_step_patch(result, hf_step_patch(hf, layer, patched_steps, short), short)
-    assert wait_for(lambda: patched.scrape()["tracewire_patch_store_bytes"] == 0)
+    assert eventually(lambda: patched.scrape()["tracewire_patch_store_bytes"] == 0)
     assert len(tracewire_result(admitted(pstub, request)).values("clean")) == long  # and now it fits
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import eventually
 from server_pool import ServerPool, ServerSpec, plan_of
 
 A, B, C = ServerSpec("a"), ServerSpec("b"), ServerSpec("c")
@@ -51,9 +52,9 @@ def test_at_most_ahead_started_and_not_taken(tmp_path: Path) -> None:
     pool = ServerPool([(A, "f"), (B, "f"), (C, "f")], start, tmp_path, ahead=1)
     pool.fill()
     start.release.set()
-    assert _eventually(lambda: start.started == ["a"])
+    assert eventually(lambda: start.started == ["a"], 5.0)
     assert pool.take(A, "f").name == "a"
-    assert _eventually(lambda: start.started == ["a", "b"])  # taking one starts the next
+    assert eventually(lambda: start.started == ["a", "b"], 5.0)  # taking one starts the next
     assert pool.take(B, "f").directory == tmp_path / "b"
     assert pool.take(C, "f").name == "c"
     assert start.started == ["a", "b", "c"]  # each once
@@ -94,13 +95,3 @@ def test_close_hands_back_the_servers_nobody_took(tmp_path: Path) -> None:
     pool.fill()
     assert "c" not in start.started  # nothing starts once closed
 
-
-def _eventually(check, timeout: float = 5.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.01)
-    return check()
