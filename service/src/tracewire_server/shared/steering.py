@@ -385,9 +385,9 @@ class SlotPlanner:
         used = self.patch_used[table]
         if used == len(self.patch_range):
             return None
-        self.patch_used[table] = used + 1
         slot = self.patch_range[used]
-        self.tables.compose(table, slot, edits, vector)
+        self.tables.compose(table, slot, edits, vector)  # (may raise: a source's row missing)
+        self.patch_used[table] = used + 1  # (only a composed slot is taken)
         return slot
 
     def slot(self, table: int, owner: str, edits: list[P.WriteModule],

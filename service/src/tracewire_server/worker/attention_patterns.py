@@ -216,8 +216,6 @@ class AttentionPatterns:
 
     def _hook(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The eager pre-hook: this pass's q and k at layer `index`, as the model calls it."""
-        if not self._tasks.get(index):
-            return
         self.compute(index, args[0] if args else kwargs.get("query"),
                      args[1] if len(args) > 1 else kwargs.get("key"))
 

@@ -31,7 +31,6 @@ from .sequences import UNPLANNED, Sequence, Sequences
 Fill = tuple[list[int], list[int], list[int]]
 
 
-
 class Placed(NamedTuple):
     """A write at one flat token row of this pass: the step making it and the row's token
     position (what a patch's operand row is looked up by)."""
