@@ -114,8 +114,8 @@ def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: boo
     engine = _decoding(rows, (STEER,))
     hooks = hooks_over(engine)
     hooks.senders[0] = Sender(address)
-    tables = steering.SteeringTables([0, 1, 2, 3], slots=rows + 1, max_tokens=rows, hidden=256,
-                                     dtype=torch.float32, device=torch.device("cpu"))
+    tables = steering.SteeringTables([f"layers.{layer}" for layer in range(4)], slots=rows + 1, max_tokens=rows,
+                                     hidden=256, dtype=torch.float32, device=torch.device("cpu"))
     hooks.install_compiled_steering(tables)
     forward = engine._model_forward
 

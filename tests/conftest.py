@@ -359,11 +359,13 @@ ALLOWED_HOST = "dash.example.test"
 
 
 # The compiled server with graph hooks: steering tables and read buffers (residual streams,
-# heads and neurons: both; attention queries and keys) on layers 0-2 (layers.3 has none: what it refuses is tested), the
+# heads and neurons: both; attention queries and keys; the other modules' outputs) on layers
+# 0-2 (layers.3 has none: what it refuses is tested), the
 # shipped dictionaries (on layers.2), and 64-token passes, so long prompts are read through
 # chunked prefill.
 GRAPH_ARGS = ("--compiled-steering", "0,1,2", "--compiled-reads", "0,1,2", "--compiled-unit-reads", "0,1,2",
               "--compiled-unit-steering", "0,1,2", "--compiled-pattern-reads", "0,1,2",
+              "--compiled-module-reads", "0,1,2", "--compiled-module-steering", "0,1,2",
               "--max-num-batched-tokens", "64")
 
 

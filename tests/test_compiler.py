@@ -36,6 +36,8 @@ EAGER = ModelLimits(vocab_size=VOCAB, max_model_len=512, max_logprobs=20, hidden
 COMPILED = dataclasses.replace(EAGER, module_interventions=False)
 STEERING = dataclasses.replace(COMPILED, steerable_layers=frozenset({0, 1}))
 READING = dataclasses.replace(COMPILED, readable_layers=frozenset({0, 2}))
+MODULES = dataclasses.replace(COMPILED, readable_modules=frozenset({"embed_tokens", "layers.1.mlp", "norm"}),
+                              steerable_modules=frozenset({"embed_tokens", "layers.1.self_attn", "norm"}))
 
 PROMPT = list(range(10, 18))  # 8 tokens: positions are checked against it
 F = "invokes[0].interventions[0]"
@@ -473,8 +475,8 @@ def test_compiled_reads_serve_their_layers_and_name_the_field_they_refuse():
 
     precondition(read("layers.1"), f"{r}.module", "residual streams on layers 0, 2 only, not on 'layers.1'",
                  "--compiled-reads LAYERS", limits=READING)
-    precondition(read("layers.0.mlp"), f"{r}.module", "decoder layers (layers.N) only, not 'layers.0.mlp'",
-                 "--enforce-eager", limits=READING)
+    precondition(read("layers.0.mlp"), f"{r}.module", "module outputs in read buffers on no module, not "
+                 "'layers.0.mlp'", "--compiled-module-reads LAYERS, or --enforce-eager", limits=READING)
     precondition(iv("l", read_logit_lens=I.ReadLogitLens(layers=[0, -3])), f"{lens}.layers[1]",
                  "not on 'layers.1'", limits=READING)  # (-3 of 4 layers: layers.1)
     precondition(iv(write_module=I.WriteModule(module="layers.0", zero=I.ZeroAblation())), f"{F}.write_module",
@@ -486,14 +488,32 @@ def test_compiled_reads_serve_their_layers_and_name_the_field_they_refuse():
     assert "--compiled-reads" in message  # a plain compiled engine names the way to serve it
 
 
+def test_compiled_module_buffers_and_tables_serve_their_modules_and_name_the_flag_elsewhere():
+    def read(module: str) -> I.Intervention:
+        return iv(module, read_module=I.ReadModule(module=module))
+
+    def write(module: str) -> I.Intervention:
+        return iv(write_module=I.WriteModule(module=module, zero=I.ZeroAblation()))
+
+    actions = [op.action for op in ops(read("norm"), read("layers.1.mlp"), write("layers.1.self_attn"),
+                                       write("embed_tokens"), limits=MODULES)]
+    assert [a.module for a in actions] == ["norm", "layers.1.mlp", "layers.1.self_attn", "embed_tokens"]
+    precondition(read("layers.1.self_attn"), f"{F}.read_module.module",
+                 "module outputs in read buffers of embed_tokens, norm, layers.1.mlp only, not 'layers.1.self_attn'",
+                 "--compiled-module-reads", limits=MODULES)
+    precondition(write("layers.1.mlp"), f"{F}.write_module.module",
+                 "write tables for module outputs of embed_tokens, norm, layers.1.self_attn only, not 'layers.1.mlp'",
+                 "--compiled-module-steering", limits=MODULES)
+
+
 def test_compiled_steering_serves_add_replace_zero_on_its_layers():
     w = f"{F}.write_module"
 
     def write(module: str = "layers.1", **op: Any) -> I.Intervention:
         return iv(write_module=I.WriteModule(module=module, **(op or {"zero": I.ZeroAblation()})))
 
-    precondition(write("layers.0.mlp"), f"{w}.module", "decoder layers (layers.N) only, not 'layers.0.mlp'",
-                 limits=STEERING)
+    precondition(write("layers.0.mlp"), f"{w}.module", "write tables for module outputs on no module, not "
+                 "'layers.0.mlp'", "--compiled-module-steering LAYERS", limits=STEERING)
     precondition(write("layers.3"), f"{w}.module", "steering tables on layers 0, 1 only, not on 'layers.3'",
                  "--compiled-steering LAYERS", limits=STEERING)
     precondition(write(mean=I.MeanAblation()), f"{w}.op",

@@ -32,14 +32,20 @@ def _allocated(layers: int, size: G.PassSize, dtype: torch.dtype) -> dict[str, i
                                        (f"layers.{layer}.mlp.act", neurons, 1))]
     units = {path: read_buffers.UnitInput(f"b{i}", width, unit) for i, (path, width, unit) in enumerate(sites)}
     cpu = torch.device("cpu")
+    modules = ["embed_tokens", *[f"layers.{layer}.{part}" for layer in range(layers) for part in ("self_attn", "mlp")],
+               "norm"]
     return {
-        steering.LAYERS: nbytes(steering.SteeringTables(list(range(layers)), size.slots, size.tokens, 256, dtype, cpu)),
+        steering.LAYERS: nbytes(steering.SteeringTables([f"layers.{layer}" for layer in range(layers)], size.slots,
+                                                        size.tokens, 256, dtype, cpu)),
         read_buffers.LAYERS: nbytes(read_buffers.ReadBuffers(list(range(layers)), size.tokens, 256, dtype, cpu)),
         steering.UNIT_LAYERS: nbytes(steering.UnitTables(sites, size.slots, size.tokens, dtype, cpu)),
         read_buffers.UNIT_LAYERS: nbytes(read_buffers.ReadBuffers([], size.tokens, 256, dtype, cpu, units)),
         read_buffers.PATTERN_LAYERS: nbytes(read_buffers.ReadBuffers(
             [], size.tokens, 256, dtype, cpu, attention={layer: read_buffers.AttentionInput(4 * 64, 4 * 64)
                                                          for layer in range(layers)})),
+        steering.MODULE_LAYERS: nbytes(steering.SteeringTables(modules, size.slots, size.tokens, 256, dtype, cpu)),
+        read_buffers.MODULE_LAYERS: nbytes(read_buffers.ReadBuffers([], size.tokens, 256, dtype, cpu,
+                                                                    modules=modules)),
     }
 
 
@@ -49,7 +55,7 @@ def test_the_estimate_is_what_the_hook_modules_allocate(tokens: int, seqs: int) 
     chosen = G.choose(TINY, size, budget=1 << 40).chosen
     assert [kind.flag for kind, _ in chosen] == [
         "--compiled-steering", "--compiled-reads", "--compiled-unit-steering", "--compiled-unit-reads",
-        "--compiled-pattern-reads"]
+        "--compiled-pattern-reads", "--compiled-module-steering", "--compiled-module-reads"]
     real = _allocated(4, size, torch.bfloat16)
     assert {kind.key: cost for kind, cost in chosen} == real
 
@@ -61,14 +67,19 @@ def test_kinds_are_taken_in_order_while_the_total_fits() -> None:
     # room for layer writes and reads only: the unit kinds are left off, each named with its cost
     budget = costs["--compiled-steering"] + costs["--compiled-reads"] + costs["--compiled-unit-steering"] - 1
     hooks = G.choose(TINY, size, budget)
-    assert [kind.flag for kind, _ in hooks.chosen] == ["--compiled-steering", "--compiled-reads"]
+    # (the module tables, cheaper than the unit tables, still fit after them)
+    assert costs["--compiled-module-steering"] < costs["--compiled-unit-steering"] < costs["--compiled-module-reads"]
+    assert [kind.flag for kind, _ in hooks.chosen] == [
+        "--compiled-steering", "--compiled-reads", "--compiled-module-steering"]
     assert [(kind.flag, cost) for kind, cost in hooks.left] == [
         ("--compiled-unit-steering", costs["--compiled-unit-steering"]),
         ("--compiled-unit-reads", costs["--compiled-unit-reads"]),
-        ("--compiled-pattern-reads", costs["--compiled-pattern-reads"])]
-    assert hooks.reserved == costs["--compiled-steering"] + costs["--compiled-reads"] <= budget
+        ("--compiled-pattern-reads", costs["--compiled-pattern-reads"]),
+        ("--compiled-module-reads", costs["--compiled-module-reads"])]
+    assert hooks.reserved == (costs["--compiled-steering"] + costs["--compiled-reads"]
+                              + costs["--compiled-module-steering"]) <= budget
     line = hooks.describe(budget)
-    assert line.startswith("compiled graph hooks on every layer: layer writes, layer reads (")
+    assert line.startswith("compiled graph hooks on every layer: layer writes, layer reads, module writes (")
     assert "left off: head and neuron writes: --compiled-unit-steering [LAYERS] (" in line
     assert "head and neuron reads: --compiled-unit-reads [LAYERS] (" in line
     # a later, cheaper kind still fits after a dear one was left off (many tokens, few
@@ -96,7 +107,8 @@ def test_the_default_budget_gives_a_small_model_everything_and_a_large_one_the_c
 def test_tensor_parallel_engines_reserve_nothing_for_heads_and_neurons() -> None:
     """The compiler refuses unit interventions at tensor-parallel size > 1: no memory for them."""
     hooks = G.choose(TINY, G.pass_size(64, 8), budget=1 << 40, units=False)
-    assert [kind.flag for kind, _ in hooks.chosen] == ["--compiled-steering", "--compiled-reads"]
+    assert [kind.flag for kind, _ in hooks.chosen] == ["--compiled-steering", "--compiled-reads",
+                                                       "--compiled-module-steering", "--compiled-module-reads"]
     assert hooks.left == ()
 
 
@@ -127,7 +139,8 @@ class _Loaded:
 def _vllm_config(**extra: object) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         additional_config={steering.LAYERS: "all", steering.UNIT_LAYERS: "all", read_buffers.LAYERS: "all",
-                           read_buffers.UNIT_LAYERS: "all", read_buffers.PATTERN_LAYERS: "all", **extra},
+                           read_buffers.UNIT_LAYERS: "all", read_buffers.PATTERN_LAYERS: "all",
+                           steering.MODULE_LAYERS: "all", read_buffers.MODULE_LAYERS: "all", **extra},
         scheduler_config=types.SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16),
         compilation_config=types.SimpleNamespace(cudagraph_capture_sizes=[8]),
         model_config=types.SimpleNamespace(get_hidden_size=lambda: 2))
@@ -141,6 +154,7 @@ def test_a_model_the_default_hooks_cannot_attach_to_starts_without_them() -> Non
     loader.inner = _Loaded()
     model = loader.load_model(_vllm_config(**{steering.DEFAULTED: True}), None)
     assert steering.attached(model) == {steering.LAYERS: [], steering.UNIT_LAYERS: [], read_buffers.LAYERS: [],
-                                        read_buffers.UNIT_LAYERS: [], read_buffers.PATTERN_LAYERS: []}
+                                        read_buffers.UNIT_LAYERS: [], read_buffers.PATTERN_LAYERS: [],
+                                        steering.MODULE_LAYERS: [], read_buffers.MODULE_LAYERS: []}
     with pytest.raises(RuntimeError, match="--compiled-steering needs a decoder model with model.layers"):
         loader.load_model(_vllm_config(), None)

@@ -29,7 +29,7 @@ def _steering_engine(slots: int = 2 * BATCH + 1):
     engine._model_forward = lambda: None
     planned = hooks_over(engine)
     planned.senders[0] = Sender()
-    tables = steering.SteeringTables([0, 1], slots=slots, max_tokens=4 * BATCH, hidden=HIDDEN,
+    tables = steering.SteeringTables(["layers.0", "layers.1"], slots=slots, max_tokens=4 * BATCH, hidden=HIDDEN,
                                      dtype=torch.float32, device=torch.device("cpu"))
     planned.install_compiled_steering([tables])
     sampler = Sampler()
@@ -197,7 +197,7 @@ def test_patch_slots_last_one_pass_and_compose_the_sources_rows():
     last `patch_slots`, for one forward pass: when they are all used the next row gets
     None, and begin_pass gives them back. Shared slots never take them."""
     counts = steering.SlotCounts(2)  # 1 + 4 shared + 2 patch slots
-    tables = steering.SteeringTables([0], slots=counts.total, max_tokens=8, hidden=HIDDEN, dtype=torch.float32,
+    tables = steering.SteeringTables(["layers.0"], slots=counts.total, max_tokens=8, hidden=HIDDEN, dtype=torch.float32,
                                      device=torch.device("cpu"), patch_slots=counts.patch)
     planner = steering.SlotPlanner(tables)
     source = {"patch": torch.arange(HIDDEN, dtype=torch.float32), "add_read": torch.full((HIDDEN,), 0.5)}

@@ -32,6 +32,8 @@ _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-ti
 def parse_args(argv: list[str]) -> ServerConfig:
     from .frontend.engine import (
         default_cpu_environment,
+        use_compiled_module_reads,
+        use_compiled_module_steering,
         use_compiled_pattern_reads,
         use_compiled_reads,
         use_compiled_steering,
@@ -160,7 +162,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
         metavar="N",
         help="on a compiled engine started without any --compiled-* flag, the device bytes the "
         "graph's hooks may reserve: layer writes, layer reads, head and neuron writes, head and "
-        "neuron reads, each on every layer while the total fits (the start log says what fit and "
+        "neuron reads, attention queries and keys, other modules' writes and reads, each on every "
+        "layer while the total fits (the start log says what fit and "
         "what each kind left off costs); 0: none. Any --compiled-* flag sets exactly what the "
         "graph carries instead",
     )
@@ -184,6 +187,26 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "each layer's attention queries and keys (after rotary) into buffers in every forward pass "
         "(max-num-batched-tokens x (heads + KV heads) x head_dim values a layer), and the patterns "
         "are computed from them after the pass. LAYERS: 'all' (the default) or the layer numbers",
+    )
+    group.add_argument(
+        "--compiled-module-reads",
+        nargs="?",
+        const="all",
+        metavar="LAYERS",
+        help="serve reads of the other modules (embed_tokens, layers.N.self_attn, layers.N.mlp, norm) "
+        "on a compiled, CUDA-graph engine: the graph copies each one's output into a buffer in every "
+        "forward pass (max-num-batched-tokens x hidden values a module). LAYERS: 'all' (the default) or "
+        "the layers whose attention and MLP outputs are kept (embed_tokens and norm always are)",
+    )
+    group.add_argument(
+        "--compiled-module-steering",
+        nargs="?",
+        const="all",
+        metavar="LAYERS",
+        help="serve add / replace / zero, patch and dictionary-steer writes of the other modules "
+        "(embed_tokens, layers.N.self_attn, layers.N.mlp, norm) on a compiled, CUDA-graph engine, as "
+        "--compiled-steering does for decoder layers. LAYERS: 'all' (the default) or the layers whose "
+        "attention and MLP outputs get tables (embed_tokens and norm always do)",
     )
     group.add_argument(
         "--metrics-port",
@@ -231,7 +254,9 @@ def parse_args(argv: list[str]) -> ServerConfig:
     graph_flags = {"--compiled-steering": args.compiled_steering, "--compiled-reads": args.compiled_reads,
                    "--compiled-unit-reads": args.compiled_unit_reads,
                    "--compiled-unit-steering": args.compiled_unit_steering,
-                   "--compiled-pattern-reads": args.compiled_pattern_reads}
+                   "--compiled-pattern-reads": args.compiled_pattern_reads,
+                   "--compiled-module-reads": args.compiled_module_reads,
+                   "--compiled-module-steering": args.compiled_module_steering}
     if args.pipeline_parallel_size > 1 and any(graph_flags.values()):
         # The steering tables and read buffers of earlier stages' layers would be filled and
         # read by hooks that run on the last stage only (where the sample is drawn).
@@ -251,6 +276,12 @@ def parse_args(argv: list[str]) -> ServerConfig:
     if args.compiled_pattern_reads:
         use_compiled_pattern_reads(engine_args, _layer_list(parser, "--compiled-pattern-reads",
                                                             args.compiled_pattern_reads))
+    if args.compiled_module_reads:
+        use_compiled_module_reads(engine_args, _layer_list(parser, "--compiled-module-reads",
+                                                           args.compiled_module_reads))
+    if args.compiled_module_steering:
+        use_compiled_module_steering(engine_args, _layer_list(parser, "--compiled-module-steering",
+                                                              args.compiled_module_steering))
     if args.graph_hook_bytes < 0:
         parser.error("--graph-hook-bytes must be >= 0 (0: no default graph hooks)")
     if not any(graph_flags.values()) and not engine_args.enforce_eager and args.pipeline_parallel_size == 1 \

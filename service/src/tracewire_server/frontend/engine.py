@@ -166,6 +166,8 @@ class Engine:
             unit_readable_layers=frozenset(hooked[read_buffers.UNIT_LAYERS]),
             unit_steerable_layers=frozenset(hooked[steering.UNIT_LAYERS]),
             pattern_readable_layers=frozenset(hooked[read_buffers.PATTERN_LAYERS]),
+            readable_modules=frozenset(hooked.get(read_buffers.MODULE_LAYERS, ())),
+            steerable_modules=frozenset(hooked.get(steering.MODULE_LAYERS, ())),
             num_attention_heads=description.num_attention_heads,
             head_dim=description.head_dim,
             intermediate_size=description.intermediate_size,
@@ -325,6 +327,19 @@ def use_compiled_pattern_reads(engine_args: Any, layers: list[int] | None = None
     _graph_hooks(engine_args, read_buffers.PATTERN_LAYERS, layers)
 
 
+def use_compiled_module_reads(engine_args: Any, layers: list[int] | None = None) -> None:
+    """`--compiled-module-reads [LAYERS]`: keep the embeddings', the final norm's and
+    `layers`' (None: all) attention and MLP outputs in buffers the compiled graph fills."""
+    _graph_hooks(engine_args, read_buffers.MODULE_LAYERS, layers)
+
+
+def use_compiled_module_steering(engine_args: Any, layers: list[int] | None = None) -> None:
+    """`--compiled-module-steering [LAYERS]`: build add / replace / zero (and patch, and
+    dictionary steer) writes of the embeddings, the final norm and `layers`' (None: all)
+    attention and MLP outputs into the compiled graph (steering.py's module tables)."""
+    _graph_hooks(engine_args, steering.MODULE_LAYERS, layers)
+
+
 def use_default_graph_hooks(engine_args: Any, budget: int) -> graph_hooks.DefaultHooks | None:
     """No --compiled-* flag: the hooks graph_hooks.py chooses for this model within
     `budget` bytes, on every layer (a model that cannot take a kind starts without it:
@@ -362,8 +377,9 @@ def _graph_hooks(engine_args: Any, key: str, layers: list[int] | None) -> None:
     engine_args.additional_config = {**(engine_args.additional_config or {}), key: layers or "all"}
 
 
-async def _attached_hooks(llm: Any) -> dict[str, list[int]]:
-    """The layers the compiled graph has each kind of hook on (steering.attached's keys),
+async def _attached_hooks(llm: Any) -> dict[str, list[Any]]:
+    """The layers (module paths, for module sites) the compiled graph has each kind of hook
+    on (steering.attached's keys),
     as the first worker reports them: the flags say what was asked, the worker what the
     model took (a default the model cannot take is left off there). Every rank of a
     tensor-parallel engine hooks the same layers."""

@@ -5,8 +5,9 @@ the graph at load time: steering tables and read buffers (shared/steering.py,
 shared/read_buffers.py). They cost device memory the KV cache would otherwise get, in
 proportion to the model's widths and the engine's largest pass, so the server cannot
 give every model all of them. The default, for a server started without any of the
-four flags: each kind of hook, in the order a researcher reaches for them (layer
-writes, layer reads, head and neuron writes, head and neuron reads), on every layer,
+--compiled-* flags: each kind of hook, in the order a researcher reaches for them (layer
+writes, layer reads, head and neuron writes, head and neuron reads, attention queries
+and keys, then the other modules' writes and reads), on every layer,
 as long as the running total stays within `--graph-hook-bytes` (2 GiB). A small model
 gets all four; a large one the cheap ones, and the start log names the flag and the
 bytes of each kind left off. Any flag given means exactly what the flags say.
@@ -63,14 +64,30 @@ class HookKind:
     what: str
     units: bool  # heads and neurons: served at tensor-parallel size 1 only
     layer_bytes: Callable[[ModelShape, PassSize], int]
+    # sites a layer has (module kinds: its attention and MLP outputs), and sites besides
+    # the layers' (the embeddings and the final norm), each costing layer_bytes
+    sites_per_layer: int = 1
+    other_sites: int = 0
+
+    def bytes(self, shape: ModelShape, size: PassSize) -> int:
+        """On every layer."""
+        return (shape.num_layers * self.sites_per_layer + self.other_sites) * self.layer_bytes(shape, size)
+
+
+def _table_bytes(m: ModelShape, p: PassSize) -> int:
+    """A hidden-size write table's (SteeringTables: a scale and a vector a slot, and the index)."""
+    return m.dtype_bytes * p.slots * (m.hidden + 1) + INDEX_BYTES * p.tokens
+
+
+def _buffer_bytes(m: ModelShape, p: PassSize) -> int:
+    """A hidden-size read buffer's."""
+    return m.dtype_bytes * p.tokens * m.hidden
 
 
 # In default order. The sizes are those steering.py and read_buffers.py allocate.
 KINDS = (
-    HookKind("--compiled-steering", steering.LAYERS, "layer writes", False,
-             lambda m, p: m.dtype_bytes * p.slots * (m.hidden + 1) + INDEX_BYTES * p.tokens),
-    HookKind("--compiled-reads", read_buffers.LAYERS, "layer reads", False,
-             lambda m, p: m.dtype_bytes * p.tokens * m.hidden),
+    HookKind("--compiled-steering", steering.LAYERS, "layer writes", False, _table_bytes),
+    HookKind("--compiled-reads", read_buffers.LAYERS, "layer reads", False, _buffer_bytes),
     HookKind("--compiled-unit-steering", steering.UNIT_LAYERS, "head and neuron writes", True,
              lambda m, p: m.dtype_bytes * 2 * p.slots * m.unit_width + 2 * INDEX_BYTES * p.tokens),
     HookKind("--compiled-unit-reads", read_buffers.UNIT_LAYERS, "head and neuron reads", True,
@@ -78,6 +95,11 @@ KINDS = (
     # (heads split across tensor-parallel ranks, as units: at --tensor-parallel-size 1 only)
     HookKind("--compiled-pattern-reads", read_buffers.PATTERN_LAYERS, "attention-pattern reads", True,
              lambda m, p: m.dtype_bytes * p.tokens * m.attention_width),
+    # The embeddings', attention and MLP outputs', final norm's (graph_layers.module_sites)
+    HookKind("--compiled-module-steering", steering.MODULE_LAYERS, "module writes", False, _table_bytes,
+             sites_per_layer=2, other_sites=2),
+    HookKind("--compiled-module-reads", read_buffers.MODULE_LAYERS, "module reads", False, _buffer_bytes,
+             sites_per_layer=2, other_sites=2),
 )
 
 
@@ -113,7 +135,7 @@ def choose(shape: ModelShape, size: PassSize, budget: int, units: bool = True) -
     for kind in KINDS:
         if kind.units and not units:
             continue
-        cost = shape.num_layers * kind.layer_bytes(shape, size)
+        cost = kind.bytes(shape, size)
         if total + cost <= budget:
             chosen.append((kind, cost))
             total += cost

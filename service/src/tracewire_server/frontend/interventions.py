@@ -192,11 +192,16 @@ class InterventionCompiler:
                    " (or --compiled-unit-steering for add / replace / zero writes of them)")
                 + ("" if self.limits.pattern_readable_layers else
                    " (or --compiled-pattern-reads for attention patterns)")
+                + ("" if self.limits.readable_modules else
+                   " (or --compiled-module-reads for reads of embed_tokens, attention and MLP outputs, norm)")
+                + ("" if self.limits.steerable_modules else
+                   " (or --compiled-module-steering for writes of them)")
             )
 
     def require_reads(self, field: str) -> None:
         """Module reads at all: an eager engine, or a compiled one with read buffers."""
-        if not self.limits.readable_layers and not self.limits.unit_readable_layers:
+        limits = self.limits
+        if not limits.readable_layers and not limits.unit_readable_layers and not limits.readable_modules:
             self.require_eager(field)
 
     def require_readable(self, module: str, field: str) -> None:
@@ -216,10 +221,13 @@ class InterventionCompiler:
             return
         readable = self.limits.readable_layers
         if not P.is_decoder_layer(module):
-            raise FailedPrecondition(
-                f"{field}: this server's compiled engine reads decoder layers (layers.N) only, "
-                f"not {module!r}; start it with --enforce-eager to read other modules"
-            )
+            if module not in self.limits.readable_modules:
+                raise FailedPrecondition(
+                    f"{field}: this server keeps module outputs in read buffers "
+                    f"{_kept_at(self.limits.readable_modules)}, not {module!r} (--compiled-module-reads LAYERS, "
+                    "or --enforce-eager)"
+                )
+            return
         if P.layer_number(module) not in readable:
             kept = _kept_on(readable)
             raise FailedPrecondition(
@@ -275,7 +283,8 @@ class InterventionCompiler:
         what their graph tables express."""
         if self.limits.module_interventions:
             return
-        if not self.limits.steerable_layers and not self.limits.unit_steerable_layers:
+        limits = self.limits
+        if not limits.steerable_layers and not limits.unit_steerable_layers and not limits.steerable_modules:
             self.require_eager(field)
         if P.unit_kind(module):
             units = self.limits.unit_steerable_layers
@@ -286,10 +295,12 @@ class InterventionCompiler:
                     f"not {module!r} (--compiled-unit-steering LAYERS, or --enforce-eager)"
                 )
         elif not P.is_decoder_layer(module):
-            raise FailedPrecondition(
-                f"{field}.module: this server's compiled engine writes decoder layers (layers.N) only, "
-                f"not {module!r}; start it with --enforce-eager to write other modules"
-            )
+            if module not in self.limits.steerable_modules:
+                raise FailedPrecondition(
+                    f"{field}.module: this server has write tables for module outputs "
+                    f"{_kept_at(self.limits.steerable_modules)}, not {module!r} (--compiled-module-steering "
+                    "LAYERS, or --enforce-eager)"
+                )
         elif P.layer_number(module) not in self.limits.steerable_layers:
             steerable = self.limits.steerable_layers
             kept = _kept_on(steerable)
@@ -624,6 +635,15 @@ def dictionary_ref(info: DictionaryInfo) -> P.DictRef:
 def _kept_on(layers: frozenset[int]) -> str:
     """Where a compiled graph keeps a kind of hook, for the refusals naming it."""
     return f"on layers {', '.join(map(str, sorted(layers)))} only" if layers else "on no layer"
+
+
+def _kept_at(modules: frozenset[str]) -> str:
+    """_kept_on for module sites: their paths, in model order (a few, then a count)."""
+    if not modules:
+        return "on no module"
+    paths = sorted(modules, key=_module_order)
+    shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+    return f"of {shown} only"
 
 
 def _module_order(path: str) -> tuple[int, str]:

@@ -38,3 +38,18 @@ def max_tokens(vllm_config: Any) -> int:
     """The most flat token rows a forward pass runs (the largest batch, or CUDA graph)."""
     sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or [0]
     return max(int(vllm_config.scheduler_config.max_num_batched_tokens), max(sizes))
+
+
+def module_sites(inner: torch.nn.Module, layers: list[int]) -> dict[str, torch.nn.Module]:
+    """The other module outputs a compiled graph can keep or write (--compiled-module-reads,
+    --compiled-module-steering): the embeddings, `layers`' attention and MLP outputs, and
+    the final norm, by the module paths the eager hooks give them (worker/runner.py's
+    modules); a model without one of them fails saying which."""
+    found: dict[str, torch.nn.Module] = {}
+    for path, module in [("embed_tokens", getattr(inner, "embed_tokens", None))] + [
+            (f"layers.{layer}.{part}", getattr(inner.layers[layer], part, None))
+            for layer in layers for part in ("self_attn", "mlp")] + [("norm", getattr(inner, "norm", None))]:
+        if not isinstance(module, torch.nn.Module):
+            raise RuntimeError(f"{type(inner).__name__} has no module {path!r} to keep buffers or tables for")
+        found[path] = module
+    return found

@@ -64,6 +64,11 @@ class ModelLimits:
     # ... and with --compiled-pattern-reads these layers' attention queries and keys in
     # graph buffers: attention-pattern reads of them are served.
     pattern_readable_layers: frozenset[int] = frozenset()
+    # ... and with --compiled-module-reads / --compiled-module-steering buffers / write
+    # tables for these other modules' outputs (embed_tokens, layers.L.self_attn,
+    # layers.L.mlp, norm: graph_layers.module_sites), by module path.
+    readable_modules: frozenset[str] = frozenset()
+    steerable_modules: frozenset[str] = frozenset()
     # Units of the unit-addressed modules (plan.unit_kind): attention query heads of
     # head_dim each (o_proj's input), MLP neurons (down_proj's input).
     num_attention_heads: int = 0

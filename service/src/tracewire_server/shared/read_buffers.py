@@ -30,6 +30,10 @@ rotary embedding, where vLLM's `Attention` module (layers.L.self_attn.attn) gets
 pre-hook traced into the graph copies both into buffers, and after the pass the host
 computes the patterns from there exactly as the eager pre-hook computes them from its
 arguments (worker/attention_patterns.py).
+
+The other addressable modules (`--compiled-module-reads`): the embeddings, each listed
+layer's attention and MLP outputs (layers.L.self_attn, layers.L.mlp) and the final norm,
+hidden-size outputs all, get a forward hook and a buffer each, as a layer's stream does.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ from typing import Any
 
 import torch
 
-from .graph_layers import hook_layers, hooked_layers
-from .plan import HEADS_SUFFIX, NEURONS_SUFFIX
+from .graph_layers import hook_layers, hooked_layers, module_sites
+from .plan import HEADS_SUFFIX, NEURONS_SUFFIX, layer_number
 
 # vllm_config.additional_config keys: the decoder layers that get read buffers of their
 # residual streams / of their units (heads and neurons), or "all". Part of vLLM's
@@ -48,6 +52,9 @@ from .plan import HEADS_SUFFIX, NEURONS_SUFFIX
 LAYERS = "tracewire_read_buffers"
 UNIT_LAYERS = "tracewire_unit_read_buffers"
 PATTERN_LAYERS = "tracewire_pattern_read_buffers"
+# ... the decoder layers whose attention and MLP outputs get buffers, with the embeddings'
+# and the final norm's (graph_layers.module_sites).
+MODULE_LAYERS = "tracewire_module_read_buffers"
 
 
 def layers_of(additional_config: dict[str, Any] | None, key: str = LAYERS) -> list[int] | str | None:
@@ -65,7 +72,7 @@ class ReadBuffers(torch.nn.Module):
 
     def __init__(self, layers: list[int], max_tokens: int, hidden: int, dtype: torch.dtype,
                  device: torch.device, units: dict[str, UnitInput] | None = None,
-                 attention: dict[int, AttentionInput] | None = None) -> None:
+                 attention: dict[int, AttentionInput] | None = None, modules: list[str] | None = None) -> None:
         super().__init__()
         self.layers = layers  # decoder layer numbers on this rank, in buffer order
         self.table_of = {layer: t for t, layer in enumerate(layers)}
@@ -77,6 +84,10 @@ class ReadBuffers(torch.nn.Module):
         for unit in self.units.values():
             self.register_buffer(unit.buffer, torch.zeros(max_tokens, unit.width, dtype=dtype, device=device),
                                  persistent=False)
+        # Other module paths (module_sites: hidden-size outputs) -> their buffer
+        self.modules = {path: f"module_{k}" for k, path in enumerate(modules or [])}
+        for buffer in self.modules.values():
+            self.register_buffer(buffer, torch.zeros(max_tokens, hidden, dtype=dtype, device=device), persistent=False)
         # Decoder layer -> its attention module's queries' and keys' widths (patterns)
         self.attention = dict(attention or {})
         for layer, inputs in self.attention.items():
@@ -94,6 +105,12 @@ class ReadBuffers(torch.nn.Module):
         else:
             stream = output
         getattr(self, self.names[table])[: stream.shape[0]].copy_(stream)
+
+    def capture_module(self, path: str, output: Any) -> None:
+        """In the graph: keep a module site's output (the final norm's: its normed output,
+        as an eager read sees it)."""
+        value = output[0] if isinstance(output, tuple) else output
+        getattr(self, self.modules[path])[: value.shape[0]].copy_(value)
 
     def capture_input(self, buffer: str, value: torch.Tensor) -> None:
         """In the graph, before o_proj / down_proj run: keep their input."""
@@ -117,6 +134,14 @@ class ReadBuffers(torch.nn.Module):
         `tokens` flat rows (a view: the next pass overwrites it)."""
         buffer: torch.Tensor = getattr(self, self.names[self.table_of[layer]])
         return buffer[:tokens]
+
+    def output(self, path: str, tokens: int) -> torch.Tensor:
+        """On the host, after the forward pass: the output of module `path` (a decoder
+        layer's stream, or a module site's) of that pass's `tokens` rows, as stream() gives."""
+        if path in self.modules:
+            buffer: torch.Tensor = getattr(self, self.modules[path])
+            return buffer[:tokens]
+        return self.stream(layer_number(path), tokens)
 
     def unit_input(self, path: str, tokens: int) -> torch.Tensor:
         """On the host, after the forward pass: the input of unit address `path`'s module
@@ -149,19 +174,24 @@ def attach(model: torch.nn.Module, vllm_config: Any, max_tokens: int) -> ReadBuf
     listed = layers_of(vllm_config.additional_config)
     unit_listed = layers_of(vllm_config.additional_config, UNIT_LAYERS)
     pattern_listed = layers_of(vllm_config.additional_config, PATTERN_LAYERS)
-    if listed is None and unit_listed is None and pattern_listed is None:
+    module_listed = layers_of(vllm_config.additional_config, MODULE_LAYERS)
+    if listed is None and unit_listed is None and pattern_listed is None and module_listed is None:
         return None
     inner, layers = hooked_layers(model, listed or [], "--compiled-reads")
     _, unit_layers = hooked_layers(model, unit_listed or [], "--compiled-unit-reads")
     _, pattern_layers = hooked_layers(model, pattern_listed or [], "--compiled-pattern-reads")
     inputs = unit_inputs(inner, unit_layers)
     attention = attention_inputs(inner, pattern_layers)
+    sites = module_sites(inner, hooked_layers(model, module_listed, "--compiled-module-reads")[1]) \
+        if module_listed is not None else {}
     weight = next(model.parameters())
     buffers = ReadBuffers(layers, max_tokens, int(vllm_config.model_config.get_hidden_size()),
                           weight.dtype, weight.device, {path: unit for path, (_, unit) in inputs.items()},
-                          {layer: found for layer, (_, found) in attention.items()})
+                          {layer: found for layer, (_, found) in attention.items()}, list(sites))
     inner.tracewire_reads = buffers
     hook_layers(inner, layers, buffers.capture)
+    for path, module in sites.items():
+        module.register_forward_hook(lambda module, args, output, path=path: buffers.capture_module(path, output))
     for module, unit in inputs.values():
         module.register_forward_pre_hook(
             lambda module, args, buffer=unit.buffer: buffers.capture_input(buffer, args[0]))

@@ -30,6 +30,10 @@ with `a` and `b` as wide as the input, so a write changes only its units' column
 zeroing head h is a = 0, b = 0 on h's head_dim columns and a = 1, b = 0 elsewhere.
 Both kinds of table compose a slot's writes (`compose`) and are filled by SlotPlanner.
 
+The other addressable modules (`--compiled-module-steering`: the embeddings, attention and
+MLP outputs, the final norm) get SteeringTables of their own, a forward hook each on the
+module's output: `out' = a[slot] * out + b[slot]`, planned by one more SlotPlanner.
+
 Activation patching is a replace (or, add_read, an add) whose vector differs row by row:
 the source's stored row for that token (worker/patch_store.py). Such a row takes a patch
 slot of its own for one forward pass (`SlotPlanner.patch_slot`), composed like any other,
@@ -49,7 +53,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from . import plan as P
 from . import read_buffers
-from .graph_layers import hook_layers, hooked_layers, max_tokens
+from .graph_layers import hook_layers, hooked_layers, max_tokens, module_sites
 
 # Under vLLM's logger: it configures the handlers in the worker processes, where this runs.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -64,6 +68,9 @@ INNER_EXTRA = "tracewire_inner_extra_config"
 LAYERS = "tracewire_steering_tables"
 # ... and the decoder layers whose heads and neurons get tables (UnitTables).
 UNIT_LAYERS = "tracewire_unit_steering_tables"
+# ... and the decoder layers whose attention and MLP outputs get tables (with the
+# embeddings' and the final norm's: graph_layers.module_sites).
+MODULE_LAYERS = "tracewire_module_steering_tables"
 # Set when the server chose the hooks itself (no --compiled-* flag: graph_hooks.py): a
 # model without the decoder stack they attach to starts without them instead of failing.
 DEFAULTED = "tracewire_graph_hooks_defaulted"
@@ -80,35 +87,42 @@ def layers_of(additional_config: dict[str, Any] | None, key: str = LAYERS) -> li
 
 
 class SteeringTables(torch.nn.Module):
-    """The per-layer write tables the compiled graph reads (buffers: fixed addresses)."""
+    """The per-module write tables the compiled graph reads (buffers: fixed addresses): one
+    table per site, a module whose output is the hidden-size stream written (decoder layers;
+    with --compiled-module-steering the embeddings, attention and MLP outputs, final norm)."""
 
-    def __init__(self, layers: list[int], slots: int, max_tokens: int, hidden: int,
+    def __init__(self, sites: list[str], slots: int, max_tokens: int, hidden: int,
                  dtype: torch.dtype, device: torch.device, patch_slots: int = 0) -> None:
-        """`slots` in all, the last `patch_slots` of them for patched rows (SlotCounts)."""
+        """`sites`: module paths, in table order; `slots` in all, the last `patch_slots` of
+        them for patched rows (SlotCounts)."""
         super().__init__()
         self.patch_slots = patch_slots
-        self.layers = layers  # decoder layer numbers on this rank, in table order
-        self.names = [f"layer {layer}" for layer in layers]  # (for messages)
-        self.table_of = {f"layers.{layer}": t for t, layer in enumerate(layers)}  # module path -> table
+        self.sites = sites
+        # decoder layer numbers among the sites (their output is the residual stream: `apply`)
+        self.layers = [P.layer_number(path) for path in sites if P.is_decoder_layer(path)]
+        self.streams = [P.is_decoder_layer(path) for path in sites]
+        self.names = [f"layer {P.layer_number(path)}" if P.is_decoder_layer(path) else path
+                      for path in sites]  # (for messages)
+        self.table_of = {path: t for t, path in enumerate(sites)}  # module path -> table
         self.num_slots = slots
-        self.register_buffer("scales", torch.ones(len(layers), slots, 1, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("vectors", torch.zeros(len(layers), slots, hidden, dtype=dtype, device=device),
+        self.register_buffer("scales", torch.ones(len(sites), slots, 1, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("vectors", torch.zeros(len(sites), slots, hidden, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("slots", torch.zeros(max_tokens, len(layers), dtype=torch.long, device=device),
+        self.register_buffer("slots", torch.zeros(max_tokens, len(sites), dtype=torch.long, device=device),
                              persistent=False)
 
     def apply(self, table: int, output: Any) -> Any:
         slot = self.slots[: (output[0] if isinstance(output, tuple) else output).shape[0], table]
         a = self.scales[table].index_select(0, slot)
         b = self.vectors[table].index_select(0, slot)
-        if not isinstance(output, tuple):  # the layer returns the stream itself
+        if not isinstance(output, tuple):  # the module returns the stream itself
             return output * a + b
+        hidden, residual = output[0], output[1] if len(output) > 1 else None
+        if residual is None or not self.streams[table]:  # (the final norm: its normed output)
+            return (hidden * a + b, *output[1:])
         # vLLM's decoder layers return (hidden, residual) with the add deferred to the
         # next norm; the stream is their sum. Only `hidden` changes:
         # a*(h + r) + b - r = a*h + (a - 1)*r + b.
-        hidden, residual = output[0], output[1] if len(output) > 1 else None
-        if residual is None:
-            return (hidden * a + b, *output[1:])
         return (hidden * a + (a - 1) * residual + b, *output[1:])
 
     def operand_like(self) -> torch.Tensor:
@@ -242,18 +256,41 @@ def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
     if listed is None:
         return None
     inner, layers = hooked_layers(model, listed, "--compiled-steering")
-    weight = next(model.parameters())
-    counts = _slots(vllm_config)
-    tables = SteeringTables(layers, slots=counts.total, max_tokens=max_tokens(vllm_config),
-                            hidden=int(vllm_config.model_config.get_hidden_size()),
-                            dtype=weight.dtype, device=weight.device, patch_slots=counts.patch)
+    tables = _stream_tables(model, vllm_config, [f"layers.{layer}" for layer in layers])
     inner.tracewire_steering = tables
     hook_layers(inner, layers, tables.apply)
     return tables
 
 
+def attach_modules(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
+    """Register tables on the embeddings, the final norm, and the attention and MLP outputs
+    of the layers the config lists (MODULE_LAYERS); None when it lists none."""
+    listed = layers_of(vllm_config.additional_config, MODULE_LAYERS)
+    if listed is None:
+        return None
+    inner, layers = hooked_layers(model, listed, "--compiled-module-steering")
+    sites = module_sites(inner, layers)
+    tables = _stream_tables(model, vllm_config, list(sites))
+    inner.tracewire_module_steering = tables
+    for table, module in enumerate(sites.values()):
+        module.register_forward_hook(lambda module, args, output, table=table: tables.apply(table, output))
+    return tables
+
+
+def _stream_tables(model: torch.nn.Module, vllm_config: Any, sites: list[str]) -> SteeringTables:
+    weight = next(model.parameters())
+    counts = _slots(vllm_config)
+    return SteeringTables(sites, slots=counts.total, max_tokens=max_tokens(vllm_config),
+                          hidden=int(vllm_config.model_config.get_hidden_size()),
+                          dtype=weight.dtype, device=weight.device, patch_slots=counts.patch)
+
+
 def find(model: Any) -> SteeringTables | None:
     return getattr(getattr(model, "model", None), "tracewire_steering", None)
+
+
+def find_modules(model: Any) -> SteeringTables | None:
+    return getattr(getattr(model, "model", None), "tracewire_module_steering", None)
 
 
 def attach_units(model: torch.nn.Module, vllm_config: Any) -> UnitTables | None:
@@ -303,6 +340,7 @@ class SteerableLoader(BaseModelLoader):
         model = self.inner.load_model(vllm_config, model_config, prefix=prefix)
         defaulted = bool((vllm_config.additional_config or {}).get(DEFAULTED))
         for what, attach_one in (("layer writes", attach), ("head and neuron writes", attach_units),
+                                 ("module writes", attach_modules),
                                  ("reads", lambda m, c: read_buffers.attach(m, c, max_tokens(c)))):
             try:
                 attach_one(model, vllm_config)
@@ -313,10 +351,12 @@ class SteerableLoader(BaseModelLoader):
         return model
 
 
-def attached(model: Any) -> dict[str, list[int]]:
+def attached(model: Any) -> dict[str, list[Any]]:
     """The decoder layers each kind of graph hook is on in `model` (its config key ->
-    layers, ascending): what the frontend's compiler serves, as this worker has it."""
+    layers, ascending; module paths for the module kinds): what the frontend's compiler
+    serves, as this worker has it."""
     tables, units, reads = find(model), find_units(model), read_buffers.find(model)
+    modules = find_modules(model)
     unit_reads = sorted({_layer_of(path) for path in reads.units}) if reads is not None else []
     return {
         LAYERS: sorted(tables.layers) if tables is not None else [],
@@ -324,6 +364,9 @@ def attached(model: Any) -> dict[str, list[int]]:
         read_buffers.LAYERS: sorted(reads.layers) if reads is not None else [],
         read_buffers.UNIT_LAYERS: unit_reads,
         read_buffers.PATTERN_LAYERS: sorted(reads.attention) if reads is not None else [],
+        # (module sites: their paths, the embeddings' and final norm's among them)
+        MODULE_LAYERS: sorted(modules.sites) if modules is not None else [],
+        read_buffers.MODULE_LAYERS: sorted(reads.modules) if reads is not None else [],
     }
 
 

@@ -46,7 +46,7 @@ class TracewireWorkerExtension:
             log.info("tracewire hooks installed; records of frontend %d go to %s", route, address)
         return int(rank)
 
-    def tracewire_graph_hooks(self) -> dict[str, list[int]]:
+    def tracewire_graph_hooks(self) -> dict[str, list[Any]]:
         """The layers this worker's compiled graph has each kind of hook on (steering.py's
         config keys -> layers): what the frontend serves compiled, from the one place
         that knows (a defaulted kind the model could not take is not there)."""
@@ -117,7 +117,8 @@ def install(runner: Any, fault_injection: bool) -> PlanHooks:
     if view.eager:  # hooks cannot fire inside compiled graphs
         hooks.install_module_hooks()
         return hooks
-    tables = [t for t in (view.steering_tables(), view.unit_steering_tables()) if t is not None]
+    tables = [t for t in (view.steering_tables(), view.unit_steering_tables(), view.module_steering_tables())
+              if t is not None]
     if tables:
         hooks.install_compiled_steering(tables)
     if (buffers := view.read_buffers()) is not None:

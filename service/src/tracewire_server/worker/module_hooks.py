@@ -394,7 +394,7 @@ class ModuleHooks:
             # overwrites the buffer, and on the same stream: module_reads.Column).
             try:
                 shared = self._shared_index(planned, None)
-                self.columns[path] = Column(self.buffers.stream(P.layer_number(path), tokens), shared.rows,
+                self.columns[path] = Column(self.buffers.output(path, tokens), shared.rows,
                                             shared.where, shared.positions)
             except Exception:  # noqa: BLE001 - the blocks reading it fail (no column)
                 log.exception("read buffer column of %s failed", path)
@@ -406,7 +406,7 @@ class ModuleHooks:
                     index = on_device(rows, value.device, torch.long)
                     _keep(path_wants, take_rows(value, self.buffers.units[path].unit_width, index))
                 else:
-                    value = self.buffers.stream(P.layer_number(path), tokens)
+                    value = self.buffers.output(path, tokens)
                     index = on_device(rows, value.device, torch.long)
                     _keep(path_wants, value.index_select(0, index).to(torch.float32))
             except Exception as e:  # noqa: BLE001

@@ -179,6 +179,10 @@ class RunnerView:
         """Its heads' and neurons' write tables (--compiled-unit-steering), if it has them."""
         return steering.find_units(self._runner.get_model())
 
+    def module_steering_tables(self) -> steering.SteeringTables | None:
+        """Its other modules' write tables (--compiled-module-steering), if it has them."""
+        return steering.find_modules(self._runner.get_model())
+
     def before_model_forward(self, hook: Callable[[], None]) -> None:
         """Call `hook` on the host before each forward pass (before a compiled graph is
         replayed): wraps the runner's `_model_forward`."""
