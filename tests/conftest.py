@@ -365,7 +365,7 @@ ALLOWED_HOST = "dash.example.test"
 # chunked prefill.
 GRAPH_ARGS = ("--compiled-steering", "0,1,2", "--compiled-reads", "0,1,2", "--compiled-unit-reads", "0,1,2",
               "--compiled-unit-steering", "0,1,2", "--compiled-pattern-reads", "0,1,2",
-              "--compiled-module-reads", "0,1,2", "--compiled-module-steering", "0,1,2",
+              "--compiled-module-reads", "0,1,2", "--compiled-module-steering", "0,1,2", "--compiled-mean-ablation",
               "--max-num-batched-tokens", "64")
 
 

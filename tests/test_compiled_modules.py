@@ -39,14 +39,8 @@ def _hf_module(hf, path):
 def hf_logits_editing(hf, ids, edits):
     """Last-position logits of a transformers forward pass with `edits` ({path: fn(rows)
     -> new rows}, rows [positions, hidden]) applied to those modules' outputs."""
-    def hook_of(edit):
-        def hook(module, args, output):
-            hidden = (output[0] if isinstance(output, tuple) else output).clone()
-            hidden[0] = edit(hidden[0])
-            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-        return hook
-
-    handles = [_hf_module(hf, path).register_forward_hook(hook_of(edit)) for path, edit in edits.items()]
+    handles = [_hf_module(hf, path).register_forward_hook(lambda module, args, output, edit=edit: _edited(output, edit))
+               for path, edit in edits.items()]
     try:
         with torch.no_grad():
             return hf.model(torch.tensor([ids])).logits[0, -1].float().numpy()
@@ -160,3 +154,137 @@ def test_modules_without_buffers_or_tables_are_refused_naming_the_field_and_flag
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             details = info.value.details()  # (the bare server has no tables at all: the field is the write)
             assert "write_module" in details and "--compiled-module-steering" in details, details
+
+
+# -- mean ablation (--compiled-mean-ablation: in the graph's tables, a running sum per pass) ---
+
+
+def _mean_of(positions):
+    def edit(rows):
+        rows[positions] = rows[positions].mean(0, keepdim=True)
+        return rows
+    return edit
+
+
+def _hf_logits_with_unit_means(hf, ids, heads, neurons):
+    """transformers' logits with o_proj's input of `heads` ({layer: [heads]}) and
+    down_proj's of `neurons` ({layer: [neurons]}) replaced by their mean over every
+    prompt position, per unit (pre-hooks: the columns those units own)."""
+    head_dim = hf.model.config.head_dim
+
+    def pre(columns):
+        def hook(module, args):
+            x = args[0].clone()
+            x[0][:, columns] = x[0][:, columns].mean(0, keepdim=True)
+            return (x, *args[1:])
+        return hook
+
+    handles = []
+    for layer, chosen in heads.items():
+        columns = [h * head_dim + d for h in chosen for d in range(head_dim)]
+        handles.append(hf.model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(pre(columns)))
+    for layer, chosen in neurons.items():
+        handles.append(hf.model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(pre(list(chosen))))
+    try:
+        with torch.no_grad():
+            return hf.model(torch.tensor([ids])).logits[0, -1].float().numpy()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_mean_ablations_of_a_layer_after_a_steer_and_of_an_mlp_output_equal_hf(mstub, hf):
+    """A mean over prompt positions 1-3 of layers.1 after an add at every prompt position
+    there (mean(x + v) = mean(x) + v, composed in the same slot), and one over positions 0
+    and 4 of layers.2.mlp: step 0's logits."""
+    vector = np.random.default_rng(9).normal(size=hf.model.config.hidden_size).astype(np.float32)
+    ids = hf.encode(PROMPT)
+    result = run(mstub, trace(invoke(
+        PROMPT,
+        iv(write_module=I.WriteModule(module="layers.1", positions=I.Positions(all_prompt=I.AllPrompt()),
+                                      add=f32(vector))),
+        iv(write_module=I.WriteModule(module="layers.1", positions=_at(1, 2, 3), mean=I.MeanAblation())),
+        iv(write_module=I.WriteModule(module="layers.2.mlp", positions=_at(0, 4), mean=I.MeanAblation())),
+        iv("raw", read_logits=RAW),
+    ), max_tokens=1, **GREEDY))
+
+    def add_then_mean(rows):
+        rows[: len(ids)] += torch.from_numpy(vector)
+        return _mean_of([1, 2, 3])(rows)
+
+    handle = hf.model.model.layers[1].register_forward_hook(
+        lambda module, args, output: (_edited(output, add_then_mean)))
+    try:
+        ref = hf_logits_editing(hf, ids, {"layers.2.mlp": _mean_of([0, 4])})
+    finally:
+        handle.remove()
+    np.testing.assert_allclose(result.values("raw")[0], ref, atol=2e-3, rtol=1e-4)
+    assert not np.allclose(ref, hf.next_logits(ids).numpy(), atol=1e-2)
+
+
+def test_mean_ablations_of_heads_and_neurons_equal_hfs_pre_hooks(mstub, hf):
+    ids = hf.encode(PROMPT)
+    every = I.Positions(all_prompt=I.AllPrompt())
+    result = run(mstub, trace(invoke(
+        PROMPT,
+        iv(write_module=I.WriteModule(module="layers.0.self_attn.heads", positions=every, units=I.UnitIds(ids=[2]),
+                                      mean=I.MeanAblation())),
+        iv(write_module=I.WriteModule(module="layers.1.mlp.act", positions=every, units=I.UnitIds(ids=[1, 5, 40]),
+                                      mean=I.MeanAblation())),
+        iv("raw", read_logits=RAW),
+    ), max_tokens=1, **GREEDY))
+    ref = _hf_logits_with_unit_means(hf, ids, {0: [2]}, {1: [1, 5, 40]})
+    np.testing.assert_allclose(result.values("raw")[0], ref, atol=2e-3, rtol=1e-4)
+    assert not np.allclose(ref, hf.next_logits(ids).numpy(), atol=1e-3)
+
+
+def test_concurrent_mean_ablations_keep_to_their_own_rows(mstub):
+    """Each trace's mean is over its own rows: the same results alone and eight at once."""
+    import concurrent.futures
+
+    prompts = ["The capital of France is", "Once upon a time there was", "One two three four five six"]
+    requests = [trace(invoke(p, iv(write_module=I.WriteModule(
+        module="layers.1", positions=I.Positions(all_prompt=I.AllPrompt()), mean=I.MeanAblation())),
+        iv("raw", read_logits=RAW)), max_tokens=3, **GREEDY) for p in prompts]
+    solo = [run(mstub, r).values("raw") for r in requests]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda r: run(mstub, r).values("raw"), requests * 3))
+    for got, want in zip(together, solo * 3, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+
+
+def test_a_mean_the_graph_cannot_take_fails_its_own_trace_saying_so(graph, hf):
+    """A mean over positions 1-3 with an add at position 2 only: its rows' other writes
+    differ, so the graph's group mean would not be the eager one. That trace fails saying
+    why and naming --enforce-eager (which serves it); the next mean ablation is served."""
+    with grpc.insecure_channel(graph.target) as channel:
+        stub = service_pb2_grpc.TraceServiceStub(channel)
+        vector = np.ones(hf.model.config.hidden_size, np.float32)
+        with pytest.raises(grpc.RpcError) as error:
+            run(stub, trace(invoke(
+                PROMPT,
+                iv(write_module=I.WriteModule(module="layers.1", positions=_at(2), add=f32(vector))),
+                iv(write_module=I.WriteModule(module="layers.1", positions=_at(1, 2, 3), mean=I.MeanAblation())),
+            ), max_tokens=1, **GREEDY))
+        assert "mean of layers.1" in error.value.details() and "--enforce-eager" in error.value.details()
+        result = run(stub, trace(invoke(PROMPT, iv(write_module=I.WriteModule(
+            module="layers.1", positions=_at(1, 2, 3), mean=I.MeanAblation())), iv("raw", read_logits=RAW)),
+            max_tokens=1, **GREEDY))
+        hook_ref = _hf_layer_edit(hf, hf.encode(PROMPT), 1, _mean_of([1, 2, 3]))
+        np.testing.assert_allclose(result.values("raw")[0], hook_ref, atol=2e-3, rtol=1e-4)
+
+
+def _edited(output, edit):
+    """A transformers module's output with `edit` applied to its rows."""
+    hidden = (output[0] if isinstance(output, tuple) else output).clone()
+    hidden[0] = edit(hidden[0])
+    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
+def _hf_layer_edit(hf, ids, layer, edit):
+    handle = hf.model.model.layers[layer].register_forward_hook(lambda module, args, output: _edited(output, edit))
+    try:
+        with torch.no_grad():
+            return hf.model(torch.tensor([ids])).logits[0, -1].float().numpy()
+    finally:
+        handle.remove()

@@ -516,9 +516,10 @@ def test_compiled_steering_serves_add_replace_zero_on_its_layers():
                  "'layers.0.mlp'", "--compiled-module-steering LAYERS", limits=STEERING)
     precondition(write("layers.3"), f"{w}.module", "steering tables on layers 0, 1 only, not on 'layers.3'",
                  "--compiled-steering LAYERS", limits=STEERING)
-    precondition(write(mean=I.MeanAblation()), f"{w}.op",
-                 "serves add, replace, zero, patch and add_read writes and dictionary steers, not 'mean'",
+    precondition(write(mean=I.MeanAblation()), f"{w}.op", "takes no mean ablations (--compiled-mean-ablation",
                  limits=STEERING)
+    means = dataclasses.replace(STEERING, compiled_means=True)
+    assert [op.action.edit for op in ops(write(mean=I.MeanAblation()), limits=means)] == ["mean"]
     no_op = iv(write_module=I.WriteModule(module="layers.1"))
     precondition(no_op, f"{w}.op", "not None", limits=STEERING)
     vector = f32(np.ones(HIDDEN))

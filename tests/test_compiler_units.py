@@ -159,7 +159,7 @@ def test_a_compiled_engine_with_unit_tables_writes_the_units_of_their_layers_onl
     assert op.action == P.WriteModule(HEADS_PATH, P.Positions(), "zero", units=(2,))
     refused(FailedPrecondition, f"{F}.write_module.module", "on layers 1 only", "--compiled-unit-steering",
             intervention=write(ACT, ids=[0], zero=I.ZeroAblation()), limits=units)
-    refused(FailedPrecondition, f"{F}.write_module.op", "not 'mean'",
+    refused(FailedPrecondition, f"{F}.write_module.op", "takes no mean ablations", "--compiled-mean-ablation",
             intervention=write(ids=[0], mean=I.MeanAblation()), limits=units)
     refused(FailedPrecondition, f"{F}.write_module.module", "steering tables on no layer", "--compiled-steering",
             intervention=iv(write_module=I.WriteModule(module="layers.1", zero=I.ZeroAblation())), limits=units)

@@ -155,6 +155,6 @@ def test_a_model_the_default_hooks_cannot_attach_to_starts_without_them() -> Non
     model = loader.load_model(_vllm_config(**{steering.DEFAULTED: True}), None)
     assert steering.attached(model) == {steering.LAYERS: [], steering.UNIT_LAYERS: [], read_buffers.LAYERS: [],
                                         read_buffers.UNIT_LAYERS: [], read_buffers.PATTERN_LAYERS: [],
-                                        steering.MODULE_LAYERS: [], read_buffers.MODULE_LAYERS: []}
+                                        steering.MODULE_LAYERS: [], read_buffers.MODULE_LAYERS: [], steering.MEANS: []}
     with pytest.raises(RuntimeError, match="--compiled-steering needs a decoder model with model.layers"):
         loader.load_model(_vllm_config(), None)

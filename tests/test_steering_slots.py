@@ -9,6 +9,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import pytest
 import torch
 from tracewire_server.shared import plan as P
 from tracewire_server.shared import steering
@@ -220,3 +221,37 @@ def test_patch_slots_last_one_pass_and_compose_the_sources_rows():
         torch.testing.assert_close(out, expected)
     planner.begin_pass()
     assert planner.patch_slot(0, [patch], vector) == 5
+
+
+def test_mean_groups_average_their_members_only_and_leave_other_rows_bit_for_bit():
+    """Packed index entries (steering.pack): rows 1, 3 and 4 are one group (first 1, last 4:
+    row 2 lies between them but is not a member), rows 6 and 7 another, after an add in the
+    second group's slot; a decoder layer's (hidden, residual) output is averaged as the
+    stream (hidden + residual). Every other row is untouched, and without groups the
+    tables give what they gave before."""
+    tables = steering.SteeringTables(["layers.0", "norm"], slots=4, max_tokens=8, hidden=HIDDEN,
+                                     dtype=torch.float32, device=torch.device("cpu"), means=True)
+    mean = P.WriteModule("layers.0", P.Positions(), "mean")
+    add = P.WriteModule("layers.0", P.Positions(), "add", np.full(HIDDEN, 2, "<f4").tobytes())
+    for table in (0, 1):
+        tables.compose(table, 1, [mean], lambda e: torch.zeros(HIDDEN))
+        tables.compose(table, 2, [add, mean], lambda e: torch.full((HIDDEN,), 2.0))
+    entries = [0, steering.pack(1, 1, 4), 0, steering.pack(1, 1, 4), steering.pack(1, 1, 4), 0,
+               steering.pack(2, 6, 7), steering.pack(2, 6, 7)]
+    tables.slots[:, 0] = torch.tensor(entries)
+    tables.slots[:, 1] = torch.tensor(entries)
+    gen = torch.Generator().manual_seed(0)
+    hidden, residual = torch.randn(8, HIDDEN, generator=gen), torch.randn(8, HIDDEN, generator=gen)
+    out, kept = tables.apply(0, (hidden.clone(), residual.clone()))
+    stream, new = hidden + residual, out + residual
+    torch.testing.assert_close(new[[1, 3, 4]], stream[[1, 3, 4]].mean(0, keepdim=True).expand(3, -1))
+    torch.testing.assert_close(new[[6, 7]], (stream[[6, 7]] + 2).mean(0, keepdim=True).expand(2, -1))
+    assert torch.equal(out[[0, 2, 5]], hidden[[0, 2, 5]]) and torch.equal(kept, residual)
+    normed, _ = tables.apply(1, (hidden.clone(), residual.clone()))  # the final norm: its output alone
+    torch.testing.assert_close(normed[[1, 3, 4]], hidden[[1, 3, 4]].mean(0, keepdim=True).expand(3, -1))
+    assert torch.equal(normed[[0, 2, 5]], hidden[[0, 2, 5]])
+    plain = steering.SteeringTables(["layers.0"], slots=4, max_tokens=8, hidden=HIDDEN, dtype=torch.float32,
+                                    device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="no mean ablations"):
+        plain.compose(0, 1, [mean], lambda e: torch.zeros(HIDDEN))
+    assert torch.equal(plain.apply(0, (hidden.clone(), residual.clone()))[0], hidden)

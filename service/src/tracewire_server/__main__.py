@@ -32,6 +32,7 @@ _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-ti
 def parse_args(argv: list[str]) -> ServerConfig:
     from .frontend.engine import (
         default_cpu_environment,
+        use_compiled_mean_ablation,
         use_compiled_module_reads,
         use_compiled_module_steering,
         use_compiled_pattern_reads,
@@ -209,6 +210,14 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "attention and MLP outputs get tables (embed_tokens and norm always do)",
     )
     group.add_argument(
+        "--compiled-mean-ablation",
+        action="store_true",
+        help="serve mean ablations (write_module's mean) on a compiled, CUDA-graph engine's write tables "
+        "(--compiled-steering, --compiled-unit-steering, --compiled-module-steering): the graph keeps a "
+        "running sum over each pass's rows per table. The default graph hooks include it (this flag alone "
+        "keeps the default)",
+    )
+    group.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -282,6 +291,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
     if args.compiled_module_steering:
         use_compiled_module_steering(engine_args, _layer_list(parser, "--compiled-module-steering",
                                                               args.compiled_module_steering))
+    if args.compiled_mean_ablation:
+        use_compiled_mean_ablation(engine_args)
     if args.graph_hook_bytes < 0:
         parser.error("--graph-hook-bytes must be >= 0 (0: no default graph hooks)")
     if not any(graph_flags.values()) and not engine_args.enforce_eager and args.pipeline_parallel_size == 1 \

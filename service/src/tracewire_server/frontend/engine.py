@@ -168,6 +168,7 @@ class Engine:
             pattern_readable_layers=frozenset(hooked[read_buffers.PATTERN_LAYERS]),
             readable_modules=frozenset(hooked.get(read_buffers.MODULE_LAYERS, ())),
             steerable_modules=frozenset(hooked.get(steering.MODULE_LAYERS, ())),
+            compiled_means=bool(hooked.get(steering.MEANS)),
             num_attention_heads=description.num_attention_heads,
             head_dim=description.head_dim,
             intermediate_size=description.intermediate_size,
@@ -340,6 +341,14 @@ def use_compiled_module_steering(engine_args: Any, layers: list[int] | None = No
     _graph_hooks(engine_args, steering.MODULE_LAYERS, layers)
 
 
+def use_compiled_mean_ablation(engine_args: Any) -> None:
+    """`--compiled-mean-ablation`: the compiled graph's write tables also take mean
+    ablations (steering.py: a running sum over the pass's rows per table, in the graph)."""
+    if engine_args.enforce_eager:
+        return
+    engine_args.additional_config = {**(engine_args.additional_config or {}), steering.MEANS: True}
+
+
 def use_default_graph_hooks(engine_args: Any, budget: int) -> graph_hooks.DefaultHooks | None:
     """No --compiled-* flag: the hooks graph_hooks.py chooses for this model within
     `budget` bytes, on every layer (a model that cannot take a kind starts without it:
@@ -361,6 +370,8 @@ def use_default_graph_hooks(engine_args: Any, budget: int) -> graph_hooks.Defaul
                                budget, units=engine_args.tensor_parallel_size == 1)
     for kind, _ in hooks.chosen:
         _graph_hooks(engine_args, kind.key, None)
+    if any(kind.writes for kind, _ in hooks.chosen):
+        use_compiled_mean_ablation(engine_args)
     if hooks.chosen:
         engine_args.additional_config = {**engine_args.additional_config, steering.DEFAULTED: True}
     return hooks

@@ -69,6 +69,11 @@ class HookKind:
     sites_per_layer: int = 1
     other_sites: int = 0
 
+    @property
+    def writes(self) -> bool:
+        """Write tables (which the default gives mean ablation too: no memory of its own)."""
+        return self.key in (steering.LAYERS, steering.UNIT_LAYERS, steering.MODULE_LAYERS)
+
     def bytes(self, shape: ModelShape, size: PassSize) -> int:
         """On every layer."""
         return (shape.num_layers * self.sites_per_layer + self.other_sites) * self.layer_bytes(shape, size)
@@ -115,7 +120,8 @@ class DefaultHooks:
     def describe(self, budget: int) -> str:
         """The start log's line."""
         if self.chosen:
-            head = (f"compiled graph hooks on every layer: {', '.join(k.what for k, _ in self.chosen)} "
+            means = " (with mean ablation)" if any(k.writes for k, _ in self.chosen) else ""
+            head = (f"compiled graph hooks on every layer: {', '.join(k.what for k, _ in self.chosen)}{means} "
                     f"({_mib(self.reserved)} of --graph-hook-bytes {_mib(budget)})")
         else:
             head = f"no compiled graph hooks fit --graph-hook-bytes {_mib(budget)}"

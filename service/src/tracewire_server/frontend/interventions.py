@@ -310,8 +310,13 @@ class InterventionCompiler:
             )
         if edit not in P.COMPILED_EDITS:
             raise FailedPrecondition(
-                f"{field}.op: this server's compiled engine serves add, replace, zero, patch and add_read "
+                f"{field}.op: this server's compiled engine serves add, replace, zero, mean, patch and add_read "
                 f"writes and dictionary steers, not {edit!r}; start it with --enforce-eager for it"
+            )
+        if edit == "mean" and not self.limits.compiled_means:
+            raise FailedPrecondition(
+                f"{field}.op: this server's compiled graph takes no mean ablations (--compiled-mean-ablation, "
+                "or --enforce-eager)"
             )
 
     def read_logit_lens(self, r: ipb.ReadLogitLens, field: str) -> P.Action:

@@ -69,6 +69,8 @@ class ModelLimits:
     # layers.L.mlp, norm: graph_layers.module_sites), by module path.
     readable_modules: frozenset[str] = frozenset()
     steerable_modules: frozenset[str] = frozenset()
+    # ... and with --compiled-mean-ablation its write tables take mean ablations.
+    compiled_means: bool = False
     # Units of the unit-addressed modules (plan.unit_kind): attention query heads of
     # head_dim each (o_proj's input), MLP neurons (down_proj's input).
     num_attention_heads: int = 0

@@ -415,9 +415,10 @@ class MaskLogits(msgspec.Struct, frozen=True, tag="mask_logits"):
 
 ModuleEdit = Literal["add", "replace", "zero", "mean", "patch", "add_read", "steer", "clamp"]
 # What a compiled engine's steering tables express (stream' = a * stream + b, steering.py;
-# a patch is a replace, an add_read an add, by the source's row); a mean depends on the
-# rows it averages and a clamp on the stream's own activations: eager engines only.
-COMPILED_EDITS: tuple[ModuleEdit, ...] = ("add", "replace", "zero", "steer", "patch", "add_read")
+# a patch is a replace, an add_read an add, by the source's row; a mean, with mean groups,
+# takes the mean of its rows first); a clamp depends on the stream's own activations
+# through the dictionary's encoder: eager engines only.
+COMPILED_EDITS: tuple[ModuleEdit, ...] = ("add", "replace", "zero", "steer", "patch", "add_read", "mean")
 
 
 def is_decoder_layer(path: str) -> bool:

@@ -34,6 +34,19 @@ The other addressable modules (`--compiled-module-steering`: the embeddings, att
 MLP outputs, the final norm) get SteeringTables of their own, a forward hook each on the
 module's output: `out' = a[slot] * out + b[slot]`, planned by one more SlotPlanner.
 
+Mean ablation (`--compiled-mean-ablation`, and in the default hooks) replaces a write's rows
+with their mean over the rows it selects in the pass, as the eager hooks do: an in-graph
+reduction, so each row's index entry also says where its group's rows begin and end
+(`pack`), and the graph takes the groups' sums from one running sum over the pass's rows:
+
+    z = mean of x over the row's group (rows start..end that are in a group), else x
+    stream' = a[slot] * z + b[slot]
+
+A request's rows are contiguous in the pass, and one mean write per request and module
+a pass keeps its group's rows apart from any other group's (steering_slots.py refuses the
+rest, for that request only). The other writes at those rows compose into the slot as
+ever: the same at every row of the group (also checked), so a*mean(x)+b = mean(a*x+b).
+
 Activation patching is a replace (or, add_read, an add) whose vector differs row by row:
 the source's stored row for that token (worker/patch_store.py). Such a row takes a patch
 slot of its own for one forward pass (`SlotPlanner.patch_slot`), composed like any other,
@@ -71,6 +84,8 @@ UNIT_LAYERS = "tracewire_unit_steering_tables"
 # ... and the decoder layers whose attention and MLP outputs get tables (with the
 # embeddings' and the final norm's: graph_layers.module_sites).
 MODULE_LAYERS = "tracewire_module_steering_tables"
+# ... and True: the write tables take mean groups (mean ablation, `pack`).
+MEANS = "tracewire_mean_ablation"
 # Set when the server chose the hooks itself (no --compiled-* flag: graph_hooks.py): a
 # model without the decoder stack they attach to starts without them instead of failing.
 DEFAULTED = "tracewire_graph_hooks_defaulted"
@@ -92,11 +107,13 @@ class SteeringTables(torch.nn.Module):
     with --compiled-module-steering the embeddings, attention and MLP outputs, final norm)."""
 
     def __init__(self, sites: list[str], slots: int, max_tokens: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device, patch_slots: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, patch_slots: int = 0, means: bool = False) -> None:
         """`sites`: module paths, in table order; `slots` in all, the last `patch_slots` of
-        them for patched rows (SlotCounts)."""
+        them for patched rows (SlotCounts); `means`: rows may be mean-ablated (`pack`)."""
         super().__init__()
+        _check_packable(slots, max_tokens)
         self.patch_slots = patch_slots
+        self.means = means
         self.sites = sites
         # decoder layer numbers among the sites (their output is the residual stream: `apply`)
         self.layers = [P.layer_number(path) for path in sites if P.is_decoder_layer(path)]
@@ -112,18 +129,23 @@ class SteeringTables(torch.nn.Module):
                              persistent=False)
 
     def apply(self, table: int, output: Any) -> Any:
-        slot = self.slots[: (output[0] if isinstance(output, tuple) else output).shape[0], table]
+        index = self.slots[: (output[0] if isinstance(output, tuple) else output).shape[0], table]
+        slot = index & SLOT_MASK if self.means else index
         a = self.scales[table].index_select(0, slot)
         b = self.vectors[table].index_select(0, slot)
         if not isinstance(output, tuple):  # the module returns the stream itself
-            return output * a + b
+            return (_with_means(index, output) if self.means else output) * a + b
         hidden, residual = output[0], output[1] if len(output) > 1 else None
         if residual is None or not self.streams[table]:  # (the final norm: its normed output)
-            return (hidden * a + b, *output[1:])
+            return ((_with_means(index, hidden) if self.means else hidden) * a + b, *output[1:])
         # vLLM's decoder layers return (hidden, residual) with the add deferred to the
         # next norm; the stream is their sum. Only `hidden` changes:
         # a*(h + r) + b - r = a*h + (a - 1)*r + b.
-        return (hidden * a + (a - 1) * residual + b, *output[1:])
+        out = hidden * a + (a - 1) * residual + b
+        if self.means:  # a mean row: a * mean(h + r) + b - r
+            in_group, mean = _group_means(index, hidden + residual)
+            out = torch.where(in_group, mean * a + b - residual, out)
+        return (out, *output[1:])
 
     def operand_like(self) -> torch.Tensor:
         """A tensor of the tables' device and dtype (what write operands are made as)."""
@@ -137,6 +159,10 @@ class SteeringTables(torch.nn.Module):
         each applied to what the ones before left."""
         a, b = 1.0, torch.zeros_like(self.vectors[table, 0])
         for edit in edits:
+            if edit.edit == "mean":
+                if not self.means:
+                    raise ValueError("these tables take no mean ablations")
+                continue  # the graph takes the rows' mean first (`pack`): the rest applies to it
             if edit.edit in ("add", "steer", "add_read"):
                 b = b + vector(edit)
             elif edit.edit in ("replace", "patch"):
@@ -155,11 +181,14 @@ class UnitTables(torch.nn.Module):
     buffer each, for the reason ReadBuffers' docstring gives (read_buffers.py)."""
 
     def __init__(self, sites: list[tuple[str, int, int]], slots: int, max_tokens: int,
-                 dtype: torch.dtype, device: torch.device, patch_slots: int = 0) -> None:
-        """`sites`: (unit address, input width, one unit's width) each; `slots` and
-        `patch_slots` as SteeringTables takes them."""
+                 dtype: torch.dtype, device: torch.device, patch_slots: int = 0, means: bool = False) -> None:
+        """`sites`: (unit address, input width, one unit's width) each; `slots`,
+        `patch_slots` and `means` as SteeringTables takes them (with means, a slot also
+        says which columns its mean ablation takes: masks_t)."""
         super().__init__()
+        _check_packable(slots, max_tokens)
         self.patch_slots = patch_slots
+        self.means = means
         self.names = [path for path, _, _ in sites]  # unit addresses, in table order
         self.table_of = {path: t for t, path in enumerate(self.names)}
         self.unit_widths = [unit_width for _, _, unit_width in sites]
@@ -168,6 +197,9 @@ class UnitTables(torch.nn.Module):
             self.register_buffer(f"scales_{t}", torch.ones(slots, width, dtype=dtype, device=device), persistent=False)
             self.register_buffer(f"vectors_{t}", torch.zeros(slots, width, dtype=dtype, device=device),
                                  persistent=False)
+            if means:
+                self.register_buffer(f"masks_{t}", torch.zeros(slots, width, dtype=dtype, device=device),
+                                     persistent=False)
         self.register_buffer("slots", torch.zeros(max_tokens, len(sites), dtype=torch.long, device=device),
                              persistent=False)
 
@@ -181,8 +213,14 @@ class UnitTables(torch.nn.Module):
         """In the graph, a forward pre-hook: the module's input through its rows' slots."""
         x = args[0]
         scales, vectors = self.tables(table)
-        slot = self.slots[: x.shape[0], table]
-        return (x * scales.index_select(0, slot) + vectors.index_select(0, slot), *args[1:])
+        index = self.slots[: x.shape[0], table]
+        if not self.means:
+            return (x * scales.index_select(0, index) + vectors.index_select(0, index), *args[1:])
+        slot = index & SLOT_MASK
+        in_group, mean = _group_means(index, x)
+        taken = getattr(self, f"masks_{table}").index_select(0, slot) > 0  # the mean's columns
+        z = torch.where(in_group & taken, mean, x)
+        return (z * scales.index_select(0, slot) + vectors.index_select(0, slot), *args[1:])
 
     def compose(self, table: int, slot: int, edits: list[P.WriteModule],
                 vector: Callable[[P.WriteModule], torch.Tensor]) -> None:
@@ -195,9 +233,15 @@ class UnitTables(torch.nn.Module):
         unit_width = self.unit_widths[table]
         a = torch.ones_like(scales[0]).view(-1, unit_width)  # [units, unit width]
         b = torch.zeros_like(vectors[0]).view(-1, unit_width)
+        mask = torch.zeros_like(a)
         for edit in edits:
             units = list(edit.units) if edit.units is not None else list(range(a.shape[0]))
             index = torch.tensor(units, dtype=torch.long, device=a.device)
+            if edit.edit == "mean":  # (the graph takes the mean first: steering_slots.py checks the order)
+                if not self.means:
+                    raise ValueError("these unit tables take no mean ablations")
+                mask[index] = 1
+                continue
             if edit.edit == "zero":
                 a[index], b[index] = 0, 0
                 continue
@@ -206,13 +250,53 @@ class UnitTables(torch.nn.Module):
             elif edit.edit in ("add", "replace"):  # (dictionaries never read unit addresses)
                 v = vector(edit).to(b.dtype).view(-1, unit_width).expand(len(units), unit_width)
             else:
-                raise ValueError(f"unit tables write add / replace / zero / patch / add_read, not {edit.edit!r}")
+                raise ValueError(f"unit tables write add / replace / zero / mean / patch / add_read, not {edit.edit!r}")
             if edit.edit in ("add", "add_read"):
                 b[index] = b[index] + v
             else:  # replace / patch
                 a[index], b[index] = 0, v
         scales[slot].copy_(a.reshape(-1))
         vectors[slot].copy_(b.reshape(-1))
+        if self.means:
+            getattr(self, f"masks_{table}")[slot].copy_(mask.reshape(-1))
+
+
+# A row's entry in a table's index (tables with means): its slot in the low bits, then its
+# mean group's first flat row, then that group's last row + 1 (0: the row is in no group).
+PACK_BITS = 21
+SLOT_MASK = (1 << PACK_BITS) - 1
+
+
+def pack(slot: int, first: int = 0, last: int = -1) -> int:
+    """A row's index entry: `slot`, and the rows first..last of its mean group (none: -1)."""
+    return slot | first << PACK_BITS | (last + 1) << (2 * PACK_BITS)
+
+
+def _check_packable(slots: int, max_tokens: int) -> None:
+    if slots > SLOT_MASK or max_tokens > SLOT_MASK:
+        raise ValueError(f"tables of {slots} slots for {max_tokens}-row passes: at most {SLOT_MASK} each")
+
+
+def _group_means(index: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In the graph: whether each row is in a mean group ([rows, 1]), and its group's mean
+    ([rows, width], x's dtype; anything for the others). One running sum over the pass's
+    rows of the groups' members: a group's sum is the difference of it at its ends (fp32)."""
+    first = (index >> PACK_BITS) & SLOT_MASK
+    end = index >> (2 * PACK_BITS)  # last + 1; 0: no group
+    member = (end > 0).unsqueeze(1)
+    running = torch.cumsum(torch.where(member, x.float(), 0.0), 0)
+    counts = torch.cumsum(member.float(), 0)
+    last = (end - 1).clamp_min(0)
+    before = (first - 1).clamp_min(0)
+    has_before = (first > 0).unsqueeze(1)
+    total = running.index_select(0, last) - torch.where(has_before, running.index_select(0, before), 0.0)
+    count = counts.index_select(0, last) - torch.where(has_before, counts.index_select(0, before), 0.0)
+    return member, (total / count.clamp_min(1.0)).to(x.dtype)
+
+
+def _with_means(index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    member, mean = _group_means(index, x)
+    return torch.where(member, mean, x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +333,10 @@ def _slots(vllm_config: Any) -> SlotCounts:
     return SlotCounts(int(vllm_config.scheduler_config.max_num_seqs))
 
 
+def _means(vllm_config: Any) -> bool:
+    return bool((vllm_config.additional_config or {}).get(MEANS))
+
+
 def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
     """Register the tables on `model`'s decoder layers, all or those the config lists
     (before its first forward pass compiles it); None when it lists none."""
@@ -282,7 +370,8 @@ def _stream_tables(model: torch.nn.Module, vllm_config: Any, sites: list[str]) -
     counts = _slots(vllm_config)
     return SteeringTables(sites, slots=counts.total, max_tokens=max_tokens(vllm_config),
                           hidden=int(vllm_config.model_config.get_hidden_size()),
-                          dtype=weight.dtype, device=weight.device, patch_slots=counts.patch)
+                          dtype=weight.dtype, device=weight.device, patch_slots=counts.patch,
+                          means=_means(vllm_config))
 
 
 def find(model: Any) -> SteeringTables | None:
@@ -305,7 +394,8 @@ def attach_units(model: torch.nn.Module, vllm_config: Any) -> UnitTables | None:
     weight = next(model.parameters())
     counts = _slots(vllm_config)
     tables = UnitTables([(path, unit.width, unit.unit_width) for path, (_, unit) in inputs.items()],
-                        counts.total, max_tokens(vllm_config), weight.dtype, weight.device, counts.patch)
+                        counts.total, max_tokens(vllm_config), weight.dtype, weight.device, counts.patch,
+                        _means(vllm_config))
     inner.tracewire_unit_steering = tables
     for table, (module, _) in enumerate(inputs.values()):
         module.register_forward_pre_hook(lambda module, args, table=table: tables.apply(table, args))
@@ -366,6 +456,9 @@ def attached(model: Any) -> dict[str, list[Any]]:
         read_buffers.PATTERN_LAYERS: sorted(reads.attention) if reads is not None else [],
         # (module sites: their paths, the embeddings' and final norm's among them)
         MODULE_LAYERS: sorted(modules.sites) if modules is not None else [],
+        # (mean ablation: the kinds of write table that take it)
+        MEANS: [key for key, t in ((LAYERS, tables), (UNIT_LAYERS, units), (MODULE_LAYERS, modules))
+                if t is not None and t.means],
         read_buffers.MODULE_LAYERS: sorted(reads.modules) if reads is not None else [],
     }
 

@@ -45,6 +45,44 @@ class Placed(NamedTuple):
 log = logging.getLogger(f"vllm.{__name__}")
 
 
+def _mean_groups(seq: Sequence, by_row: dict[tuple[int, int, int], list[Placed]]
+                 ) -> dict[tuple[int, int, int], tuple[int, int]] | None:
+    """The mean groups of one request's rows in this pass: (planner, table, row) -> the
+    group's first and last flat row, for each row of a mean write over two rows or more
+    (the mean of one row is the row). The graph takes a group's mean over its members
+    between its ends (steering.pack), which holds when a request has one mean group at a
+    table in a pass and the writes at its rows are the same; anything else fails this
+    request (None), naming the write."""
+    members: dict[tuple[int, int, int, int], list[int]] = {}  # (planner, table, write, step) -> rows
+    for (p, table, row), placed in by_row.items():
+        means = [w for w in placed if w.write.edit == "mean"]
+        if not means:
+            continue
+        if len(means) > 1 or any(w.write.ref is not None for w in placed):
+            seq.error = seq.error or (
+                f"mean of {means[0].write.module}: on a compiled engine a row takes one mean ablation and no "
+                "patch in a forward pass (--enforce-eager serves the rest)")
+            return None
+        members.setdefault((p, table, id(means[0].write), means[0].step), []).append(row)
+    found: dict[tuple[int, int, int], tuple[int, int]] = {}
+    tables_grouped: set[tuple[int, int]] = set()
+    for (p, table, _, _), rows in members.items():
+        if len(rows) < 2:
+            continue
+        first_writes = [id(w.write) for w in by_row[(p, table, rows[0])]]
+        module = by_row[(p, table, rows[0])][0].write.module
+        if (p, table) in tables_grouped or any(
+                [id(w.write) for w in by_row[(p, table, row)]] != first_writes for row in rows):
+            seq.error = seq.error or (
+                f"mean of {module}: on a compiled engine a request's mean ablations at one module in a forward pass "
+                "are one write, and its other writes there cover all of the mean's positions or none "
+                "(--enforce-eager serves the rest)")
+            return None
+        tables_grouped.add((p, table))
+        found.update({(p, table, row): (min(rows), max(rows)) for row in rows})
+    return found
+
+
 class SteeringSlots:
     """Fills the compiled graph's steering tables before each forward pass."""
 
@@ -164,7 +202,8 @@ class SteeringSlots:
                     seq.applied.add((seq.step, k))
                     for row, position in zip(op_rows, positions, strict=True):
                         by_row.setdefault((*where, row), []).append(Placed(op.action, seq.step, position))
-            for (p, table, row), placed in by_row.items():
+            groups = _mean_groups(seq, by_row)
+            for (p, table, row), placed in by_row.items() if groups is not None else ():
                 if any(w.write.ref is not None for w in placed):
                     slot = self._patch_slot(seq, p, table, placed)
                 else:
@@ -174,7 +213,8 @@ class SteeringSlots:
                 rows, tables, slots = fills[p]
                 rows.append(row)
                 tables.append(table)
-                slots.append(slot)
+                group = groups.get((p, table, row))  # type: ignore[union-attr]
+                slots.append(slot if group is None else steering.pack(slot, *group))
         return repeatable
 
     def _steady_slots(self, req_id: str, seq: Sequence) -> list[tuple[int, int, int]] | None:
