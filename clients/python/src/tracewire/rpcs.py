@@ -89,6 +89,12 @@ class ModelInfo:
     unit_steerable_layers: list[int] = field(default_factory=list)
     # The layers whose attention patterns a compiled engine serves (--compiled-pattern-reads).
     pattern_readable_layers: list[int] = field(default_factory=list)
+    # The other modules (embed_tokens, layers.L.self_attn, layers.L.mlp, norm) a compiled
+    # engine reads / writes (--compiled-module-reads / --compiled-module-steering), and
+    # whether its write tables take mean ablations (--compiled-mean-ablation).
+    readable_modules: list[str] = field(default_factory=list)
+    steerable_modules: list[str] = field(default_factory=list)
+    compiled_mean_ablation: bool = False
     # Pipeline stages and the first decoder layer of each (the logit lens and conditions
     # read only the last stage's layers); 1 and [0] without stages (and from an older server).
     pipeline_parallel_size: int = 1
@@ -216,6 +222,9 @@ def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
         unit_readable_layers=list(r.unit_readable_layers),
         unit_steerable_layers=list(r.unit_steerable_layers),
         pattern_readable_layers=list(r.pattern_readable_layers),
+        readable_modules=list(r.readable_modules),
+        steerable_modules=list(r.steerable_modules),
+        compiled_mean_ablation=r.compiled_mean_ablation,
         pipeline_parallel_size=r.pipeline_parallel_size or 1,
         stage_first_layers=list(r.stage_first_layers) or [0],
         max_lens_rows=r.max_lens_rows,

@@ -444,7 +444,7 @@ class InterventionCompiler:
 
     def module_path(self, path: str, field: str) -> None:
         if path not in self.limits.modules:
-            known = ", ".join(sorted(self.limits.modules, key=_module_order)[:8])
+            known = ", ".join(sorted(self.limits.modules, key=P.module_order)[:8])
             raise InvalidArgument(field, f"unknown module {path!r}; GetModelInfo lists them ({known}, ...)")
 
     def read_module(self, r: ipb.ReadModule, field: str) -> P.Action:
@@ -646,11 +646,6 @@ def _kept_at(modules: frozenset[str]) -> str:
     """_kept_on for module sites: their paths, in model order (a few, then a count)."""
     if not modules:
         return "on no module"
-    paths = sorted(modules, key=_module_order)
+    paths = sorted(modules, key=P.module_order)
     shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
     return f"of {shown} only"
-
-
-def _module_order(path: str) -> tuple[int, str]:
-    parts = path.split(".")
-    return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1, path)

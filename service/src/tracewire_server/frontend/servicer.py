@@ -22,6 +22,7 @@ from grpc_status import rpc_status
 from tracewire.v1 import dictionary_pb2, service_pb2, service_pb2_grpc
 
 from .. import __version__
+from ..shared import plan as P
 from ..shared.limits import EngineMode
 from . import outputs, vllm_compat
 from .auth import TokenTable
@@ -439,6 +440,9 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             readable_layers=sorted(engine.limits.readable_layers),
             unit_readable_layers=sorted(engine.limits.unit_readable_layers),
             pattern_readable_layers=sorted(engine.limits.pattern_readable_layers),
+            readable_modules=sorted(engine.limits.readable_modules, key=P.module_order),
+            steerable_modules=sorted(engine.limits.steerable_modules, key=P.module_order),
+            compiled_mean_ablation=engine.limits.compiled_means,
             unit_steerable_layers=sorted(engine.limits.unit_steerable_layers),
             pipeline_parallel_size=engine.limits.pipeline_parallel_size,
             stage_first_layers=list(engine.limits.stage_first_layers),

@@ -426,6 +426,15 @@ def is_decoder_layer(path: str) -> bool:
     return path.startswith("layers.") and path.count(".") == 1
 
 
+def module_order(path: str) -> tuple[int, str]:
+    """A sort key for module paths: the embeddings, the layers by number (each layer's own
+    modules after it, by name), then the final norm and lm_head."""
+    parts = path.split(".")
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        return (int(parts[1]), path)
+    return (-1 if path == "embed_tokens" else 1 << 30, path)
+
+
 def layer_number(path: str) -> int:
     return int(path.split(".")[1])
 
