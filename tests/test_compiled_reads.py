@@ -254,14 +254,14 @@ def test_head_and_neuron_reads_at_prompt_positions_and_every_step_equal_hf_and_t
 def test_what_the_read_buffers_cannot_read_is_refused_naming_the_field(gstub, bstub):
     cases = [
         (iv("h", read_module=I.ReadModule(module="layers.3")), "read_module.module", "layers 0, 1, 2 only"),
-        (iv("h", read_module=I.ReadModule(module="layers.1.mlp")), "read_module.module", "decoder layers"),
+        (iv("h", read_module=I.ReadModule(module="layers.3.mlp")), "read_module.module",
+         "'layers.3.mlp' (--compiled-module-reads LAYERS"),
         (iv("h", read_module=I.ReadModule(module="layers.3.self_attn.heads")), "read_module.module",
          "heads and MLP neurons in read buffers on layers 0, 1, 2 only"),
         (iv("h", read_module=I.ReadModule(module="layers.3.mlp.act")), "read_module.module",
          "'layers.3.mlp.act' (--compiled-unit-reads LAYERS"),
         (iv(write_module=I.WriteModule(module="layers.3.mlp.act", zero=I.ZeroAblation())), "write_module.module",
          "'layers.3.mlp.act' (--compiled-unit-steering LAYERS"),
-        (iv("h", read_module=I.ReadModule(module="embed_tokens")), "read_module.module", "decoder layers"),
         (iv("l", read_logit_lens=I.ReadLogitLens(layers=[1, -1])), "read_logit_lens.layers[1]",
          "'layers.3' (--compiled-reads LAYERS)"),
         (iv("p", read_attention_pattern=I.ReadAttentionPattern(layers=[3])), "read_attention_pattern.layers[0]",
