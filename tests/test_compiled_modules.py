@@ -49,7 +49,7 @@ def hf_logits_editing(hf, ids, edits):
             h.remove()
 
 
-def test_module_outputs_at_prompt_positions_and_every_step_equal_hf(mstub, hf):
+def check_module_outputs(mstub, hf):
     result = run(mstub, trace(invoke(PROMPT, *[iv(p, read_module=prompt_read(p)) for p in SITES],
                                      *[iv(f"new {p}", read_module=I.ReadModule(module=p)) for p in SITES[1::2]]),
                               max_tokens=3, **GREEDY))
@@ -71,7 +71,7 @@ def _at(*positions):
     return I.Positions(prompt_list=I.PositionList(positions=list(positions)))
 
 
-def test_writes_of_each_module_kind_equal_hfs_hooks(mstub, hf):
+def check_module_writes(mstub, hf):
     """An add on the MLP's output at every new token, a replace of two embeddings, a zero of
     an attention output, an add on the final norm's output: the logits at every step."""
     rng = np.random.default_rng(5)
@@ -193,7 +193,7 @@ def _hf_logits_with_unit_means(hf, ids, heads, neurons):
             h.remove()
 
 
-def test_mean_ablations_of_a_layer_after_a_steer_and_of_an_mlp_output_equal_hf(mstub, hf):
+def check_layer_and_module_means(mstub, hf):
     """A mean over prompt positions 1-3 of layers.1 after an add at every prompt position
     there (mean(x + v) = mean(x) + v, composed in the same slot), and one over positions 0
     and 4 of layers.2.mlp: step 0's logits."""
@@ -303,3 +303,15 @@ def test_model_info_says_which_modules_and_whether_means_each_server_serves(grap
         with tw.Client(proc.target, timeout=60) as client:
             info = client.model_info()
         assert (info.readable_modules, info.steerable_modules, info.compiled_mean_ablation) == expected[name], name
+
+
+def test_module_outputs_at_prompt_positions_and_every_step_equal_hf(mstub, hf):
+    check_module_outputs(mstub, hf)
+
+
+def test_writes_of_each_module_kind_equal_hfs_hooks(mstub, hf):
+    check_module_writes(mstub, hf)
+
+
+def test_mean_ablations_of_a_layer_after_a_steer_and_of_an_mlp_output_equal_hf(mstub, hf):
+    check_layer_and_module_means(mstub, hf)

@@ -70,6 +70,8 @@ EAGER_SPECS = {name: ServerSpec(name, (*setting.flags, "--enforce-eager", "--dis
                for name, setting in SETTINGS.items()}
 COMPILED_TP2 = ServerSpec("tp2-compiled", ("--tensor-parallel-size", "2", "--compiled-reads", "--compiled-steering",
                                            "--compiled-unit-reads", "--compiled-unit-steering",
+                                           "--compiled-module-reads", "--compiled-module-steering",
+                                           "--compiled-mean-ablation",
                                            "--distributed-executor-backend", "mp"),
                           env=ONE_CORE_EACH)
 pytestmark = servers(*EAGER_SPECS.values())
@@ -344,7 +346,9 @@ def test_compiled_reads_and_steering_under_tensor_parallel(hf):
     reads see the write, the lens gathers the vocab-parallel lm_head. Heads and neurons,
     which TP=1 serves from the unit buffers, each rank holds only part of: refused naming
     the field, as on the eager TP=2 engine. Activation patching of layers: each rank keeps
-    the source's rows and patches through its own tables."""
+    the source's rows and patches through its own tables. The other modules' outputs (whole
+    on every rank: their linears reduce) are read, written and mean-ablated as at TP=1."""
+    from test_compiled_modules import check_layer_and_module_means, check_module_outputs, check_module_writes
     from test_compiled_reads import _hf_steered_outputs
     from test_hidden_states import prompt_read
     from test_patching import check_prompt_position_patches
@@ -352,7 +356,11 @@ def test_compiled_reads_and_steering_under_tensor_parallel(hf):
     proc = take(COMPILED_TP2)
     try:
         with grpc.insecure_channel(proc.target) as channel:
-            check_prompt_position_patches(service_pb2_grpc.TraceServiceStub(channel), hf)
+            stub = service_pb2_grpc.TraceServiceStub(channel)
+            check_prompt_position_patches(stub, hf)
+            check_module_outputs(stub, hf)
+            check_module_writes(stub, hf)
+            check_layer_and_module_means(stub, hf)
         vector = np.random.default_rng(11).normal(size=hf.model.config.hidden_size).astype(np.float32) * 4.0
         with grpc.insecure_channel(proc.target) as channel:
             result = run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(
