@@ -366,6 +366,7 @@ ALLOWED_HOST = "dash.example.test"
 GRAPH_ARGS = ("--compiled-steering", "0,1,2", "--compiled-reads", "0,1,2", "--compiled-unit-reads", "0,1,2",
               "--compiled-unit-steering", "0,1,2", "--compiled-pattern-reads", "0,1,2",
               "--compiled-module-reads", "0,1,2", "--compiled-module-steering", "0,1,2", "--compiled-mean-ablation",
+              "--compiled-dictionary-clamps", "0,1,2",
               "--max-num-batched-tokens", "64")
 
 

@@ -358,8 +358,8 @@ def test_module_reads_name_known_modules():
     e = refused(InvalidArgument, f"{F}.read_module.module", "unknown module 'layers.9'", "GetModelInfo",
                 call=lambda: one(iv("r", read_module=I.ReadModule(module="layers.9"))))
     # the first eight, in model order
-    assert "(embed_tokens, norm, layers.0, layers.0.mlp, layers.0.self_attn, layers.1, layers.1.mlp, " \
-           "layers.1.self_attn, ...)" in e.message
+    assert "(embed_tokens, layers.0, layers.0.mlp, layers.0.self_attn, layers.1, layers.1.mlp, " \
+           "layers.1.self_attn, layers.2, ...)" in e.message
     assert ops(iv("r", read_module=I.ReadModule(module="layers.2.mlp", reduction=I.REDUCTION_MEAN)))[0].action == \
         P.ReadModule("layers.2.mlp", P.Positions(), mean=True)
 
@@ -499,10 +499,10 @@ def test_compiled_module_buffers_and_tables_serve_their_modules_and_name_the_fla
                                        write("embed_tokens"), limits=MODULES)]
     assert [a.module for a in actions] == ["norm", "layers.1.mlp", "layers.1.self_attn", "embed_tokens"]
     precondition(read("layers.1.self_attn"), f"{F}.read_module.module",
-                 "module outputs in read buffers of embed_tokens, norm, layers.1.mlp only, not 'layers.1.self_attn'",
+                 "module outputs in read buffers of embed_tokens, layers.1.mlp, norm only, not 'layers.1.self_attn'",
                  "--compiled-module-reads", limits=MODULES)
     precondition(write("layers.1.mlp"), f"{F}.write_module.module",
-                 "write tables for module outputs of embed_tokens, norm, layers.1.self_attn only, not 'layers.1.mlp'",
+                 "write tables for module outputs of embed_tokens, layers.1.self_attn, norm only, not 'layers.1.mlp'",
                  "--compiled-module-steering", limits=MODULES)
 
 

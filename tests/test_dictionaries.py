@@ -213,8 +213,8 @@ def test_feature_steering_equals_an_hf_hook(estub, hf):
 def test_feature_steering_on_a_compiled_server_equals_an_hf_hook(graph, hf):
     """A steer is an add of its features' directions: a compiled server's steering tables
     serve it (conftest's `graph`: tables on layers 0-2, the SAE on layers.2), two traces
-    steering different features at once each get their own slot; a clamp (its delta
-    depends on the row's activations) is refused naming the field."""
+    steering different features at once each get their own slot (clamps there:
+    test_clamps_on_a_compiled_server_equal_an_hf_hook)."""
     w_dec = torch.from_numpy(WEIGHTS["t-sae"][1]["W_dec"])
     spec, tensors = WEIGHTS["t-sae"]
     with grpc.insecure_channel(graph.target) as channel:
@@ -229,10 +229,6 @@ def test_feature_steering_on_a_compiled_server_equals_an_hf_hook(graph, hf):
                 results = list(pool.map(lambda w: _steered(gstub, w, 5), [w for w, _ in runs]))
             tokens = [_check_steered(result, hf, e, 5) for result, (_, e) in zip(results, runs, strict=True)]
             assert tokens[0] != hf.greedy(hf.encode(PROMPT), 5) and tokens[0] != tokens[1]
-            code, details = _status(gstub, iv(write_dictionary=I.WriteDictionary(dictionary="t-sae", features=[2],
-                                                                                clamp=25.0)))
-            assert code == grpc.StatusCode.FAILED_PRECONDITION, details
-            assert "interventions[0].write_dictionary.op" in details and "'clamp'" in details, details
         finally:
             gstub.DeleteDictionary(D.DeleteDictionaryRequest(name="t-sae"), timeout=30)
 
@@ -253,6 +249,45 @@ def test_clamp_and_ablate_equal_an_hf_hook(estub, hf):
     top = int(np.argmax(values_np("t-sae", hf_streams(hf, hf.encode(PROMPT))[1][[-1]])[0]))
     _steered_run(estub, hf, I.WriteDictionary(dictionary="t-sae", features=[top], ablate=I.FeatureAblation()),
                  _clamp("t-sae", [top], 0.0), steps_n=3)
+
+
+def test_clamps_on_a_compiled_server_equal_an_hf_hook(graph, hf):
+    """Clamps and ablations through the graph's clamp columns (conftest's `graph`: on layers
+    0-2, the SAEs on layers.2): a ReLU SAE with its decoder bias subtracted, a JumpReLU one,
+    two traces clamping different features at once, then more features one after another
+    than a table has columns (they come back when traces end). A top-k SAE's clamp, and a
+    write of more features than a slot holds, are refused naming the field."""
+    with grpc.insecure_channel(graph.target) as channel:
+        gstub = service_pb2_grpc.TraceServiceStub(channel)
+        for name in ("t-sae", "t-jump", "t-topk"):
+            register(gstub, name, *WEIGHTS[name])
+        try:
+            runs = [(I.WriteDictionary(dictionary="t-sae", features=[2, 11], clamp=25.0),
+                     _clamp("t-sae", [2, 11], 25.0)),
+                    (I.WriteDictionary(dictionary="t-jump", features=[4], clamp=-12.0),
+                     _clamp("t-jump", [4], -12.0))]
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both in the engine at once
+                results = list(pool.map(lambda w: _steered(gstub, w, 4), [w for w, _ in runs]))
+            tokens = [_check_steered(result, hf, e, 4) for result, (_, e) in zip(results, runs, strict=True)]
+            assert tokens[0] != hf.greedy(hf.encode(PROMPT), 4)
+            top = int(np.argmax(values_np("t-sae", hf_streams(hf, hf.encode(PROMPT))[1][[-1]])[0]))
+            _steered_run(gstub, hf, I.WriteDictionary(dictionary="t-sae", features=[top], ablate=I.FeatureAblation()),
+                         _clamp("t-sae", [top], 0.0), steps_n=2)
+            for k in range(10):  # 80 features in all, over a table's 64 columns
+                features = list(range(8 * k, 8 * k + 8))
+                _steered_run(gstub, hf, I.WriteDictionary(dictionary="t-sae", features=features, clamp=3.0),
+                             _clamp("t-sae", features, 3.0), steps_n=1)
+            for write, field, says in (
+                    (I.WriteDictionary(dictionary="t-topk", features=[1], clamp=2.0), "write_dictionary.clamp",
+                     "top-k SAE"),
+                    (I.WriteDictionary(dictionary="t-sae", features=list(range(9)), clamp=2.0),
+                     "write_dictionary.features", "at most 8 features")):
+                code, details = _status(gstub, iv(write_dictionary=write))
+                assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+                assert f"interventions[0].{field}" in details and says in details, details
+        finally:
+            for name in ("t-sae", "t-jump", "t-topk"):
+                gstub.DeleteDictionary(D.DeleteDictionaryRequest(name=name), timeout=30)
 
 
 def _probe_threshold(hf, n_steps):
@@ -335,19 +370,21 @@ def test_bad_dictionary_interventions_name_the_field(estub, intervention, field)
     assert run(estub, trace(invoke(PROMPT, iv("p", read_dictionary=read("t-probe"))), max_tokens=2)).values("p")
 
 
-def test_the_default_compiled_server_reads_dictionaries_and_refuses_their_writes(stub):
+def test_the_default_compiled_server_reads_steers_and_clamps_dictionaries(stub, hf):
     # The dictionary exists on this server (an unknown one is INVALID_ARGUMENT on every
     # engine kind). The default graph keeps every layer (a read is served: test_compiled_reads
-    # checks its values against transformers); a write of features has no table there.
+    # checks its values against transformers) and the tiny model's default hooks clamp there.
+    register(stub, "t-sae", *WEIGHTS["t-sae"])
+    try:
+        _steered_run(stub, hf, I.WriteDictionary(dictionary="t-sae", features=[2, 11], clamp=25.0),
+                     _clamp("t-sae", [2, 11], 25.0), steps_n=2)
+    finally:
+        stub.DeleteDictionary(D.DeleteDictionaryRequest(name="t-sae"), timeout=30)
     spec, tensors = WEIGHTS["t-probe"]
     register(stub, "t-compiled-probe", spec, tensors)
     try:
         result = run(stub, trace(invoke(PROMPT, iv("r", read_dictionary=read("t-compiled-probe"))), max_tokens=2))
         assert len(result.values("r")) == 2 and np.isfinite(np.asarray(result.values("r"))).all()
-        # (the SAE shipped with the model, which the default server serves)
-        code, details = _status(stub, iv(write_dictionary=I.WriteDictionary(dictionary="res-l2-sae",
-                                                                         features=[1], clamp=2.0)))
-        assert code == grpc.StatusCode.FAILED_PRECONDITION and "write_dictionary" in details, details
         code, details = _status(stub, iv("r", read_dictionary=read("t-unregistered")))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "read_dictionary.dictionary" in details
     finally:

@@ -34,9 +34,9 @@ def _allocated(layers: int, size: G.PassSize, dtype: torch.dtype) -> dict[str, i
     cpu = torch.device("cpu")
     modules = ["embed_tokens", *[f"layers.{layer}.{part}" for layer in range(layers) for part in ("self_attn", "mlp")],
                "norm"]
+    layer_sites = [f"layers.{layer}" for layer in range(layers)]
     return {
-        steering.LAYERS: nbytes(steering.SteeringTables([f"layers.{layer}" for layer in range(layers)], size.slots,
-                                                        size.tokens, 256, dtype, cpu)),
+        steering.LAYERS: nbytes(steering.SteeringTables(layer_sites, size.slots, size.tokens, 256, dtype, cpu)),
         read_buffers.LAYERS: nbytes(read_buffers.ReadBuffers(list(range(layers)), size.tokens, 256, dtype, cpu)),
         steering.UNIT_LAYERS: nbytes(steering.UnitTables(sites, size.slots, size.tokens, dtype, cpu)),
         read_buffers.UNIT_LAYERS: nbytes(read_buffers.ReadBuffers([], size.tokens, 256, dtype, cpu, units)),
@@ -46,6 +46,10 @@ def _allocated(layers: int, size: G.PassSize, dtype: torch.dtype) -> dict[str, i
         steering.MODULE_LAYERS: nbytes(steering.SteeringTables(modules, size.slots, size.tokens, 256, dtype, cpu)),
         read_buffers.MODULE_LAYERS: nbytes(read_buffers.ReadBuffers([], size.tokens, 256, dtype, cpu,
                                                                     modules=modules)),
+        # (the clamp columns of layer tables: theirs less the tables without clamps)
+        steering.CLAMP_LAYERS: nbytes(steering.SteeringTables(layer_sites, size.slots, size.tokens, 256, dtype, cpu,
+                                                              clamp_sites=layer_sites))
+        - nbytes(steering.SteeringTables(layer_sites, size.slots, size.tokens, 256, dtype, cpu)),
     }
 
 
@@ -55,7 +59,8 @@ def test_the_estimate_is_what_the_hook_modules_allocate(tokens: int, seqs: int) 
     chosen = G.choose(TINY, size, budget=1 << 40).chosen
     assert [kind.flag for kind, _ in chosen] == [
         "--compiled-steering", "--compiled-reads", "--compiled-unit-steering", "--compiled-unit-reads",
-        "--compiled-pattern-reads", "--compiled-module-steering", "--compiled-module-reads"]
+        "--compiled-pattern-reads", "--compiled-module-steering", "--compiled-module-reads",
+        "--compiled-dictionary-clamps"]
     real = _allocated(4, size, torch.bfloat16)
     assert {kind.key: cost for kind, cost in chosen} == real
 
@@ -71,6 +76,7 @@ def test_kinds_are_taken_in_order_while_the_total_fits() -> None:
     assert costs["--compiled-module-steering"] < costs["--compiled-unit-steering"] < costs["--compiled-module-reads"]
     assert [kind.flag for kind, _ in hooks.chosen] == [
         "--compiled-steering", "--compiled-reads", "--compiled-module-steering"]
+    # (dictionary clamps, cheap in memory, only where every kind before them fit: not here)
     assert [(kind.flag, cost) for kind, cost in hooks.left] == [
         ("--compiled-unit-steering", costs["--compiled-unit-steering"]),
         ("--compiled-unit-reads", costs["--compiled-unit-reads"]),
@@ -108,7 +114,8 @@ def test_tensor_parallel_engines_reserve_nothing_for_heads_and_neurons() -> None
     """The compiler refuses unit interventions at tensor-parallel size > 1: no memory for them."""
     hooks = G.choose(TINY, G.pass_size(64, 8), budget=1 << 40, units=False)
     assert [kind.flag for kind, _ in hooks.chosen] == ["--compiled-steering", "--compiled-reads",
-                                                       "--compiled-module-steering", "--compiled-module-reads"]
+                                                       "--compiled-module-steering", "--compiled-module-reads",
+                                                       "--compiled-dictionary-clamps"]
     assert hooks.left == ()
 
 
@@ -140,7 +147,8 @@ def _vllm_config(**extra: object) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         additional_config={steering.LAYERS: "all", steering.UNIT_LAYERS: "all", read_buffers.LAYERS: "all",
                            read_buffers.UNIT_LAYERS: "all", read_buffers.PATTERN_LAYERS: "all",
-                           steering.MODULE_LAYERS: "all", read_buffers.MODULE_LAYERS: "all", **extra},
+                           steering.MODULE_LAYERS: "all", read_buffers.MODULE_LAYERS: "all",
+                           steering.CLAMP_LAYERS: "all", **extra},
         scheduler_config=types.SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16),
         compilation_config=types.SimpleNamespace(cudagraph_capture_sizes=[8]),
         model_config=types.SimpleNamespace(get_hidden_size=lambda: 2))
@@ -155,6 +163,7 @@ def test_a_model_the_default_hooks_cannot_attach_to_starts_without_them() -> Non
     model = loader.load_model(_vllm_config(**{steering.DEFAULTED: True}), None)
     assert steering.attached(model) == {steering.LAYERS: [], steering.UNIT_LAYERS: [], read_buffers.LAYERS: [],
                                         read_buffers.UNIT_LAYERS: [], read_buffers.PATTERN_LAYERS: [],
-                                        steering.MODULE_LAYERS: [], read_buffers.MODULE_LAYERS: [], steering.MEANS: []}
+                                        steering.MODULE_LAYERS: [], read_buffers.MODULE_LAYERS: [], steering.MEANS: [],
+                                        steering.CLAMP_LAYERS: []}
     with pytest.raises(RuntimeError, match="--compiled-steering needs a decoder model with model.layers"):
         loader.load_model(_vllm_config(), None)

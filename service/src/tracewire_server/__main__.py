@@ -32,6 +32,7 @@ _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-ti
 def parse_args(argv: list[str]) -> ServerConfig:
     from .frontend.engine import (
         default_cpu_environment,
+        use_compiled_dictionary_clamps,
         use_compiled_mean_ablation,
         use_compiled_module_reads,
         use_compiled_module_steering,
@@ -210,6 +211,16 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "attention and MLP outputs get tables (embed_tokens and norm always do)",
     )
     group.add_argument(
+        "--compiled-dictionary-clamps",
+        nargs="?",
+        const="all",
+        metavar="LAYERS",
+        help="serve clamps and ablations of ReLU / JumpReLU SAE features (write_dictionary's clamp, "
+        "ablate) on a compiled, CUDA-graph engine, on decoder layers with --compiled-steering tables: "
+        "each table gets 64 feature columns and the graph computes their activations every forward "
+        "pass (two small matmuls a layer). LAYERS: 'all' (the default) or the layer numbers",
+    )
+    group.add_argument(
         "--compiled-mean-ablation",
         action="store_true",
         help="serve mean ablations (write_module's mean) on a compiled, CUDA-graph engine's write tables "
@@ -265,7 +276,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
                    "--compiled-unit-steering": args.compiled_unit_steering,
                    "--compiled-pattern-reads": args.compiled_pattern_reads,
                    "--compiled-module-reads": args.compiled_module_reads,
-                   "--compiled-module-steering": args.compiled_module_steering}
+                   "--compiled-module-steering": args.compiled_module_steering,
+                   "--compiled-dictionary-clamps": args.compiled_dictionary_clamps}
     if args.pipeline_parallel_size > 1 and any(graph_flags.values()):
         # The steering tables and read buffers of earlier stages' layers would be filled and
         # read by hooks that run on the last stage only (where the sample is drawn).
@@ -291,6 +303,9 @@ def parse_args(argv: list[str]) -> ServerConfig:
     if args.compiled_module_steering:
         use_compiled_module_steering(engine_args, _layer_list(parser, "--compiled-module-steering",
                                                               args.compiled_module_steering))
+    if args.compiled_dictionary_clamps:
+        use_compiled_dictionary_clamps(engine_args, _layer_list(parser, "--compiled-dictionary-clamps",
+                                                                args.compiled_dictionary_clamps))
     if args.compiled_mean_ablation:
         use_compiled_mean_ablation(engine_args)
     if args.graph_hook_bytes < 0:

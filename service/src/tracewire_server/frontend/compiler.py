@@ -58,6 +58,9 @@ class CompiledTrace:
     # and the exported read that keeps the most, for messages.
     patch_bytes: int = 0
     patch_source: str = ""
+    # A compiled engine's dictionary clamp columns it takes: (module, distinct clamped
+    # (dictionary, feature, value)s) each (clamp_room.py admits them).
+    clamp_columns: tuple[tuple[str, int], ...] = ()
     # The dictionaries (probes, SAEs) its ops use, as compiled against: a worker failure
     # while one of them was deleted or replaced is the client's race, not the server's fault.
     dictionaries: tuple[P.DictRef, ...] = ()
@@ -226,7 +229,7 @@ class _Compiler:
             )
         return CompiledTrace(tuple(invokes), tuple(all_ops), bound, every, interval_ms / 1000,
                              key=trace_key, waits=patches.waits, patch_bytes=patch_bytes,
-                             patch_source=largest[1],
+                             patch_source=largest[1], clamp_columns=_clamp_columns(all_ops, self.limits),
                              dictionaries=tuple(dict.fromkeys(_dictionary_refs(all_ops))))
 
     def check_sequences(self, request: service_pb2.TraceRequest) -> None:
@@ -299,6 +302,21 @@ def compile_trace(
     """`dictionaries`: the server's probes and SAEs by name (None: it has none)."""
     return _Compiler(limits, encoder, server_max_read_bytes, fault_injection, route, max_sequences,
                      dictionaries).trace(request, trace_key)
+
+
+def _clamp_columns(all_ops: list[tuple[P.Op, ...]], limits: ModelLimits) -> tuple[tuple[str, int], ...]:
+    """The clamp columns a trace takes on a compiled engine, by module (none on an eager one)."""
+    if limits.module_interventions:
+        return ()
+    keys: dict[str, set[tuple[str, int, int, float]]] = {}
+    for ops in all_ops:
+        for op in ops:
+            write = op.action
+            if isinstance(write, P.WriteModule) and write.edit == "clamp" and write.dictionary is not None:
+                ref = write.dictionary.dictionary
+                keys.setdefault(write.module, set()).update(
+                    (ref.name, ref.generation, f, write.dictionary.value) for f in write.dictionary.features)
+    return tuple((module, len(found)) for module, found in sorted(keys.items()))
 
 
 def _no_dictionaries(name: str) -> None:

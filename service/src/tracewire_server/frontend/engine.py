@@ -19,8 +19,9 @@ from typing import Any
 from ..shared import detokenize, read_buffers, steering
 from ..shared import plan as P
 from ..shared.detokenize import DecodeStreamTracker, TextTracker
-from ..shared.limits import ModelLimits, patch_store_bytes
+from ..shared.limits import CLAMP_COLUMNS, ModelLimits, patch_store_bytes
 from . import graph_hooks, metrics, vllm_compat
+from .clamp_room import ClampRoom
 from .compiler import CompiledTrace
 from .errors import InvalidArgument, Unavailable
 from .patch_room import PatchRoom
@@ -108,6 +109,7 @@ class Engine:
     # This frontend's share of the worker's patch store: patching traces take room in it
     # before they start (TraceRun), given back when the worker has released them.
     patch_room: PatchRoom = field(default_factory=lambda: PatchRoom(patch_store_bytes()))
+    clamp_room: ClampRoom = field(default_factory=lambda: ClampRoom(CLAMP_COLUMNS))
     _releases: set[asyncio.Future[None]] = field(default_factory=set)  # (held: running tasks)
     _unreleased: set[str] = field(default_factory=set)  # releases that failed: tried again with the next
 
@@ -169,6 +171,7 @@ class Engine:
             readable_modules=frozenset(hooked.get(read_buffers.MODULE_LAYERS, ())),
             steerable_modules=frozenset(hooked.get(steering.MODULE_LAYERS, ())),
             compiled_means=bool(hooked.get(steering.MEANS)),
+            clamp_layers=frozenset(hooked.get(steering.CLAMP_LAYERS, ())),
             num_attention_heads=description.num_attention_heads,
             head_dim=description.head_dim,
             intermediate_size=description.intermediate_size,
@@ -188,7 +191,8 @@ class Engine:
         frontends = client.count if client is not None else 1
         return cls(llm=llm, tokenizer=tokenizer, description=description, limits=limits,
                    counters=counters, receiver=receiver, route=route,
-                   patch_room=PatchRoom(patch_store_bytes() // frontends))
+                   patch_room=PatchRoom(patch_store_bytes() // frontends),
+                   clamp_room=ClampRoom(CLAMP_COLUMNS // frontends))
 
     def new_request_id(self) -> str:
         return f"tw-{self._prefix}-{next(self._ids)}"
@@ -339,6 +343,12 @@ def use_compiled_module_steering(engine_args: Any, layers: list[int] | None = No
     dictionary steer) writes of the embeddings, the final norm and `layers`' (None: all)
     attention and MLP outputs into the compiled graph (steering.py's module tables)."""
     _graph_hooks(engine_args, steering.MODULE_LAYERS, layers)
+
+
+def use_compiled_dictionary_clamps(engine_args: Any, layers: list[int] | None = None) -> None:
+    """`--compiled-dictionary-clamps [LAYERS]`: give `layers`' (None: all) steering tables
+    columns for dictionary clamps and ablations (steering.py)."""
+    _graph_hooks(engine_args, steering.CLAMP_LAYERS, layers)
 
 
 def use_compiled_mean_ablation(engine_args: Any) -> None:

@@ -7,9 +7,10 @@ proportion to the model's widths and the engine's largest pass, so the server ca
 give every model all of them. The default, for a server started without any of the
 --compiled-* flags: each kind of hook, in the order a researcher reaches for them (layer
 writes, layer reads, head and neuron writes, head and neuron reads, attention queries
-and keys, then the other modules' writes and reads), on every layer,
+and keys, then the other modules' writes and reads, and dictionary clamps only where every
+kind before them fit: they cost time in every pass rather than memory), on every layer,
 as long as the running total stays within `--graph-hook-bytes` (2 GiB). A small model
-gets all four; a large one the cheap ones, and the start log names the flag and the
+gets all of them; a large one the cheap ones, and the start log names the flag and the
 bytes of each kind left off. Any flag given means exactly what the flags say.
 
 The estimate is taken before the engine starts (the compiled graph's shape, and
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..shared import read_buffers, steering
+from ..shared.limits import CLAMP_COLUMNS, CLAMP_FEATURES
 
 DEFAULT_BUDGET_BYTES = 2 << 30
 # vLLM's largest defaults (arg_utils: 16384 batched tokens, 1024 sequences, on H100-class
@@ -68,6 +70,8 @@ class HookKind:
     # the layers' (the embeddings and the final norm), each costing layer_bytes
     sites_per_layer: int = 1
     other_sites: int = 0
+    # taken by default only when every kind before it was (its cost is time, every pass)
+    after_all: bool = False
 
     @property
     def writes(self) -> bool:
@@ -105,6 +109,11 @@ KINDS = (
              sites_per_layer=2, other_sites=2),
     HookKind("--compiled-module-reads", read_buffers.MODULE_LAYERS, "module reads", False, _buffer_bytes,
              sites_per_layer=2, other_sites=2),
+    # Little memory, but two matmuls a layer in every pass: small models only (and on the
+    # layer tables: --compiled-steering's layers)
+    HookKind("--compiled-dictionary-clamps", steering.CLAMP_LAYERS, "dictionary clamps", False,
+             lambda m, p: 4 * (CLAMP_COLUMNS + 1) * (2 * m.hidden + 3) + INDEX_BYTES * p.slots * CLAMP_FEATURES,
+             after_all=True),
 )
 
 
@@ -140,6 +149,8 @@ def choose(shape: ModelShape, size: PassSize, budget: int, units: bool = True) -
     total = 0
     for kind in KINDS:
         if kind.units and not units:
+            continue
+        if kind.after_all and left:
             continue
         cost = kind.bytes(shape, size)
         if total + cost <= budget:

@@ -16,7 +16,7 @@ from tracewire.v1 import intervention_pb2 as ipb
 from ..shared import plan as P
 from ..shared import textmatch
 from ..shared.dictionary_spec import DictionaryInfo
-from ..shared.limits import ModelLimits
+from ..shared.limits import CLAMP_FEATURES, ModelLimits
 from .errors import FailedPrecondition, InvalidArgument
 from .tensors import float_vector
 from .units import read_units, require_units, unit_operand, write_units
@@ -620,9 +620,28 @@ class InterventionCompiler:
         if not math.isfinite(value):
             raise InvalidArgument(f"{field}.{op}", "must be finite")
         features = self.features(info, w.features, f"{field}.features")
+        if edit == "clamp" and not self.limits.module_interventions:
+            self.require_compiled_clamp(info, len(features), op, field)
         positions = self.positions(w.positions, f"{field}.positions") if w.HasField("positions") else P.Positions()
         return P.WriteModule(info.module, positions, edit,
                              dictionary=P.DictionaryEdit(dictionary_ref(info), features, value))
+
+    def require_compiled_clamp(self, info: DictionaryInfo, features: int, op: str, field: str) -> None:
+        """What a compiled table's clamp columns compute (steering.py): ReLU and JumpReLU SAEs
+        on the layers they are on, a write's features within a slot's columns."""
+        layers = self.limits.clamp_layers
+        if not P.is_decoder_layer(info.module) or P.layer_number(info.module) not in layers:
+            raise FailedPrecondition(
+                f"{field}.{op}: this server's compiled graph clamps dictionary features {_kept_on(layers)}, not on "
+                f"{info.module!r} ({info.name!r}'s module; --compiled-dictionary-clamps LAYERS, or --enforce-eager)")
+        if info.sae_activation == "topk":
+            raise FailedPrecondition(
+                f"{field}.{op}: {info.name!r} is a top-k SAE, whose activations depend on every feature: a compiled "
+                "graph clamps ReLU and JumpReLU SAEs' (--enforce-eager serves it)")
+        if features > CLAMP_FEATURES:
+            raise FailedPrecondition(
+                f"{field}.features: a compiled graph clamps at most {CLAMP_FEATURES} features per write, "
+                f"not {features}; split them over writes at other positions, or use --enforce-eager")
 
     def threshold(self, t: ipb.Threshold, field: str) -> tuple[P.Comparison, float]:
         if t.comparison not in _COMPARISONS:

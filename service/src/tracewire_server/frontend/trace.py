@@ -95,6 +95,13 @@ class TraceRun:
         started = time.monotonic()
         if self.trace.keeps_values:  # before anything runs: room for its patch sources' values
             self.engine.patch_room.admit(self.trace.key, self.trace.patch_bytes, self.trace.patch_source)
+        if self.trace.clamp_columns:  # ... and for its dictionary clamps (compiled engines)
+            try:
+                self.engine.clamp_room.admit(self.trace.key, self.trace.clamp_columns)
+            except BaseException:
+                if self.trace.keeps_values:
+                    self.engine.release_trace(self.trace.key)
+                raise
         self._outbox = Outbox(write, len(self.trace.invokes), self.buffer_cap_bytes, self.trace.stream_interval_s)
         self._gates = InvokeGates(self.trace.waits)
         tasks = [asyncio.create_task(self._invoke(inv)) for inv in self.trace.invokes]
@@ -106,6 +113,7 @@ class TraceRun:
                 t.cancel()
             if self.trace.keeps_values:  # however the trace ended: free its patch sources' values
                 self.engine.release_trace(self.trace.key)
+            self.engine.clamp_room.free(self.trace.key)
             await asyncio.gather(*tasks, return_exceptions=True)
         prompt_tokens = sum(len(inv.prompt.token_ids) for inv in self.trace.invokes)
         await write(service_pb2.TraceResponse(

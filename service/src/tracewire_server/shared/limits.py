@@ -29,6 +29,11 @@ PATTERN_SCRATCH_COPIES = 4
 # sources' values; the frontends admit patching traces against it before they start
 # (frontend/patch_room.py), so it never drops a live trace's values. Set by the server's
 # --patch-store-bytes (one value both sides read: the engine's processes inherit it).
+# A compiled layer table's dictionary clamp columns (shared/steering.py: one per (dictionary,
+# feature, value) clamped at once, shared by the slots clamping it), and the features one
+# clamp write may name there (a slot's columns).
+CLAMP_COLUMNS = 64
+CLAMP_FEATURES = 8
 PATCH_STORE_BYTES_ENV = "TRACEWIRE_PATCH_STORE_BYTES"
 DEFAULT_PATCH_STORE_BYTES = 4 << 30
 
@@ -71,6 +76,9 @@ class ModelLimits:
     steerable_modules: frozenset[str] = frozenset()
     # ... and with --compiled-mean-ablation its write tables take mean ablations.
     compiled_means: bool = False
+    # ... and with --compiled-dictionary-clamps these decoder layers' tables clamp (and
+    # ablate) SAE features (steering.CLAMP_FEATURES per write).
+    clamp_layers: frozenset[int] = frozenset()
     # Units of the unit-addressed modules (plan.unit_kind): attention query heads of
     # head_dim each (o_proj's input), MLP neurons (down_proj's input).
     num_attention_heads: int = 0

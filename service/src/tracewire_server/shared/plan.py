@@ -416,9 +416,9 @@ class MaskLogits(msgspec.Struct, frozen=True, tag="mask_logits"):
 ModuleEdit = Literal["add", "replace", "zero", "mean", "patch", "add_read", "steer", "clamp"]
 # What a compiled engine's steering tables express (stream' = a * stream + b, steering.py;
 # a patch is a replace, an add_read an add, by the source's row; a mean, with mean groups,
-# takes the mean of its rows first); a clamp depends on the stream's own activations
-# through the dictionary's encoder: eager engines only.
-COMPILED_EDITS: tuple[ModuleEdit, ...] = ("add", "replace", "zero", "steer", "patch", "add_read", "mean")
+# takes the mean of its rows first; a clamp, with clamp columns, adds its features' change
+# last).
+COMPILED_EDITS: tuple[ModuleEdit, ...] = ("add", "replace", "zero", "steer", "patch", "add_read", "mean", "clamp")
 
 
 def is_decoder_layer(path: str) -> bool:

@@ -47,6 +47,19 @@ a pass keeps its group's rows apart from any other group's (steering_slots.py re
 rest, for that request only). The other writes at those rows compose into the slot as
 ever: the same at every row of the group (also checked), so a*mean(x)+b = mean(a*x+b).
 
+Dictionary clamps and ablations (`--compiled-dictionary-clamps`) set SAE features of a row to
+a value keeping the reconstruction error, `x + sum_f (value - a_f(x)) * W_dec[f]`, with a_f(x)
+the feature's activation of the row as written so far. A layer table with clamps has
+CLAMP_COLUMNS feature columns, each holding one (dictionary, feature, value)'s encoder column,
+bias, threshold, decoder row and value (float32), shared by every slot that clamps it; a slot
+names its (at most CLAMP_FEATURES) columns, and the graph computes every row's activations of
+all the columns in one small matmul, keeps its slot's, and adds their decoder rows back:
+
+    stream'' = stream' + sum_k (value_k - act(enc_k . stream' + bias_k)) * dec_k
+
+The frontend admits a trace's columns before it starts (clamp_room.py), so a table never runs
+out for a trace it admitted.
+
 Activation patching is a replace (or, add_read, an add) whose vector differs row by row:
 the source's stored row for that token (worker/patch_store.py). Such a row takes a patch
 slot of its own for one forward pass (`SlotPlanner.patch_slot`), composed like any other,
@@ -58,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from vllm.model_executor.model_loader import get_model_loader, register_model_loader
@@ -67,6 +80,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from . import plan as P
 from . import read_buffers
 from .graph_layers import hook_layers, hooked_layers, max_tokens, module_sites
+from .limits import CLAMP_COLUMNS, CLAMP_FEATURES
 
 # Under vLLM's logger: it configures the handlers in the worker processes, where this runs.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -84,6 +98,8 @@ UNIT_LAYERS = "tracewire_unit_steering_tables"
 # ... and the decoder layers whose attention and MLP outputs get tables (with the
 # embeddings' and the final norm's: graph_layers.module_sites).
 MODULE_LAYERS = "tracewire_module_steering_tables"
+# ... and the decoder layers whose tables get dictionary clamp columns (a subset of LAYERS').
+CLAMP_LAYERS = "tracewire_clamp_columns"
 # ... and True: the write tables take mean groups (mean ablation, `pack`).
 MEANS = "tracewire_mean_ablation"
 # Set when the server chose the hooks itself (no --compiled-* flag: graph_hooks.py): a
@@ -107,13 +123,26 @@ class SteeringTables(torch.nn.Module):
     with --compiled-module-steering the embeddings, attention and MLP outputs, final norm)."""
 
     def __init__(self, sites: list[str], slots: int, max_tokens: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device, patch_slots: int = 0, means: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device, patch_slots: int = 0, means: bool = False,
+                 clamp_sites: list[str] | None = None) -> None:
         """`sites`: module paths, in table order; `slots` in all, the last `patch_slots` of
-        them for patched rows (SlotCounts); `means`: rows may be mean-ablated (`pack`)."""
+        them for patched rows (SlotCounts); `means`: rows may be mean-ablated (`pack`);
+        `clamp_sites`: the sites with dictionary clamp columns."""
         super().__init__()
         _check_packable(slots, max_tokens)
         self.patch_slots = patch_slots
         self.means = means
+        # table -> its clamp columns' index in the clamp buffers (column CLAMP_COLUMNS: zeros)
+        self.clamp_of = {sites.index(path): k for k, path in enumerate(clamp_sites or [])}
+        width = CLAMP_COLUMNS + 1
+        clamps = len(self.clamp_of)
+        f32 = dict(dtype=torch.float32, device=device)
+        for name, shape in (("clamp_encoders", (clamps, width, hidden)), ("clamp_decoders", (clamps, width, hidden)),
+                            ("clamp_biases", (clamps, width)), ("clamp_thresholds", (clamps, width)),
+                            ("clamp_values", (clamps, width))):
+            self.register_buffer(name, torch.zeros(*shape, **f32), persistent=False)
+        self.register_buffer("clamp_columns", torch.full((clamps, slots, CLAMP_FEATURES), CLAMP_COLUMNS,
+                                                         dtype=torch.long, device=device), persistent=False)
         self.sites = sites
         # decoder layer numbers among the sites (their output is the residual stream: `apply`)
         self.layers = [P.layer_number(path) for path in sites if P.is_decoder_layer(path)]
@@ -133,11 +162,14 @@ class SteeringTables(torch.nn.Module):
         slot = index & SLOT_MASK if self.means else index
         a = self.scales[table].index_select(0, slot)
         b = self.vectors[table].index_select(0, slot)
+        clamp = self.clamp_of.get(table)  # (a constant where the graph is traced)
         if not isinstance(output, tuple):  # the module returns the stream itself
-            return (_with_means(index, output) if self.means else output) * a + b
+            out = (_with_means(index, output) if self.means else output) * a + b
+            return out if clamp is None else out + self._clamp_delta(clamp, slot, out)
         hidden, residual = output[0], output[1] if len(output) > 1 else None
         if residual is None or not self.streams[table]:  # (the final norm: its normed output)
-            return ((_with_means(index, hidden) if self.means else hidden) * a + b, *output[1:])
+            out = (_with_means(index, hidden) if self.means else hidden) * a + b
+            return (out if clamp is None else out + self._clamp_delta(clamp, slot, out), *output[1:])
         # vLLM's decoder layers return (hidden, residual) with the add deferred to the
         # next norm; the stream is their sum. Only `hidden` changes:
         # a*(h + r) + b - r = a*h + (a - 1)*r + b.
@@ -145,7 +177,30 @@ class SteeringTables(torch.nn.Module):
         if self.means:  # a mean row: a * mean(h + r) + b - r
             in_group, mean = _group_means(index, hidden + residual)
             out = torch.where(in_group, mean * a + b - residual, out)
+        if clamp is not None:  # on the stream as written so far
+            out = out + self._clamp_delta(clamp, slot, out + residual)
         return (out, *output[1:])
+
+    def _clamp_delta(self, clamp: int, slot: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """In the graph: what each row's clamps add, sum_k (value_k - a_k(stream)) * dec_k over
+        its slot's columns (the zero column for none), in the stream's dtype."""
+        columns = self.clamp_columns[clamp].index_select(0, slot)  # [rows, CLAMP_FEATURES]
+        pre = torch.addmm(self.clamp_biases[clamp], stream.float(), self.clamp_encoders[clamp].t())  # [rows, C+1]
+        taken = pre.gather(1, columns)
+        flat = columns.reshape(-1)
+        threshold = self.clamp_thresholds[clamp].index_select(0, flat).view_as(columns)
+        value = self.clamp_values[clamp].index_select(0, flat).view_as(columns)
+        coefficient = value - torch.where(taken > threshold, taken, 0.0)
+        dense = torch.zeros_like(pre).scatter_add_(1, columns, coefficient)
+        return (dense @ self.clamp_decoders[clamp]).to(stream.dtype)
+
+    def clamp_rows(self, clamp: int, column: int, rows: ClampRows, k: int) -> None:
+        """On the host: put feature k of `rows` into column `column` of clamp table `clamp`."""
+        self.clamp_encoders[clamp, column].copy_(rows.encoders[k])
+        self.clamp_decoders[clamp, column].copy_(rows.decoders[k])
+        self.clamp_biases[clamp, column].copy_(rows.biases[k])
+        self.clamp_thresholds[clamp, column].copy_(rows.thresholds[k])
+        self.clamp_values[clamp, column].fill_(rows.value)
 
     def operand_like(self) -> torch.Tensor:
         """A tensor of the tables' device and dtype (what write operands are made as)."""
@@ -163,6 +218,8 @@ class SteeringTables(torch.nn.Module):
                 if not self.means:
                     raise ValueError("these tables take no mean ablations")
                 continue  # the graph takes the rows' mean first (`pack`): the rest applies to it
+            if edit.edit == "clamp":
+                continue  # the graph clamps last, from the slot's columns (SlotPlanner takes them)
             if edit.edit in ("add", "steer", "add_read"):
                 b = b + vector(edit)
             elif edit.edit in ("replace", "patch"):
@@ -261,6 +318,21 @@ class UnitTables(torch.nn.Module):
             getattr(self, f"masks_{table}")[slot].copy_(mask.reshape(-1))
 
 
+class ClampRows(NamedTuple):
+    """What a clamp of some SAE features to `value` needs in a table's columns, float32 on
+    the device, a row per feature (worker/dictionaries.py makes them): its encoder column,
+    its bias (b_dec folded in where the SAE subtracts it), its activation threshold (0 for
+    ReLU) and its decoder row. `keys`: each feature's column key (the dictionary's name and
+    generation, the feature, the value)."""
+
+    encoders: torch.Tensor
+    biases: torch.Tensor
+    thresholds: torch.Tensor
+    decoders: torch.Tensor
+    value: float
+    keys: tuple[tuple[str, int, int, float], ...]
+
+
 # A row's entry in a table's index (tables with means): its slot in the low bits, then its
 # mean group's first flat row, then that group's last row + 1 (0: the row is in no group).
 PACK_BITS = 21
@@ -344,7 +416,12 @@ def attach(model: torch.nn.Module, vllm_config: Any) -> SteeringTables | None:
     if listed is None:
         return None
     inner, layers = hooked_layers(model, listed, "--compiled-steering")
-    tables = _stream_tables(model, vllm_config, [f"layers.{layer}" for layer in layers])
+    clamped = layers_of(vllm_config.additional_config, CLAMP_LAYERS)
+    clamp_layers = hooked_layers(model, clamped, "--compiled-dictionary-clamps")[1] if clamped is not None else []
+    if missing := sorted(set(clamp_layers) - set(layers)):
+        raise ValueError(f"--compiled-dictionary-clamps lists layers {missing} without --compiled-steering tables")
+    tables = _stream_tables(model, vllm_config, [f"layers.{layer}" for layer in layers],
+                            [f"layers.{layer}" for layer in clamp_layers])
     inner.tracewire_steering = tables
     hook_layers(inner, layers, tables.apply)
     return tables
@@ -365,13 +442,14 @@ def attach_modules(model: torch.nn.Module, vllm_config: Any) -> SteeringTables |
     return tables
 
 
-def _stream_tables(model: torch.nn.Module, vllm_config: Any, sites: list[str]) -> SteeringTables:
+def _stream_tables(model: torch.nn.Module, vllm_config: Any, sites: list[str],
+                   clamp_sites: list[str] | None = None) -> SteeringTables:
     weight = next(model.parameters())
     counts = _slots(vllm_config)
     return SteeringTables(sites, slots=counts.total, max_tokens=max_tokens(vllm_config),
                           hidden=int(vllm_config.model_config.get_hidden_size()),
                           dtype=weight.dtype, device=weight.device, patch_slots=counts.patch,
-                          means=_means(vllm_config))
+                          means=_means(vllm_config), clamp_sites=clamp_sites)
 
 
 def find(model: Any) -> SteeringTables | None:
@@ -456,6 +534,7 @@ def attached(model: Any) -> dict[str, list[Any]]:
         read_buffers.PATTERN_LAYERS: sorted(reads.attention) if reads is not None else [],
         # (module sites: their paths, the embeddings' and final norm's among them)
         MODULE_LAYERS: sorted(modules.sites) if modules is not None else [],
+        CLAMP_LAYERS: sorted(P.layer_number(tables.sites[t]) for t in tables.clamp_of) if tables is not None else [],
         # (mean ablation: the kinds of write table that take it)
         MEANS: [key for key, t in ((LAYERS, tables), (UNIT_LAYERS, units), (MODULE_LAYERS, modules))
                 if t is not None and t.means],
@@ -508,6 +587,14 @@ class SlotPlanner:
         # Patch slots: handed out for one pass, all free again at the next (begin_pass).
         self.patch_range = range(shared, tables.num_slots)
         self.patch_used = [0] * num_tables
+        # Clamp columns (SteeringTables with clamp_of): per clamp table, key -> column, the
+        # slots using each, the free ones; and each slot's columns.
+        clamp_of = getattr(tables, "clamp_of", {})
+        self.clamp_of = clamp_of
+        self.column_of: list[dict[tuple[str, int, int, float], int]] = [{} for _ in clamp_of]
+        self.column_users: list[dict[int, int]] = [{} for _ in clamp_of]
+        self.free_columns: list[list[int]] = [list(range(CLAMP_COLUMNS - 1, -1, -1)) for _ in clamp_of]
+        self.slot_columns: dict[tuple[int, int], list[int]] = {}
 
     def begin_pass(self) -> None:
         """A new forward pass: the last one's patch slots are free (the device runs the
@@ -518,6 +605,8 @@ class SlotPlanner:
                    vector: Callable[[P.WriteModule], torch.Tensor]) -> int | None:
         """A slot for one row whose writes take a patch source's row (a vector of its own,
         so never shared), for this pass only; None when the pass has used them all."""
+        if any(edit.edit == "clamp" for edit in edits):
+            raise RuntimeError("a patched row takes no dictionary clamp on a compiled engine (--enforce-eager)")
         used = self.patch_used[table]
         if used == len(self.patch_range):
             return None
@@ -527,10 +616,12 @@ class SlotPlanner:
         return slot
 
     def slot(self, table: int, owner: str, edits: list[P.WriteModule],
-             vector: Callable[[P.WriteModule], torch.Tensor]) -> int | None:
+             vector: Callable[[P.WriteModule], torch.Tensor],
+             clamp: Callable[[P.WriteModule], ClampRows] | None = None) -> int | None:
         """The slot of `owner`'s `edits` (composed in plan order) at this table; None when
         every slot is taken. `vector(edit)`: the edit's vector on the device (scaled, for
-        adds), asked for only when the table does not hold these edits yet."""
+        adds), asked for only when the table does not hold these edits yet; `clamp(edit)`
+        a clamp's rows, likewise (its columns: RuntimeError when the table has too few)."""
         key: SlotKey = tuple((e.edit, e.vector, e.scale, e.units, e.dictionary) for e in edits)
         held = self.owned.setdefault(owner, set())
         found = self.assigned[table].get(key)
@@ -541,11 +632,55 @@ class SlotPlanner:
             return found
         if not self.free[table]:
             return None
+        clamps = [clamp(e) for e in edits if e.edit == "clamp"] if clamp is not None else []
+        columns = self._take_columns(table, clamps[0]) if clamps else None  # (before the slot: may raise)
         slot = self.assigned[table][key] = self.free[table].pop()
         self.users[table][slot] = 1
         held.add((table, key))
+        if columns is not None:
+            self._point_at(table, slot, columns)
         self.tables.compose(table, slot, edits, vector)
         return slot
+
+    def _take_columns(self, table: int, rows: ClampRows) -> list[int]:
+        """Columns of this table holding `rows`' features: the ones that hold a key already,
+        new ones filled for the rest (each counted as used once more)."""
+        k = self.clamp_of.get(table)
+        if k is None:
+            raise RuntimeError(f"{self.tables.names[table]} has no clamp columns (--compiled-dictionary-clamps)")
+        known, free = self.column_of[k], self.free_columns[k]
+        needed = [key for key in rows.keys if key not in known]
+        if len(needed) > len(free):
+            raise RuntimeError(f"more than {CLAMP_COLUMNS} clamped features at {self.tables.names[table]} at once")
+        for feature, key in enumerate(rows.keys):
+            if key not in known:
+                known[key] = column = free.pop()
+                self.tables.clamp_rows(k, column, rows, feature)  # type: ignore[union-attr]
+        columns = [known[key] for key in rows.keys]
+        for column in columns:
+            self.column_users[k][column] = self.column_users[k].get(column, 0) + 1
+        return columns
+
+    def _point_at(self, table: int, slot: int, columns: list[int]) -> None:
+        k = self.clamp_of[table]
+        self.slot_columns[(table, slot)] = columns
+        entry = torch.full((CLAMP_FEATURES,), CLAMP_COLUMNS, dtype=torch.long)
+        entry[: len(columns)] = torch.tensor(columns, dtype=torch.long)
+        self.tables.clamp_columns[k, slot].copy_(entry)  # type: ignore[union-attr]
+
+    def _give_back_columns(self, table: int, slot: int) -> None:
+        columns = self.slot_columns.pop((table, slot), None)
+        if columns is None:
+            return
+        k = self.clamp_of[table]
+        self.tables.clamp_columns[k, slot].fill_(CLAMP_COLUMNS)  # type: ignore[union-attr]
+        users = self.column_users[k]
+        for column in columns:
+            users[column] -= 1
+            if not users[column]:
+                del users[column]
+                self.column_of[k] = {key: c for key, c in self.column_of[k].items() if c != column}
+                self.free_columns[k].append(column)
 
     def release(self, owner: str) -> None:
         """The request ended: the slots nobody else uses are free again."""
@@ -554,6 +689,7 @@ class SlotPlanner:
             self.users[table][slot] -= 1
             if not self.users[table][slot]:
                 del self.users[table][slot], self.assigned[table][key]
+                self._give_back_columns(table, slot)
                 self.free[table].append(slot)
 
     def fill(self, rows: list[int], tables: list[int], slots: list[int]) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from ..shared import plan as P
 from ..shared.dictionary_spec import DictionaryError, DictionaryInfo, check_tensors, encode_info
+from ..shared.steering import ClampRows
 from .host import on_device
 from .runner import RunnerView
 
@@ -96,6 +97,26 @@ class Dictionary:
         """scale * the sum of the features' directions: [hidden], in the weights' dtype."""
         index = on_device(list(features), self.directions.device, torch.long)
         return (self.directions.index_select(0, index).float().sum(0) * scale).to(self.dtype)
+
+    @torch.no_grad()
+    def clamp_rows(self, clamp: P.DictionaryEdit, device: torch.device) -> ClampRows:
+        """What a compiled table's columns need to clamp these features (steering.py): the
+        pre-activation of feature f is x @ W_enc[:, f] + b_enc[f] - (b_dec @ W_enc[:, f] where
+        the SAE subtracts its decoder bias), active above its threshold (0: ReLU). Top-k SAEs'
+        activations depend on every feature: the frontend refuses them there."""
+        if self.info.kind != "sae" or self.info.sae_activation == "topk":
+            raise RuntimeError(f"{self.info.name!r}'s clamps are not computed in compiled graphs")
+        index = on_device(list(clamp.features), self.directions.device, torch.long)
+        encoders = self.encoder.index_select(1, index).t().float()  # [features, hidden]
+        biases = self.encoder_bias.index_select(0, index).float()
+        if self.info.subtract_decoder_bias:
+            biases = biases - self.decoder_bias.float() @ encoders.t()
+        thresholds = (self.threshold.index_select(0, index).float() if self.info.sae_activation == "jumprelu"
+                      else torch.zeros_like(biases))
+        decoders = self.directions.index_select(0, index).float()
+        ref = clamp.dictionary
+        keys = tuple((ref.name, ref.generation, feature, float(clamp.value)) for feature in clamp.features)
+        return ClampRows(*(t.to(device) for t in (encoders, biases, thresholds, decoders)), float(clamp.value), keys)
 
     @torch.no_grad()
     def clamp_delta(self, x: torch.Tensor, features: tuple[int, ...], value: float) -> torch.Tensor:

@@ -45,6 +45,15 @@ class Placed(NamedTuple):
 log = logging.getLogger(f"vllm.{__name__}")
 
 
+def _check_clamps(edits: list[P.WriteModule]) -> None:
+    """A compiled table clamps a row once, after its other writes (the graph adds the clamp's
+    change to the stream those left): anything else fails this request (RuntimeError)."""
+    clamps = [k for k, edit in enumerate(edits) if edit.edit == "clamp"]
+    if len(clamps) > 1 or (clamps and clamps[0] != len(edits) - 1):
+        raise RuntimeError("on a compiled engine a row takes one dictionary clamp, after its other writes "
+                           "(--enforce-eager serves the rest)")
+
+
 def _mean_groups(seq: Sequence, by_row: dict[tuple[int, int, int], list[Placed]]
                  ) -> dict[tuple[int, int, int], tuple[int, int]] | None:
     """The mean groups of one request's rows in this pass: (planner, table, row) -> the
@@ -246,10 +255,12 @@ class SteeringSlots:
         like = planner.tables.operand_like()  # (the operands' device and dtype: the tables')
         try:  # before the planner takes a slot: a dictionary replaced since fails this request only
             named = {id(e): self.dictionaries.get(e.dictionary.dictionary) for e in edits if e.dictionary is not None}
+            _check_clamps(edits)
+            slot = planner.slot(table, req_id, edits, lambda edit: seq.write_vector(edit, like, named.get(id(edit))),
+                                lambda edit: named[id(edit)].clamp_rows(edit.dictionary, like.device))
         except RuntimeError as e:
-            seq.error = seq.error or f"steer of {edits[0].module}: {e}"
+            seq.error = seq.error or f"{edits[0].edit} of {edits[0].module}: {e}"
             return None
-        slot = planner.slot(table, req_id, edits, lambda edit: seq.write_vector(edit, like, named.get(id(edit))))
         if slot is None:
             seq.error = seq.error or (
                 f"more than {planner.tables.num_slots - planner.tables.patch_slots - 1} different writes at "
