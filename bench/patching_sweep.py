@@ -15,6 +15,16 @@ Each patched run draws max_tokens new tokens (default 1: the heatmap's metric is
 logits; --new-tokens for longer runs). Reports wall time, patched runs/s and generated
 tokens/s (every invoke's, the clean ones included), and checks the three give the same
 heatmap. Results: bench/results/patching-sweep-<date>-<host>.json.
+
+GPU mode (`--shape qwen3-8b`, see bench/shapes.py; run on the device machine with
+bench/gpu-env.sh sourced): that shape with dummy weights, bfloat16, CUDA graphs on the
+compiled server; LAYERS become 4 layers spread evenly over the model, and the compiled
+server carries exactly the graph hooks the sweep needs (--compiled-reads and
+--compiled-steering on those layers: a big shape's default graph hooks do not include
+layer reads). The metric's ids are looked up in the model directory's tokenizer. With
+dummy weights the heatmaps mean nothing and bf16 numerics differ between batchings and
+engines, so the heatmap checks (within an engine and across engines) are reported, not
+asserted: only the timing counts. Results: patching-sweep-<shape>-<date>-<host>.json.
 """
 
 from __future__ import annotations
@@ -36,11 +46,44 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from shapes import SHAPES, write_model_dir  # noqa: E402
+
 CLEAN, CORRUPTED = "The capital of France is", "The capital of Italy is"
 PARIS, ROME = 806, 834  # " Paris", " Rome" in the default model's tokenizer
 LAYERS, POSITIONS = [0, 1, 2, 3], [0, 1, 3, 4]
 SERVER_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "64"]
 ENGINE_FLAGS = {"eager": ["--enforce-eager"], "compiled": []}  # (compiled: the default graph hooks)
+# --shape: one server at a time on the GPU, so most of its memory; 17 sequences at most in flight.
+GPU_SERVER_FLAGS = ["--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "1024",
+                    "--max-num-seqs", "64", "--gpu-memory-utilization", "0.85"]
+CHECK_ATOL = [1e-3, 2e-3]  # within an engine, across engines; None (--shape): report, do not assert
+CHECKS: dict[str, Any] = {}  # max |difference| of the heatmaps, per engine and across engines
+
+
+def use_shape(shape: str) -> str:
+    """GPU mode: the shape's model directory (dummy weights), LAYERS spread over its
+    layers, the compiled server's graph hooks on exactly those layers, the metric's ids
+    from its tokenizer, the checks reported only. The model directory."""
+    global PARIS, ROME
+    model = write_model_dir(shape, Path(tempfile.mkdtemp()) / shape)
+    n = int(SHAPES[shape]["num_hidden_layers"])
+    LAYERS[:] = sorted({round(i * (n - 1) / 3) for i in range(4)})  # e.g. 0, 12, 23, 35 of 36
+    SERVER_FLAGS[:] = GPU_SERVER_FLAGS
+    listed = ",".join(str(layer) for layer in LAYERS)
+    ENGINE_FLAGS["compiled"] = ["--compiled-reads", listed, "--compiled-steering", listed]
+    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+    PARIS, ROME = vocab.get("\u0120Paris", PARIS), vocab.get("\u0120Rome", ROME)  # (BPE: \u0120 is a space)
+    CHECK_ATOL[:] = [None, None]
+    return str(model)
+
+
+def check(name: str, actual: np.ndarray, expected: np.ndarray, atol: float | None, err_msg: str) -> None:
+    """The largest difference of two heatmaps, kept under `name`; asserted within `atol`
+    unless it is None."""
+    CHECKS[name] = max(CHECKS.get(name, 0.0), float(np.max(np.abs(actual - expected))))
+    if atol is not None:
+        np.testing.assert_allclose(actual, expected, atol=atol, err_msg=err_msg)
 
 
 def free_port() -> int:
@@ -96,7 +139,8 @@ def separate(client: Any, new_tokens: int, threads: int) -> np.ndarray:
     return np.array(values, dtype=np.float32).reshape(len(LAYERS), len(POSITIONS))
 
 
-def measure(client: Any, new_tokens: int, repeats: int) -> tuple[list[dict[str, Any]], np.ndarray]:
+def measure(client: Any, new_tokens: int, repeats: int,
+            engine: str = "") -> tuple[list[dict[str, Any]], np.ndarray]:
     """The three rows on one server: each row's median wall time and rates, and the heatmap."""
     cells = len(LAYERS) * len(POSITIONS)
     rows: dict[str, tuple[Any, int]] = {
@@ -113,7 +157,7 @@ def measure(client: Any, new_tokens: int, repeats: int) -> tuple[list[dict[str, 
             started = time.perf_counter()
             heatmap = run()
             times[name].append(time.perf_counter() - started)
-            np.testing.assert_allclose(heatmap, reference, atol=1e-3, err_msg=name)
+            check(f"{engine}: rows vs one trace", heatmap, reference, CHECK_ATOL[0], name)
     results = []
     for name, (_, invokes) in rows.items():
         wall = statistics.median(times[name])
@@ -133,7 +177,7 @@ def on_engine(engine: str, args: argparse.Namespace) -> tuple[list[dict[str, Any
     client = tracewire.Client(target, timeout=300)
     try:
         wait_ready(client, proc, log_path) if proc is not None else client.model_info()
-        return measure(client, args.new_tokens, args.repeats)
+        return measure(client, args.new_tokens, args.repeats, engine)
     finally:
         client.close()
         if proc is not None:
@@ -141,9 +185,21 @@ def on_engine(engine: str, args: argparse.Namespace) -> tuple[list[dict[str, Any
             proc.wait(120)
 
 
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - a description only
+        return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(ROOT / "models" / "tracewire-tiny"))
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="GPU mode: this model shape with dummy weights, bf16, 4 layers spread over it, "
+                        "the compiled server with --compiled-reads / --compiled-steering on those layers")
     parser.add_argument("--engines", default="eager,compiled", help="engine kinds, in order: eager, compiled")
     parser.add_argument("--target", default=None, help="a running server instead of starting one (one engine)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -156,11 +212,16 @@ def main() -> int:
     if args.target is not None and len(engines) != 1:
         parser.error("--target measures one running server: name its engine alone in --engines")
 
+    if args.shape:
+        args.model = use_shape(args.shape)
     cells = len(LAYERS) * len(POSITIONS)
     measured = {engine: on_engine(engine, args) for engine in engines}
     heatmaps = [heatmap for _, heatmap in measured.values()]
     for heatmap in heatmaps[1:]:  # every engine draws the same heatmap
-        np.testing.assert_allclose(heatmap, heatmaps[0], atol=2e-3, err_msg="the engines' heatmaps differ")
+        check("across engines", heatmap, heatmaps[0], CHECK_ATOL[1], "the engines' heatmaps differ")
+    if args.shape:
+        print(f"{args.shape} (dummy weights, bf16), layers {LAYERS}, metric ids {PARIS}, {ROME}; heatmap checks "
+              f"reported, not asserted (dummy weights): max |difference| {json.dumps(CHECKS)}")
     print(f"4x4 patching sweep, {args.new_tokens} new token(s) per run, median of {args.repeats}:")
     print("| engine | | wall | patched runs/s | generated tok/s | vs one trace |")
     print("|---|---|---|---|---|---|")
@@ -176,12 +237,15 @@ def main() -> int:
     now = dt.datetime.now(dt.UTC)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"patching-sweep-{now:%Y%m%d-%H%M}-{platform.node()}.json"
+    path = out / f"patching-sweep{f'-{args.shape}' if args.shape else ''}-{now:%Y%m%d-%H%M}-{platform.node()}.json"
     path.write_text(json.dumps({
         "date": now.isoformat(), "host": platform.node(), "machine": platform.machine(), "model": args.model,
-        "server_flags": SERVER_FLAGS, "engine_flags": {e: ENGINE_FLAGS[e] for e in engines}, "layers": LAYERS,
+        "shape": args.shape, "gpu": _gpu_name(), "metric_ids": [PARIS, ROME], "server_flags": SERVER_FLAGS,
+        "engine_flags": {e: ENGINE_FLAGS[e] for e in engines}, "layers": LAYERS,
         "positions": POSITIONS, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "method": "rows interleaved on each server, servers one after the other, median of repeats",
+        "heatmap_checks": {"max_abs_difference": CHECKS,
+                           "asserted": CHECK_ATOL[0] is not None, "atol": CHECK_ATOL},
         "engines": {engine: {"rows": results, "heatmap": heatmap.tolist()}
                     for engine, (results, heatmap) in measured.items()},
     }, indent=2))
