@@ -290,19 +290,20 @@ def _hf_layer_edit(hf, ids, layer, edit):
         handle.remove()
 
 
-def test_model_info_says_which_modules_and_whether_means_each_server_serves(graph, server, eager, bare):
+def test_model_info_says_which_modules_means_and_clamps_each_server_serves(graph, server, eager, bare):
     import tracewire as tw
 
     kept = ["embed_tokens", *[f"layers.{layer}.{part}" for layer in range(3) for part in ("mlp", "self_attn")],
             "norm"]
     every = ["embed_tokens", *[f"layers.{layer}.{part}" for layer in range(4) for part in ("mlp", "self_attn")],
              "norm"]
-    expected = {"graph": (kept, kept, True), "server": (every, every, True), "eager": ([], [], False),
-                "bare": ([], [], False)}
+    expected = {"graph": (kept, kept, True, [0, 1, 2]), "server": (every, every, True, [0, 1, 2, 3]),
+                "eager": ([], [], False, []), "bare": ([], [], False, [])}
     for name, proc in (("graph", graph), ("server", server), ("eager", eager), ("bare", bare)):
         with tw.Client(proc.target, timeout=60) as client:
             info = client.model_info()
-        assert (info.readable_modules, info.steerable_modules, info.compiled_mean_ablation) == expected[name], name
+        assert (info.readable_modules, info.steerable_modules, info.compiled_mean_ablation,
+                info.clamp_layers) == expected[name], name
 
 
 def test_module_outputs_at_prompt_positions_and_every_step_equal_hf(mstub, hf):

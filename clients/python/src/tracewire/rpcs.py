@@ -95,6 +95,8 @@ class ModelInfo:
     readable_modules: list[str] = field(default_factory=list)
     steerable_modules: list[str] = field(default_factory=list)
     compiled_mean_ablation: bool = False
+    # The layers whose graph tables clamp and ablate SAE features (--compiled-dictionary-clamps).
+    clamp_layers: list[int] = field(default_factory=list)
     # Pipeline stages and the first decoder layer of each (the logit lens and conditions
     # read only the last stage's layers); 1 and [0] without stages (and from an older server).
     pipeline_parallel_size: int = 1
@@ -225,6 +227,7 @@ def model_info(r: service_pb2.GetModelInfoResponse) -> ModelInfo:
         readable_modules=list(r.readable_modules),
         steerable_modules=list(r.steerable_modules),
         compiled_mean_ablation=r.compiled_mean_ablation,
+        clamp_layers=list(r.clamp_layers),
         pipeline_parallel_size=r.pipeline_parallel_size or 1,
         stage_first_layers=list(r.stage_first_layers) or [0],
         max_lens_rows=r.max_lens_rows,

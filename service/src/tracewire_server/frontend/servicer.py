@@ -443,6 +443,7 @@ class TraceServicer(service_pb2_grpc.TraceServiceServicer):
             readable_modules=sorted(engine.limits.readable_modules, key=P.module_order),
             steerable_modules=sorted(engine.limits.steerable_modules, key=P.module_order),
             compiled_mean_ablation=engine.limits.compiled_means,
+            clamp_layers=sorted(engine.limits.clamp_layers),
             unit_steerable_layers=sorted(engine.limits.unit_steerable_layers),
             pipeline_parallel_size=engine.limits.pipeline_parallel_size,
             stage_first_layers=list(engine.limits.stage_first_layers),

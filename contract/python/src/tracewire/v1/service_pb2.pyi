@@ -114,7 +114,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "dtype", "num_layers", "hidden_size", "architecture", "modules", "vllm_version", "server_version", "tensor_parallel_size", "engine_mode", "steerable_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "attention_patterns_refusal", "readable_layers", "pipeline_parallel_size", "stage_first_layers", "max_lens_rows", "unit_readable_layers", "unit_steerable_layers", "pattern_readable_layers", "readable_modules", "steerable_modules", "compiled_mean_ablation")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "dtype", "num_layers", "hidden_size", "architecture", "modules", "vllm_version", "server_version", "tensor_parallel_size", "engine_mode", "steerable_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "attention_patterns_refusal", "readable_layers", "pipeline_parallel_size", "stage_first_layers", "max_lens_rows", "unit_readable_layers", "unit_steerable_layers", "pattern_readable_layers", "readable_modules", "steerable_modules", "compiled_mean_ablation", "clamp_layers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class GetModelInfoResponse(_message.Message):
     READABLE_MODULES_FIELD_NUMBER: _ClassVar[int]
     STEERABLE_MODULES_FIELD_NUMBER: _ClassVar[int]
     COMPILED_MEAN_ABLATION_FIELD_NUMBER: _ClassVar[int]
+    CLAMP_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -175,7 +176,8 @@ class GetModelInfoResponse(_message.Message):
     readable_modules: _containers.RepeatedScalarFieldContainer[str]
     steerable_modules: _containers.RepeatedScalarFieldContainer[str]
     compiled_mean_ablation: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., architecture: _Optional[str] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., vllm_version: _Optional[str] = ..., server_version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., engine_mode: _Optional[_Union[EngineMode, str]] = ..., steerable_layers: _Optional[_Iterable[int]] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., attention_patterns_refusal: _Optional[str] = ..., readable_layers: _Optional[_Iterable[int]] = ..., pipeline_parallel_size: _Optional[int] = ..., stage_first_layers: _Optional[_Iterable[int]] = ..., max_lens_rows: _Optional[int] = ..., unit_readable_layers: _Optional[_Iterable[int]] = ..., unit_steerable_layers: _Optional[_Iterable[int]] = ..., pattern_readable_layers: _Optional[_Iterable[int]] = ..., readable_modules: _Optional[_Iterable[str]] = ..., steerable_modules: _Optional[_Iterable[str]] = ..., compiled_mean_ablation: _Optional[bool] = ...) -> None: ...
+    clamp_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., architecture: _Optional[str] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., vllm_version: _Optional[str] = ..., server_version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., engine_mode: _Optional[_Union[EngineMode, str]] = ..., steerable_layers: _Optional[_Iterable[int]] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., attention_patterns_refusal: _Optional[str] = ..., readable_layers: _Optional[_Iterable[int]] = ..., pipeline_parallel_size: _Optional[int] = ..., stage_first_layers: _Optional[_Iterable[int]] = ..., max_lens_rows: _Optional[int] = ..., unit_readable_layers: _Optional[_Iterable[int]] = ..., unit_steerable_layers: _Optional[_Iterable[int]] = ..., pattern_readable_layers: _Optional[_Iterable[int]] = ..., readable_modules: _Optional[_Iterable[str]] = ..., steerable_modules: _Optional[_Iterable[str]] = ..., compiled_mean_ablation: _Optional[bool] = ..., clamp_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("path", "kind", "output_size", "shape")
