@@ -126,9 +126,10 @@ export const read = {
   },
 
   /**
-   * A module's output (decoder layers "layers.i": the residual stream). Needs --enforce-eager,
-   * except whole rows of "layers.i" on a compiled server started with --compiled-reads that
-   * keeps that layer (GetModelInfo readableLayers; the rest it refuses, FAILED_PRECONDITION).
+   * A module's output (decoder layers "layers.i": the residual stream). An eager server reads
+   * every module; a compiled one those its graph keeps (GetModelInfo readableLayers,
+   * unitReadableLayers, readableModules; the rest it refuses, FAILED_PRECONDITION naming the
+   * field and the flag).
    * `units` / `topK`: attention heads of "layers.i.self_attn.heads" ([heads, headDim] per
    * position) or neurons of "layers.i.mlp.act" ([neurons]): these ids, in this order, or the
    * topK largest neurons (values, their ids in tokenIds).
@@ -168,8 +169,9 @@ export const read = {
    * model's own post-rotary q / k. Values [layers, positions, heads, topK], largest first,
    * with tokenIds the key positions (-1 past the keys a query sees) and positions the query
    * positions; topK 0 gives full rows [layers, positions, heads, last query position + 1]
-   * (keys a query does not see weigh 0). Needs --enforce-eager, or a compiled server keeping
-   * the layers' queries and keys (--compiled-pattern-reads: patternReadableLayers).
+   * (keys a query does not see weigh 0). An eager server computes every layer's; a compiled
+   * one those whose queries and keys its graph keeps (--compiled-pattern-reads:
+   * patternReadableLayers).
    */
   attention(
     layers: number | readonly number[],
@@ -194,8 +196,8 @@ export const read = {
    * first), the values of chosen `features` (probe outputs or feature ids, in order), or
    * (SAEs) `reconstructionError`, the norm ||x - reconstruction|| ([1]). Per step [values]
    * at the new token, [positions, values] at any other positions. `module`: optional, the
-   * module you mean (the server checks it is the dictionary's). Needs --enforce-eager, or a
-   * compiled server with --compiled-reads on the dictionary's layer (readableLayers).
+   * module you mean (the server checks it is the dictionary's). Served wherever the server
+   * reads the dictionary's module (see `module`).
    */
   dictionary(name: string, options: DictionaryReadOptions = {}): ReadAction {
     return {
@@ -269,8 +271,10 @@ export const write = {
   },
 
   /**
-   * Add scale * vector ([hidden]) to a module's output: a steering vector. Needs --enforce-eager,
-   * except whole rows of "layers.i" on a compiled server with --compiled-steering (steerableLayers).
+   * Add scale * vector ([hidden]) to a module's output: a steering vector. An eager server
+   * writes every module; a compiled one those its graph has tables for (GetModelInfo
+   * steerableLayers, unitSteerableLayers, steerableModules; the rest it refuses,
+   * FAILED_PRECONDITION naming the field and the flag), as for every write below.
    * With `units` (heads / neurons, see unitWrite): a [headDim] or [units, headDim] vector
    * (`shape`) for heads, a value per neuron.
    */
@@ -283,14 +287,16 @@ export const write = {
   },
 
   /**
-   * Zero a module's output at the positions (with `units`: those heads / neurons only). Needs
-   * --enforce-eager, except whole rows of "layers.i" with --compiled-steering (steerableLayers).
+   * Zero a module's output at the positions (with `units`: those heads / neurons only).
    */
   zero(path: string, options: { positions?: PositionsInput } & UnitOptions = {}): WriteAction {
     return unitWrite(path, { case: "zero", value: {} }, options);
   },
 
-  /** Set each selected position to the mean over the selected positions (per head / neuron with `units`). */
+  /**
+   * Set each selected position to the mean over the selected positions (per head / neuron with
+   * `units`); a compiled server with compiledMeanAblation (its default hooks have it).
+   */
   meanAblate(path: string, options: { positions?: PositionsInput } & UnitOptions = {}): WriteAction {
     return unitWrite(path, { case: "mean", value: {} }, options);
   },
@@ -308,9 +314,8 @@ export const write = {
    * module read of the same trace (`from`: its invoke index and read name), on the server,
    * at the same step: prompt positions take the source's step-0 rows (`from.positions`:
    * which of its prompt positions, in order; unset: all it read), the new token its row of
-   * the same step. The invoke starts once the source has that step. Needs --enforce-eager, or
-   * a compiled server that reads the source's module and writes this one (readableLayers and
-   * steerableLayers; heads and neurons: the unit pair).
+   * the same step. The invoke starts once the source has that step. Served where the server
+   * reads the source's module and writes this one.
    */
   patch(path: string, from: ReadRefInput, options: { positions?: PositionsInput } = {}): WriteAction {
     return {
@@ -337,7 +342,8 @@ export const write = {
    * adds steer * direction for each feature (SAE: W_dec[f]; probe: W[f], unnormalised);
    * `clamp` (SAEs) sets each feature's activation to that value, keeping the reconstruction
    * error (x + sum_f (clamp - a_f(x)) * W_dec[f]); `ablate` (SAEs) clamps them to 0. Exactly
-   * one of the three. Needs --enforce-eager.
+   * one of the three. A compiled server steers where it writes the module, and clamps ReLU /
+   * JumpReLU SAEs' features (at most 8 a write) on its clampLayers.
    */
   dictionary(name: string, features: number | readonly number[], options: DictionaryWriteOptions): WriteAction {
     const ops = [options.steer !== undefined, options.clamp !== undefined, options.ablate === true];

@@ -413,11 +413,12 @@ class StepView:
         Shapes of a saved read, one rule per read: "new" gives [hidden] per step; any other
         positions give [positions, hidden] at every step ("all": [prompt_len, hidden] at
         step 0, then [1, hidden]); mean=True gives [hidden].
-        Needs a server started with --enforce-eager, except on decoder layers `layers.N`
-        (whole rows: not heads or neurons): a compiled server reads those started with
-        --compiled-reads (the layers `client.model_info().readable_layers` lists) and
-        writes them (add / replace / zero) with --compiled-steering (`steerable_layers`);
-        `engine_mode` says which server this is. The rest it refuses with FailedPrecondition.
+        An eager server (--enforce-eager) reads and writes every module; a compiled one
+        what its graph keeps (`client.model_info()`: readable_layers, unit_readable_layers,
+        readable_modules for reads; steerable_layers, unit_steerable_layers,
+        steerable_modules, compiled_mean_ablation, clamp_layers for writes: `make serve`
+        gives a small model all of them). The rest it refuses with FailedPrecondition
+        naming the field and the flag that would serve it.
         """
         return ModuleRef(self, path, _positions(positions), mean)
 
