@@ -183,11 +183,11 @@ def test_server_errors_come_back_typed(client):
         with client.trace(PROMPT, max_tokens=3) as t:
             t.all().logits.top_k(10**6).save()
     assert info.value.field == "invokes[0].interventions[0].read_logits.top_k.k"
-    with pytest.raises(tw.FailedPrecondition):
+    with pytest.raises(tw.FailedPrecondition) as refused:
         with client.trace(PROMPT, max_tokens=3) as t:
-            t.all().logits.save()
-            # a module read the compiled graph does not keep (it keeps decoder layers)
-            t.invokes[0]._interventions[-1].read_module.module = "embed_tokens"
+            # a clamp the compiled graph does not compute (at most 8 features a write)
+            t.all().model.layers[2].output.clamp_feature("res-l2-sae", list(range(9)), 1.0)
+    assert "invokes[0].interventions[0].write_dictionary.features: " in str(refused.value)
 
 
 def test_async_client(server, hf):

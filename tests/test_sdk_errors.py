@@ -3,8 +3,8 @@
 Each case runs one SDK entry point (generate, generate_stream, trace, stream_trace,
 tokenizer.encode / decode) through both clients against the session server and
 compares what they raise: class, message, `.field` and code. The session server
-runs its engine compiled (no --enforce-eager), so module reads are a
-FAILED_PRECONDITION there, and with --enable-fault-injection, so an intervention
+runs its engine compiled (no --enforce-eager), so a clamp wider than its graph computes
+is a FAILED_PRECONDITION there, and with --enable-fault-injection, so an intervention
 named "__fault__:..." fails a trace in the engine, after steps have streamed.
 """
 
@@ -57,8 +57,9 @@ def _top_k_zero(tracer: tw.Tracer) -> None:
     tracer.all().logits.top_k(0).save()
 
 
-def _module_read(tracer: tw.Tracer) -> None:
-    tracer.model.embed_tokens.output.save()  # (no compiled graph keeps the embeddings)
+def _wide_clamp(tracer: tw.Tracer) -> None:
+    # (a compiled graph clamps at most 8 features a write)
+    tracer.all().model.layers[2].output.clamp_feature("res-l2-sae", list(range(9)), 1.0)
 
 
 def _full_rows_over_budget(tracer: tw.Tracer) -> None:
@@ -104,9 +105,9 @@ CASES: dict[str, Case] = {
     "stream_trace bad temperature": _invalid("stream_trace", "sampling_params.temperature",
                                              sampling=dict(temperature=-1.0)),
     "decode id outside vocab": _invalid("decode", "token_ids[1]", prompt=[1, VOCAB]),
-    # FAILED_PRECONDITION: module reads on a compiled engine.
-    "trace module read": Case("trace", tw.FailedPrecondition, build=_module_read),
-    "stream_trace module read": Case("stream_trace", tw.FailedPrecondition, build=_module_read),
+    # FAILED_PRECONDITION: what the compiled graph does not compute.
+    "trace wide clamp": Case("trace", tw.FailedPrecondition, build=_wide_clamp),
+    "stream_trace wide clamp": Case("stream_trace", tw.FailedPrecondition, build=_wide_clamp),
     # RESOURCE_EXHAUSTED: reads over the trace's own byte budget, refused up front.
     "trace over max_read_bytes": Case("trace", tw.ResourceExhausted, build=_full_rows_over_budget),
     "stream_trace over max_read_bytes": Case("stream_trace", tw.ResourceExhausted,

@@ -194,7 +194,8 @@ def test_start_says_what_is_served_where(server: ServerProcess) -> None:
     assert re.search(r"engine ready in \d+\.\d s", log), log
     # no --compiled-* flag: the default graph hooks, what they reserve
     assert re.search(r"compiled graph hooks on every layer: layer writes, layer reads, head and neuron writes, "
-                     r"head and neuron reads, attention-pattern reads \(\d+ MiB of --graph-hook-bytes 2048 MiB\)$",
+                     r"head and neuron reads, attention-pattern reads, module writes, module reads, dictionary clamps "
+                     r"\(with mean ablation\) \(\d+ MiB of --graph-hook-bytes 2048 MiB\)$",
                      log, re.M), log
     served = [line for line in log.splitlines() if "tracewire SERVING" in line]
     assert len(served) == 1, log
