@@ -190,12 +190,18 @@ def test_bad_module_reads(estub, stub):
             "layers.0", prompt_list=I.PositionList(positions=[2, 50]))))))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "read_module.positions.prompt_list.positions[1]" in info.value.details()
-    # The session server runs compiled: what its graph does not keep is refused, never
-    # silently empty (it keeps every decoder layer, never the embeddings).
+    # The session server runs compiled: a module that does not exist is the same error there
+    # (what its graph does not keep is refused naming the flag: test_compiled_modules.py).
+    with pytest.raises(grpc.RpcError) as compiled:
+        run(stub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="layers.99")))))
+    assert compiled.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert compiled.value.details() == info_eager_unknown(estub)
+
+
+def info_eager_unknown(estub):
     with pytest.raises(grpc.RpcError) as info:
-        run(stub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="embed_tokens")))))
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "--enforce-eager" in info.value.details()
+        run(estub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(module="layers.99")))))
+    return info.value.details()
 
 
 def hf_lens(hf, stream):
