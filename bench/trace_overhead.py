@@ -880,7 +880,7 @@ def main() -> int:
         kind, kinds = "hidden", HIDDEN_ROWS
     elif args.compiled_reads:
         SERVER_FLAGS.extend(["--compiled-reads", "--compiled-unit-reads", "--compiled-steering",
-                             "--compiled-unit-steering", "--compiled-pattern-reads", "1", "--compiled-mean-ablation"])
+                             "--compiled-unit-steering", "--compiled-pattern-reads", "1"])
         kind, kinds = "compiled-reads", COMPILED_READS_ROWS
     elif args.compiled_steering:
         SERVER_FLAGS.append("--compiled-steering")

@@ -266,8 +266,8 @@ def test_what_the_read_buffers_cannot_read_is_refused_naming_the_field(gstub, bs
          "'layers.3' (--compiled-reads LAYERS)"),
         (iv("p", read_attention_pattern=I.ReadAttentionPattern(layers=[3])), "read_attention_pattern.layers[0]",
          "not on layer 3 (--compiled-pattern-reads LAYERS"),
-        (iv(write_dictionary=I.WriteDictionary(dictionary="res-l2-sae", features=[1], clamp=2.0)),
-         "write_dictionary", "--enforce-eager"),
+        (iv(write_dictionary=I.WriteDictionary(dictionary="res-l2-sae", features=list(range(9)), clamp=2.0)),
+         "write_dictionary.features", "--enforce-eager"),
     ]
     for intervention, field, says in cases:
         with pytest.raises(grpc.RpcError) as info:

@@ -81,13 +81,16 @@ def test_kinds_are_taken_in_order_while_the_total_fits() -> None:
         ("--compiled-unit-steering", costs["--compiled-unit-steering"]),
         ("--compiled-unit-reads", costs["--compiled-unit-reads"]),
         ("--compiled-pattern-reads", costs["--compiled-pattern-reads"]),
-        ("--compiled-module-reads", costs["--compiled-module-reads"])]
+        ("--compiled-module-reads", costs["--compiled-module-reads"]),
+        ("--compiled-dictionary-clamps", costs["--compiled-dictionary-clamps"])]
+    assert not hooks.means  # (mean ablation, on the same terms as the clamps)
     assert hooks.reserved == (costs["--compiled-steering"] + costs["--compiled-reads"]
                               + costs["--compiled-module-steering"]) <= budget
     line = hooks.describe(budget)
     assert line.startswith("compiled graph hooks on every layer: layer writes, layer reads, module writes (")
     assert "left off: head and neuron writes: --compiled-unit-steering [LAYERS] (" in line
     assert "head and neuron reads: --compiled-unit-reads [LAYERS] (" in line
+    assert line.endswith("; mean ablation: --compiled-mean-ablation")
     # a later, cheaper kind still fits after a dear one was left off (many tokens, few
     # sequences: layer reads cost more than the unit tables' slots)
     few = G.pass_size(16384, 8)
@@ -102,11 +105,11 @@ def test_kinds_are_taken_in_order_while_the_total_fits() -> None:
 def test_the_default_budget_gives_a_small_model_everything_and_a_large_one_the_cheap_kinds() -> None:
     size = G.pass_size(None, None)
     small = G.choose(TINY, size, G.DEFAULT_BUDGET_BYTES)
-    assert len(small.chosen) == len(G.KINDS) and small.left == ()
+    assert len(small.chosen) == len(G.KINDS) and small.left == () and small.means
     qwen3_8b = G.shape_of(_config(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, head_dim=128,
                                   intermediate_size=12288), "auto")
     large = G.choose(qwen3_8b, size, G.DEFAULT_BUDGET_BYTES)
-    assert [kind.flag for kind, _ in large.chosen] == ["--compiled-steering"]
+    assert [kind.flag for kind, _ in large.chosen] == ["--compiled-steering"] and not large.means
     assert large.reserved <= G.DEFAULT_BUDGET_BYTES
 
 

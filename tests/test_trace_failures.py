@@ -88,11 +88,11 @@ def test_invalid_trace_names_the_field(stub, case):
 
 
 def test_module_interventions_are_refused_until_served(stub):
-    # (the default compiled graph keeps every decoder layer, never the embeddings)
-    error, _ = _status(stub, trace(invoke(PROMPT, iv("h", read_module=I.ReadModule(
-        module="embed_tokens")))))
+    # (the default compiled graph clamps at most 8 features a write)
+    error, _ = _status(stub, trace(invoke(PROMPT, iv(write_dictionary=I.WriteDictionary(
+        dictionary="res-l2-sae", features=list(range(9)), clamp=1.0)))))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "read_module" in error.details()
+    assert "interventions[0].write_dictionary.features" in error.details()
 
 
 def test_reads_over_the_byte_budget_are_refused_up_front(stub, server):

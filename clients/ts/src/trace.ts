@@ -295,7 +295,7 @@ export const write = {
 
   /**
    * Set each selected position to the mean over the selected positions (per head / neuron with
-   * `units`); a compiled server with compiledMeanAblation (its default hooks have it).
+   * `units`); a compiled server with compiledMeanAblation (a small model's default hooks have it).
    */
   meanAblate(path: string, options: { positions?: PositionsInput } & UnitOptions = {}): WriteAction {
     return unitWrite(path, { case: "mean", value: {} }, options);

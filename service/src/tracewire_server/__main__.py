@@ -225,8 +225,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
         action="store_true",
         help="serve mean ablations (write_module's mean) on a compiled, CUDA-graph engine's write tables "
         "(--compiled-steering, --compiled-unit-steering, --compiled-module-steering): the graph keeps a "
-        "running sum over each pass's rows per table. The default graph hooks include it (this flag alone "
-        "keeps the default)",
+        "running sum over each pass's rows per table. The default graph hooks include it where every kind "
+        "fit (this flag alone keeps the default hooks and adds it to them)",
     )
     group.add_argument(
         "--metrics-port",

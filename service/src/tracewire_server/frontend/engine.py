@@ -380,7 +380,7 @@ def use_default_graph_hooks(engine_args: Any, budget: int) -> graph_hooks.Defaul
                                budget, units=engine_args.tensor_parallel_size == 1)
     for kind, _ in hooks.chosen:
         _graph_hooks(engine_args, kind.key, None)
-    if any(kind.writes for kind, _ in hooks.chosen):
+    if hooks.means:
         use_compiled_mean_ablation(engine_args)
     if hooks.chosen:
         engine_args.additional_config = {**engine_args.additional_config, steering.DEFAULTED: True}

@@ -8,7 +8,8 @@ give every model all of them. The default, for a server started without any of t
 --compiled-* flags: each kind of hook, in the order a researcher reaches for them (layer
 writes, layer reads, head and neuron writes, head and neuron reads, attention queries
 and keys, then the other modules' writes and reads, and dictionary clamps only where every
-kind before them fit: they cost time in every pass rather than memory), on every layer,
+kind before them fit: they cost time in every pass rather than memory, as mean ablation in
+the write tables does, which comes on the same terms), on every layer,
 as long as the running total stays within `--graph-hook-bytes` (2 GiB). A small model
 gets all of them; a large one the cheap ones, and the start log names the flag and the
 bytes of each kind left off. Any flag given means exactly what the flags say.
@@ -126,10 +127,16 @@ class DefaultHooks:
     def reserved(self) -> int:
         return sum(size for _, size in self.chosen)
 
+    @property
+    def means(self) -> bool:
+        """Whether the write tables take mean ablations: like the clamps, a cost in every
+        pass rather than memory (a running sum per table), so only where every kind fit."""
+        return not self.left and any(k.writes for k, _ in self.chosen)
+
     def describe(self, budget: int) -> str:
         """The start log's line."""
         if self.chosen:
-            means = " (with mean ablation)" if any(k.writes for k, _ in self.chosen) else ""
+            means = " (with mean ablation)" if self.means else ""
             head = (f"compiled graph hooks on every layer: {', '.join(k.what for k, _ in self.chosen)}{means} "
                     f"({_mib(self.reserved)} of --graph-hook-bytes {_mib(budget)})")
         else:
@@ -137,7 +144,8 @@ class DefaultHooks:
         if not self.left:
             return head
         left = "; ".join(f"{k.what}: {k.flag} [LAYERS] ({_mib(size)} for all layers)" for k, size in self.left)
-        return f"{head}; left off: {left}"
+        means = "; mean ablation: --compiled-mean-ablation" if any(k.writes for k, _ in self.chosen) else ""
+        return f"{head}; left off: {left}{means}"
 
 
 def choose(shape: ModelShape, size: PassSize, budget: int, units: bool = True) -> DefaultHooks:
@@ -150,9 +158,10 @@ def choose(shape: ModelShape, size: PassSize, budget: int, units: bool = True) -
     for kind in KINDS:
         if kind.units and not units:
             continue
-        if kind.after_all and left:
-            continue
         cost = kind.bytes(shape, size)
+        if kind.after_all and left:
+            left.append((kind, cost))
+            continue
         if total + cost <= budget:
             chosen.append((kind, cost))
             total += cost

@@ -602,7 +602,7 @@ export type GetModelInfoResponse = Message<"tracewire.v1.GetModelInfoResponse"> 
 
   /**
    * Whether a compiled engine's graph tables take mean ablations
-   * (--compiled-mean-ablation; the default graph hooks have them). False on an
+   * (--compiled-mean-ablation; a small model's default graph hooks have them). False on an
    * eager engine, which serves them on every module.
    *
    * @generated from field: bool compiled_mean_ablation = 30;
