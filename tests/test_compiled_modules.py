@@ -32,6 +32,8 @@ def _hf_module(hf, path):
     model = hf.model.model
     if path in ("embed_tokens", "norm"):
         return getattr(model, path)
+    if path.count(".") == 1:  # a decoder layer
+        return model.layers[int(path.split(".")[1])]
     _, layer, part = path.split(".")
     return getattr(model.layers[int(layer)], part)
 
@@ -39,8 +41,12 @@ def _hf_module(hf, path):
 def hf_logits_editing(hf, ids, edits):
     """Last-position logits of a transformers forward pass with `edits` ({path: fn(rows)
     -> new rows}, rows [positions, hidden]) applied to those modules' outputs."""
-    handles = [_hf_module(hf, path).register_forward_hook(lambda module, args, output, edit=edit: _edited(output, edit))
-               for path, edit in edits.items()]
+    return _last_logits(hf, ids, [_hf_module(hf, path).register_forward_hook(
+        lambda module, args, output, edit=edit: _edited(output, edit)) for path, edit in edits.items()])
+
+
+def _last_logits(hf, ids, handles):
+    """Last-position logits of a transformers forward pass with these hooks, removed after."""
     try:
         with torch.no_grad():
             return hf.model(torch.tensor([ids])).logits[0, -1].float().numpy()
@@ -185,12 +191,7 @@ def _hf_logits_with_unit_means(hf, ids, heads, neurons):
         handles.append(hf.model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(pre(columns)))
     for layer, chosen in neurons.items():
         handles.append(hf.model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(pre(list(chosen))))
-    try:
-        with torch.no_grad():
-            return hf.model(torch.tensor([ids])).logits[0, -1].float().numpy()
-    finally:
-        for h in handles:
-            h.remove()
+    return _last_logits(hf, ids, handles)
 
 
 def check_layer_and_module_means(mstub, hf):
@@ -212,12 +213,7 @@ def check_layer_and_module_means(mstub, hf):
         rows[: len(ids)] += torch.from_numpy(vector)
         return _mean_of([1, 2, 3])(rows)
 
-    handle = hf.model.model.layers[1].register_forward_hook(
-        lambda module, args, output: (_edited(output, add_then_mean)))
-    try:
-        ref = hf_logits_editing(hf, ids, {"layers.2.mlp": _mean_of([0, 4])})
-    finally:
-        handle.remove()
+    ref = hf_logits_editing(hf, ids, {"layers.1": add_then_mean, "layers.2.mlp": _mean_of([0, 4])})
     np.testing.assert_allclose(result.values("raw")[0], ref, atol=2e-3, rtol=1e-4)
     assert not np.allclose(ref, hf.next_logits(ids).numpy(), atol=1e-2)
 
@@ -270,7 +266,7 @@ def test_a_mean_the_graph_cannot_take_fails_its_own_trace_saying_so(graph, hf):
         result = run(stub, trace(invoke(PROMPT, iv(write_module=I.WriteModule(
             module="layers.1", positions=_at(1, 2, 3), mean=I.MeanAblation())), iv("raw", read_logits=RAW)),
             max_tokens=1, **GREEDY))
-        hook_ref = _hf_layer_edit(hf, hf.encode(PROMPT), 1, _mean_of([1, 2, 3]))
+        hook_ref = hf_logits_editing(hf, hf.encode(PROMPT), {"layers.1": _mean_of([1, 2, 3])})
         np.testing.assert_allclose(result.values("raw")[0], hook_ref, atol=2e-3, rtol=1e-4)
 
 
@@ -280,14 +276,6 @@ def _edited(output, edit):
     hidden[0] = edit(hidden[0])
     return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
-
-def _hf_layer_edit(hf, ids, layer, edit):
-    handle = hf.model.model.layers[layer].register_forward_hook(lambda module, args, output: _edited(output, edit))
-    try:
-        with torch.no_grad():
-            return hf.model(torch.tensor([ids])).logits[0, -1].float().numpy()
-    finally:
-        handle.remove()
 
 
 def test_model_info_says_which_modules_means_and_clamps_each_server_serves(graph, server, eager, bare):
