@@ -315,3 +315,40 @@ def test_key_caches_go_when_no_read_needs_them():
     assert other.key_caches
     patterns.begin(set())  # the request ended before its last step
     assert other.key_caches == {} and patterns._holders == {}
+    # every page went back to its pool, and the pool's memory with them
+    assert [(pool.used, pool.pages.shape[0]) for pool in patterns._pools.values()] == [(0, 0)]
+
+
+def test_key_pool_pages_are_taken_reused_and_gathered_by_position():
+    """The paged key store (no engine): each sequence's keys land at its own pages, a
+    gather returns each one's positions in order whatever pages it holds, and pages go
+    back when a cache goes."""
+    from tracewire_server.worker.pattern_state import PAGE, KeyCache, KeyPool, gather
+
+    pool = KeyPool(2, 4, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    a, b = (KeyCache(pool, (0, 1), 100, (0, 1, 2, 3), 2) for _ in range(2))
+    keys_a, keys_b = torch.randn(40, 2, 4, generator=gen), torch.randn(40, 2, 4, generator=gen)
+    for start, end in [(0, 5), (5, 21), (21, 22), (22, 40)]:  # interleaved: their pages interleave
+        a.write(start, keys_a[start:end])
+        b.write(start, keys_b[start:end])
+    assert len(a.pages) == len(b.pages) == -(-40 // PAGE) and not set(a.pages) & set(b.pages)
+    torch.testing.assert_close(a.upto(23), keys_a[:23], rtol=0, atol=0)
+    both = gather([a, b], [40, 17])
+    assert both.shape == (2, 40, 2, 4)
+    torch.testing.assert_close(both[0], keys_a, rtol=0, atol=0)
+    torch.testing.assert_close(both[1, :17], keys_b[:17], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="41 known|asked for"):
+        gather([a], [41])
+    with pytest.raises(RuntimeError, match="past the 100 positions"):
+        a.slots(40, 101)
+    with pytest.raises(RuntimeError, match="never ran through the model"):
+        b.slots(41, 42)
+    held = len(a.pages)
+    del a
+    assert pool.used == len(b.pages) and len(pool._free) >= held
+    c = KeyCache(pool, (0, 1), 100, (0, 1), 2)
+    c.write(0, keys_a[:PAGE])
+    assert pool.used == len(b.pages) + 1
+    del b, c
+    assert pool.used == 0 and pool.pages.shape[0] == 0

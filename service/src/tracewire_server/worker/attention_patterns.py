@@ -7,7 +7,11 @@ Keys of earlier positions are needed at every step, so each sequence reading a p
 keeps its own float32 copy of the keys of the KV heads it reads, per layer, written by
 position from its prefill on (a chunked prefill's chunks and a preemption's recompute
 land where they belong); the compiler bounded that copy against the trace's read budget
-(plan.ReadAttentionPattern.key_cache_bytes). The weights are softmax(scale * q . k)
+(plan.ReadAttentionPattern.key_cache_bytes). The copies live in pages of one pool per
+layer and KV-head selection (pattern_state.KeyPool), so that the work at each step is a
+fixed set of kernels per layer however many sequences read: one copy writes every
+sequence's new keys, one index gathers them, and a top k goes to the host in one copy.
+The weights are softmax(scale * q . k)
 over the keys the query sees (causal, within a sliding window), with soft-capping where
 the layer has it, in float32, for the selected query rows of each forward pass; the
 chunks of a step (a chunked prefill runs several passes) are joined at its sample
@@ -24,12 +28,13 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 from ..shared import plan as P
 from ..shared.limits import PATTERN_BLOCK_ELEMENTS
-from .host import on_device
-from .pattern_state import KeyCache, PatternChunk
+from .host import on_device, to_host
+from .pattern_state import KeyCache, KeyPool, PatternChunk, gather
 from .runner import AttentionLayer
 
 if TYPE_CHECKING:
@@ -157,6 +162,8 @@ class AttentionPatterns:
         # Requests holding key caches: dropped when the runner lets go of them (a request
         # that ended before its last selected step holds no memory after it).
         self._holders: dict[str, Sequence] = {}
+        # Each layer's and KV-head selection's keys, of every sequence keeping them.
+        self._pools: dict[tuple[int, tuple[int, ...], int, torch.device], KeyPool] = {}
 
     def install(self) -> None:
         for index, layer in self.layers.items():
@@ -237,12 +244,18 @@ class AttentionPatterns:
             for task in tasks:
                 task.seq.error = task.seq.error or f"{type(e).__name__} in layers.{index}.self_attn.attn: {e}"
             return
-        new_tokens: dict[tuple[tuple[int, ...], int], list[tuple[_Task, KeyCache]]] = {}
+        self._write_keys(index, tasks, layer, k)
+        new_tokens: dict[tuple[int, tuple[int, ...], int], list[_Task]] = {}
         for task in tasks:
+            if task.cache is None or not task.rows:
+                continue  # (no keys: its write failed its trace)
+            if len(task.rows) == 1:  # a new token's row: computed with the others like it below
+                new_tokens.setdefault((id(task.cache.pool), task.read.heads, task.read.top_k), []).append(task)
+                continue
             try:
-                found = self._run(task, layer, q, k)
-                if found is not None:  # a new token's row: computed with the others like it below
-                    new_tokens.setdefault((task.read.heads, task.read.top_k), []).append((task, found))
+                length = task.positions[-1] + 1  # the rows are ascending: the last sees the most keys
+                chunk = self._rows(task, layer, q, task.cache.upto(length), task.cache)
+                task.seq.patterns.setdefault(task.key, []).append(chunk)
             except Exception as e:  # noqa: BLE001 - fails this request's trace only
                 log.exception("attention-pattern read %s failed", task.key)
                 task.seq.error = task.seq.error or f"{type(e).__name__} in layers.{index}.self_attn.attn: {e}"
@@ -251,52 +264,86 @@ class AttentionPatterns:
                 self._new_tokens(group, layer, q)
             except Exception as e:  # noqa: BLE001 - fails these requests' traces only
                 log.exception("attention-pattern reads at layer %d failed", index)
-                for task, _ in group:
+                for task in group:
                     task.seq.error = task.seq.error or f"{type(e).__name__} in layers.{index}.self_attn.attn: {e}"
 
-    def _run(self, task: _Task, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor) -> KeyCache | None:
-        """Record the task's keys and compute its query rows; a new token's row is left to
-        `_new_tokens` (returns its cache then)."""
-        read = task.read
-        cache = task.cache
-        if cache is None:
-            group = layer.num_heads // layer.num_kv_heads
-            cache = task.seq.key_caches[task.key] = KeyCache(read.kv_heads, read.head_dim, read.max_len, k.device,
-                                                             read.heads, group)
-        cache.write(task.pos0, k[task.first:task.last])
-        if not task.rows:
-            return None
-        if len(task.rows) == 1:
-            return cache
-        length = task.positions[-1] + 1  # the rows are ascending: the last sees the most keys
-        task.seq.patterns.setdefault(task.key, []).append(self._rows(task, layer, q, cache.upto(length), cache))
-        return None
+    def _pool(self, index: int, read: P.ReadAttentionPattern, device: torch.device) -> KeyPool:
+        """The pool of the keys `read` keeps at layer `index` (one per KV-head selection)."""
+        key = (index, read.kv_heads, read.head_dim, device)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = KeyPool(len(read.kv_heads), read.head_dim, device)
+        return pool
+
+    def _write_keys(self, index: int, tasks: list[_Task], layer: AttentionLayer, k: torch.Tensor) -> None:
+        """Every task's keys of this pass into its cache: one copy per pool for all of
+        them. A task whose keys cannot be kept fails its trace (cache None after)."""
+        by_pool: dict[int, tuple[KeyCache, list[np.ndarray], list[np.ndarray], list[tuple[_Task, int]]]] = {}
+        for task in tasks:
+            try:
+                cache = task.cache
+                if cache is None:
+                    cache = task.seq.key_caches[task.key] = KeyCache(
+                        self._pool(index, task.read, k.device), task.read.kv_heads, task.read.max_len,
+                        task.read.heads, layer.num_heads // layer.num_kv_heads)
+                end = task.pos0 + task.last - task.first
+                slots = cache.slots(task.pos0, end)
+            except Exception as e:  # noqa: BLE001 - fails this request's trace only
+                log.exception("attention-pattern read %s failed", task.key)
+                task.seq.error = task.seq.error or f"{type(e).__name__} in layers.{index}.self_attn.attn: {e}"
+                task.cache = None
+                continue
+            task.cache = cache
+            _, rows, slot_lists, ends = by_pool.setdefault(id(cache.pool), (cache, [], [], []))
+            rows.append(np.arange(task.first, task.last))
+            slot_lists.append(slots)
+            ends.append((task, end))
+        for first, rows, slot_lists, ends in by_pool.values():
+            try:
+                both = on_device(np.stack([np.concatenate(rows), np.concatenate(slot_lists)]), k.device, torch.long)
+                first.pool.write(both[1], k.index_select(0, both[0]).index_select(1, first.kv_index).to(torch.float32))
+            except Exception as e:  # noqa: BLE001 - fails these requests' traces only
+                log.exception("attention-pattern keys at layer %d failed", index)
+                for task, _ in ends:
+                    task.seq.error = task.seq.error or f"{type(e).__name__} in layers.{index}.self_attn.attn: {e}"
+                    task.cache = None
+                continue
+            for task, end in ends:
+                assert task.cache is not None
+                task.cache.wrote(end)
 
     @staticmethod
-    def _new_tokens(group: list[tuple[_Task, KeyCache]], layer: AttentionLayer, q: torch.Tensor) -> None:
+    def _new_tokens(group: list[_Task], layer: AttentionLayer, q: torch.Tensor) -> None:
         """One query row each (the new token, every step) of sequences reading the same
-        heads: their keys padded to the longest, one set of kernels for a block of them
-        rather than a set per sequence (this runs per layer at every step)."""
-        read, cache = group[0][0].read, group[0][1]
+        heads: their keys gathered from their pool padded to the longest, one set of
+        kernels for a block of them rather than a set per sequence (this runs per layer
+        at every step), and a top k's values one copy to the host for the block."""
+        read = group[0].read
+        cache = group[0].cache
+        assert cache is not None
         heads = len(read.heads)
-        longest = max(task.positions[0] for task, _ in group) + 1
+        longest = max(task.positions[0] for task in group) + 1
         # (a block's padded keys and its scores within the transient bound)
         block = max(1, _BLOCK_ELEMENTS // (longest * max(heads, len(read.kv_heads) * read.head_dim)))
         for start in range(0, len(group), block):
             part = group[start:start + block]
-            positions = on_device([task.positions[0] for task, _ in part], q.device, torch.long)
-            keys = torch.nn.utils.rnn.pad_sequence(
-                [c.upto(task.positions[0] + 1) for task, c in part], batch_first=True)  # [B, L, kv, D]
-            rows = on_device([task.rows[0] for task, _ in part], q.device, torch.long)
+            lengths = [task.positions[0] + 1 for task in part]
+            operands = on_device(np.array([[t.positions[0] for t in part], [t.rows[0] for t in part]]),
+                                 q.device, torch.long)
+            positions, rows = operands[0], operands[1]
+            keys = gather([t.cache for t in part], lengths)  # type: ignore[misc]  # [B, L, kv, D]
             queries = q.index_select(0, rows).index_select(1, cache.heads).to(torch.float32)  # [B, heads, D]
             probs = _softmax(own_key_scores(queries, keys, cache) * layer.scale, positions, layer)  # [B, heads, L]
             if read.top_k:
                 values, ids = top_k(probs, positions, read.top_k, layer)
-                for j, (task, _) in enumerate(part):
-                    chunk = PatternChunk(task.positions, values[j:j + 1], ids[j:j + 1])
+                # (a one-layer read takes its row of this copy: module_reads._pattern_value)
+                host_values, host_ids = to_host(values).numpy(), to_host(ids).numpy()
+                for j, task in enumerate(part):
+                    chunk = PatternChunk(task.positions, values[j:j + 1], ids[j:j + 1],
+                                         (host_values[j:j + 1], host_ids[j:j + 1]))
                     task.seq.patterns.setdefault(task.key, []).append(chunk)
             else:
-                for j, (task, _) in enumerate(part):
+                for j, task in enumerate(part):
                     chunk = PatternChunk(task.positions, probs[j:j + 1, :, : task.positions[0] + 1], None)
                     task.seq.patterns.setdefault(task.key, []).append(chunk)
 

@@ -208,6 +208,14 @@ def _pattern_value(row: Row, name: str, read: P.ReadAttentionPattern) -> HostRea
         expected = 1
     else:
         expected = len(read.positions.prompt_positions(len(row.seq.prompt_ids)))
+    if len(read.layers) == 1:
+        key = read.module_reads(name)[0][0]
+        chunks = row.seq.patterns.get(key, [])
+        if len(chunks) == 1 and chunks[0].host is not None and len(chunks[0].positions) == expected:
+            # a new token's top k: its part of its batch's one copy to the host
+            del row.seq.patterns[key]
+            host_values, host_ids = chunks[0].host
+            return HostRead(HostBatch.of_arrays(host_values[None], host_ids[None]), chunks[0].positions)
     values, ids, positions = [], [], []
     for key, path in read.module_reads(name):
         chunks = row.seq.patterns.pop(key, [])

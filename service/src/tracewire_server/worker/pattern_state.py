@@ -7,8 +7,10 @@ Separate from the computation (attention_patterns.py) because the per-request st
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .host import on_device
@@ -17,20 +19,79 @@ from .host import on_device
 class PatternChunk(NamedTuple):
     """One forward pass's rows of a pattern read at one layer: [rows, heads, K] weights
     (full rows: K = the chunk's last query position + 1) and, for top-k, their key
-    positions (int32, -1 past the keys a query sees)."""
+    positions (int32, -1 past the keys a query sees). A new token's top k, computed with
+    other sequences', also comes as its part of their one copy to the host (`host`:
+    values and ids, numpy views filled once the step's copies are done)."""
 
     positions: list[int]
     values: torch.Tensor
     ids: torch.Tensor | None
+    host: tuple[np.ndarray, np.ndarray] | None = None
+
+
+# Positions a page of a KeyPool holds: a sequence wastes less than one page per read and
+# layer, and a batch's keys are gathered through a page table of length / PAGE entries.
+PAGE = 16
+
+
+class KeyPool:
+    """Post-rotary keys of every sequence reading some KV heads of one layer, in one paged
+    float32 tensor [pages, PAGE, kv_heads, head_dim], so that a pass writes all of its
+    sequences' keys with one copy and a step gathers a batch's keys with one index, not
+    kernels per sequence (the engine thread launches these at every step). Pages are
+    taken as a sequence's positions arrive and given back when its KeyCache goes; the
+    tensor grows by half again when none is free, and is let go when none is used: what
+    it holds is the live sequences' keys (each bounded by the compiler), rounded up to
+    pages, and the growth's slack."""
+
+    def __init__(self, kv_heads: int, head_dim: int, device: torch.device) -> None:
+        self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, device
+        self.pages = self._empty(0)
+        self._free: list[int] = []
+        self.used = 0
+
+    def _empty(self, count: int) -> torch.Tensor:
+        # zeros, not empty: a batch's gather reads past a short sequence's keys (masked
+        # later), and uninitialized memory could hold NaN
+        return torch.zeros((count, PAGE, self.kv_heads, self.head_dim), dtype=torch.float32, device=self.device)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """[pages x PAGE, kv_heads, head_dim]: slot s is position s % PAGE of page s // PAGE."""
+        return self.pages.view(-1, self.kv_heads, self.head_dim)
+
+    def take(self, count: int) -> list[int]:
+        if len(self._free) < count:
+            have = self.pages.shape[0]
+            grown = max(have + count - len(self._free), have + have // 2, 4)
+            pages = self._empty(grown)
+            pages[:have] = self.pages
+            self.pages = pages
+            self._free.extend(range(grown - 1, have - 1, -1))
+        taken = [self._free.pop() for _ in range(count)]
+        self.used += count
+        return taken
+
+    def give(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+        self.used -= len(pages)
+        if not self.used:  # nothing live: the memory goes back to the allocator
+            self.pages, self._free = self._empty(0), []
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """`keys` [n, kv_heads, head_dim] (float32) at flat `slots` [n]."""
+        self.flat.index_copy_(0, slots, keys)
 
 
 class KeyCache:
-    """One sequence's post-rotary keys of some KV heads at one layer, by position:
-    [positions, kv_heads, head_dim] float32, grown as positions arrive, up to the
-    plan's max_len (what the compiler counted); with the read's head indices."""
+    """One sequence's post-rotary keys of some KV heads at one layer, by position, in its
+    pages of a KeyPool, up to the plan's max_len (what the compiler counted); with the
+    read's head indices. Its pages go back to the pool when it goes."""
 
-    def __init__(self, kv_heads: tuple[int, ...], head_dim: int, max_len: int, device: torch.device,
-                 heads: tuple[int, ...], group: int) -> None:
+    def __init__(self, pool: KeyPool, kv_heads: tuple[int, ...], max_len: int, heads: tuple[int, ...],
+                 group: int) -> None:
+        device = pool.device
+        self.pool = pool
         self.kv_index = on_device(list(kv_heads), device, torch.long)
         # The read's query heads, and each one's KV head as an index into these keys (GQA:
         # query head h reads KV head h // group): on the device once, not every step.
@@ -43,30 +104,60 @@ class KeyCache:
         # Every query head in order (the read named none): GQA is a reshape, not a gather.
         self.grouped = heads == tuple(range(len(kv_heads) * group)) and kv_heads == tuple(range(len(kv_heads)))
         self.max_len = max_len
-        self.keys = torch.empty((0, len(kv_heads), head_dim), dtype=torch.float32, device=device)
+        self.pages: list[int] = []
         self.known = 0  # positions 0 .. known - 1 are written
+        # (the list itself: what it holds when the cache goes)
+        weakref.finalize(self, pool.give, self.pages)
 
-    def write(self, pos0: int, keys: torch.Tensor) -> None:
-        """Keys of positions pos0 .. pos0 + len(keys) - 1: [n, all kv heads, head_dim]."""
-        end = pos0 + keys.shape[0]
+    def slots(self, pos0: int, end: int) -> np.ndarray:
+        """The pool slots of positions pos0 .. end - 1, taking pages as needed; checked
+        as `write` documents."""
         if end > self.max_len:
             raise RuntimeError(f"position {end - 1} is past the {self.max_len} positions the read was planned for")
         if pos0 > self.known:
             raise RuntimeError(f"keys of positions {self.known} .. {pos0 - 1} never ran through the model "
                                "(served from the prefix cache?)")
-        if end > self.keys.shape[0]:  # grow geometrically, never past max_len
-            grown = torch.empty((min(self.max_len, max(end, 2 * self.keys.shape[0])), *self.keys.shape[1:]),
-                                dtype=self.keys.dtype, device=self.keys.device)
-            grown[: self.keys.shape[0]] = self.keys
-            self.keys = grown
-        self.keys[pos0:end] = keys.index_select(1, self.kv_index).to(torch.float32)
+        short = -(-end // PAGE) - len(self.pages)
+        if short > 0:
+            self.pages.extend(self.pool.take(short))
+        positions = np.arange(pos0, end)
+        return np.asarray(self.pages, dtype=np.int64)[positions // PAGE] * PAGE + positions % PAGE
+
+    def wrote(self, end: int) -> None:
         self.known = max(self.known, end)
 
+    def write(self, pos0: int, keys: torch.Tensor) -> None:
+        """Keys of positions pos0 .. pos0 + len(keys) - 1: [n, all kv heads, head_dim]."""
+        end = pos0 + keys.shape[0]
+        slots = on_device(self.slots(pos0, end), keys.device, torch.long)
+        self.pool.write(slots, keys.index_select(1, self.kv_index).to(torch.float32))
+        self.wrote(end)
+
     def upto(self, length: int) -> torch.Tensor:
-        """Keys of positions 0 .. length - 1, every one of them written."""
+        """Keys of positions 0 .. length - 1, every one of them written: [length, kv, D]."""
         if length > self.known:
             raise RuntimeError(f"keys up to position {length - 1} asked for, {self.known} known")
-        return self.keys[:length]
+        return self.pool.flat.index_select(0, on_device(self.slots(0, length), self.pool.device, torch.long))
+
+
+def gather(caches: list[KeyCache], lengths: list[int]) -> torch.Tensor:
+    """Keys of several sequences of one pool, positions 0 .. length - 1 each, padded to
+    the longest: [B, L, kv, D] with one page table and one index (past a sequence's
+    length: other keys, which its softmax masks)."""
+    pool = caches[0].pool
+    longest = max(lengths)
+    for cache, length in zip(caches, lengths, strict=True):
+        if length > cache.known:
+            raise RuntimeError(f"keys up to position {length - 1} asked for, {cache.known} known")
+    width = -(-longest // PAGE)
+    table = np.zeros((len(caches), width), dtype=np.int64)
+    for j, cache in enumerate(caches):
+        pages = cache.pages[:width]
+        table[j, :len(pages)] = pages
+    table_t = on_device(table, pool.device, torch.long)
+    position = torch.arange(longest, device=pool.device)
+    slots = table_t[:, position // PAGE] * PAGE + position % PAGE  # [B, L]
+    return pool.flat[slots]
 
 
 def joined(chunks: list[PatternChunk]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
