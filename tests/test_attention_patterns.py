@@ -266,15 +266,16 @@ def test_sliding_window_and_soft_cap_equal_transformers_eager_attention(window, 
     assert [p for c in seq.patterns["top@0"] for p in c.positions] == list(range(T))
     for chunk in chunks:
         for j, p in enumerate(chunk.positions):
-            row = chunk.values[j]  # [heads, keys]
+            row = chunk.own()[0][j]  # [heads, keys]
             np.testing.assert_allclose(row.numpy(), ref[list(heads), p, : row.shape[-1]].numpy(), atol=1e-6)
     for chunk in seq.patterns["top@0"]:
+        values, ids_of = chunk.own()  # (a new token's: its row of its batch's)
         for j, p in enumerate(chunk.positions):
             for h_index, h in enumerate(heads):
                 want = ref[h, p, : p + 1]
                 seen = int((allowed[p, : p + 1]).sum())
-                ids = chunk.ids[j, h_index].tolist()
-                np.testing.assert_allclose(chunk.values[j, h_index, : min(3, seen)].numpy(),
+                ids = ids_of[j, h_index].tolist()
+                np.testing.assert_allclose(values[j, h_index, : min(3, seen)].numpy(),
                                            torch.sort(want, descending=True).values[: min(3, seen)].numpy(), atol=1e-6)
                 assert all(allowed[p, i] for i in ids[:seen]) and ids[seen:] == [-1] * max(0, 3 - seen)
 

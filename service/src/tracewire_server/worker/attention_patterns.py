@@ -182,23 +182,24 @@ class AttentionPatterns:
         """This pass's tasks for one request: every pattern read that still needs keys
         records this pass's; those selected now compute their query rows."""
         step = seq.step
-        selected = {id(op) for op in seq.plan.active_at(step)}
         kept = False
-        for op in seq.plan.ops:
+        for op, keys in seq.pattern_reads:
             read = op.action
-            if not isinstance(read, P.ReadAttentionPattern) or not keeps_keys(op, step):
+            assert isinstance(read, P.ReadAttentionPattern)
+            if not keeps_keys(op, step):
                 continue
             kept = True
-            rows, positions = span.rows(read.positions, step) if id(op) in selected else ([], [])
-            for key, _ in read.module_reads(op.name):
-                index = int(key.rsplit("@", 1)[1])
-                layer = self.layers.get(index)
-                problem = self._problem(read, index, layer)
-                if problem:
-                    seq.error = seq.error or f"attention pattern read {op.name!r}: layer {index}: {problem}"
-                    return
+            rows, positions = span.rows(read.positions, step) if op.selects(step) else ([], [])
+            for key, index in keys:
+                cache = seq.key_caches.get(key)
+                if cache is None:  # (its first pass: the layer is checked once)
+                    layer = self.layers.get(index)
+                    problem = self._problem(read, index, layer)
+                    if problem:
+                        seq.error = seq.error or f"attention pattern read {op.name!r}: layer {index}: {problem}"
+                        return
                 self._tasks.setdefault(index, []).append(_Task(
-                    seq, key, read, seq.key_caches.get(key), span.first, span.last, span.pos0, rows, positions))
+                    seq, key, read, cache, span.first, span.last, span.pos0, rows, positions))
         if kept:
             self._holders[req_id] = seq
         elif seq.key_caches:
@@ -278,7 +279,7 @@ class AttentionPatterns:
     def _write_keys(self, index: int, tasks: list[_Task], layer: AttentionLayer, k: torch.Tensor) -> None:
         """Every task's keys of this pass into its cache: one copy per pool for all of
         them. A task whose keys cannot be kept fails its trace (cache None after)."""
-        by_pool: dict[int, tuple[KeyCache, list[np.ndarray], list[np.ndarray], list[tuple[_Task, int]]]] = {}
+        by_pool: dict[int, tuple[KeyCache, list[int], list[int], list[tuple[_Task, int]]]] = {}
         for task in tasks:
             try:
                 cache = task.cache
@@ -294,13 +295,15 @@ class AttentionPatterns:
                 task.cache = None
                 continue
             task.cache = cache
-            _, rows, slot_lists, ends = by_pool.setdefault(id(cache.pool), (cache, [], [], []))
-            rows.append(np.arange(task.first, task.last))
-            slot_lists.append(slots)
-            ends.append((task, end))
-        for first, rows, slot_lists, ends in by_pool.values():
+            found = by_pool.get(id(cache.pool))
+            if found is None:
+                found = by_pool[id(cache.pool)] = (cache, [], [], [])
+            found[1].extend(range(task.first, task.last))
+            found[2].extend(slots)
+            found[3].append((task, end))
+        for first, rows, slot_list, ends in by_pool.values():
             try:
-                both = on_device(np.stack([np.concatenate(rows), np.concatenate(slot_lists)]), k.device, torch.long)
+                both = on_device(np.array([rows, slot_list], dtype=np.int64), k.device, torch.long)
                 first.pool.write(both[1], k.index_select(0, both[0]).index_select(1, first.kv_index).to(torch.float32))
             except Exception as e:  # noqa: BLE001 - fails these requests' traces only
                 log.exception("attention-pattern keys at layer %d failed", index)
@@ -339,8 +342,7 @@ class AttentionPatterns:
                 # (a one-layer read takes its row of this copy: module_reads._pattern_value)
                 host_values, host_ids = to_host(values).numpy(), to_host(ids).numpy()
                 for j, task in enumerate(part):
-                    chunk = PatternChunk(task.positions, values[j:j + 1], ids[j:j + 1],
-                                         (host_values[j:j + 1], host_ids[j:j + 1]))
+                    chunk = PatternChunk(task.positions, values, ids, (host_values[j:j + 1], host_ids[j:j + 1]), j)
                     task.seq.patterns.setdefault(task.key, []).append(chunk)
             else:
                 for j, task in enumerate(part):

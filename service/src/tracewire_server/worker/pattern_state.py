@@ -27,6 +27,16 @@ class PatternChunk(NamedTuple):
     values: torch.Tensor
     ids: torch.Tensor | None
     host: tuple[np.ndarray, np.ndarray] | None = None
+    # A new token's: `values` and `ids` are its batch's, this its row there (cut only
+    # where a read joins layers: `own`)
+    row: int | None = None
+
+    def own(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This chunk's values and ids, [rows, heads, K]."""
+        if self.row is None:
+            return self.values, self.ids
+        j = self.row
+        return self.values[j:j + 1], self.ids[j:j + 1] if self.ids is not None else None
 
 
 # Positions a page of a KeyPool holds: a sequence wastes less than one page per read and
@@ -109,7 +119,7 @@ class KeyCache:
         # (the list itself: what it holds when the cache goes)
         weakref.finalize(self, pool.give, self.pages)
 
-    def slots(self, pos0: int, end: int) -> np.ndarray:
+    def slots(self, pos0: int, end: int) -> list[int]:
         """The pool slots of positions pos0 .. end - 1, taking pages as needed; checked
         as `write` documents."""
         if end > self.max_len:
@@ -120,8 +130,8 @@ class KeyCache:
         short = -(-end // PAGE) - len(self.pages)
         if short > 0:
             self.pages.extend(self.pool.take(short))
-        positions = np.arange(pos0, end)
-        return np.asarray(self.pages, dtype=np.int64)[positions // PAGE] * PAGE + positions % PAGE
+        pages = self.pages
+        return [pages[p // PAGE] * PAGE + p % PAGE for p in range(pos0, end)]
 
     def wrote(self, end: int) -> None:
         self.known = max(self.known, end)
@@ -146,15 +156,14 @@ def gather(caches: list[KeyCache], lengths: list[int]) -> torch.Tensor:
     length: other keys, which its softmax masks)."""
     pool = caches[0].pool
     longest = max(lengths)
+    width = -(-longest // PAGE)
+    table: list[list[int]] = []
     for cache, length in zip(caches, lengths, strict=True):
         if length > cache.known:
             raise RuntimeError(f"keys up to position {length - 1} asked for, {cache.known} known")
-    width = -(-longest // PAGE)
-    table = np.zeros((len(caches), width), dtype=np.int64)
-    for j, cache in enumerate(caches):
         pages = cache.pages[:width]
-        table[j, :len(pages)] = pages
-    table_t = on_device(table, pool.device, torch.long)
+        table.append(pages if len(pages) == width else pages + [0] * (width - len(pages)))
+    table_t = on_device(np.array(table, dtype=np.int64), pool.device, torch.long)
     position = torch.arange(longest, device=pool.device)
     slots = table_t[:, position // PAGE] * PAGE + position % PAGE  # [B, L]
     return pool.flat[slots]
@@ -164,10 +173,11 @@ def joined(chunks: list[PatternChunk]) -> tuple[torch.Tensor, torch.Tensor | Non
     """A step's chunks of one layer's read as one [positions, heads, K] (full rows padded
     with 0 to the last position's keys), its key positions (top-k), and the positions."""
     positions = [p for chunk in chunks for p in chunk.positions]
-    if len(chunks) == 1:
-        return chunks[0].values, chunks[0].ids, positions
-    if chunks[0].ids is not None:
-        return torch.cat([c.values for c in chunks]), torch.cat([c.ids for c in chunks if c.ids is not None]), positions
-    length = max(c.values.shape[-1] for c in chunks)
-    values = [torch.nn.functional.pad(c.values, (0, length - c.values.shape[-1])) for c in chunks]
+    owned = [chunk.own() for chunk in chunks]
+    if len(owned) == 1:
+        return owned[0][0], owned[0][1], positions
+    if owned[0][1] is not None:
+        return torch.cat([v for v, _ in owned]), torch.cat([i for _, i in owned if i is not None]), positions
+    length = max(v.shape[-1] for v, _ in owned)
+    values = [torch.nn.functional.pad(v, (0, length - v.shape[-1])) for v, _ in owned]
     return torch.cat(values), None, positions

@@ -71,6 +71,8 @@ class Sequence:
     # Attention-pattern reads (attention_patterns.py): whether the plan has any; the
     # keys they need, by read name @ layer; this step's computed chunks, likewise.
     reads_patterns: bool = False
+    # Each of them with the (name @ layer, layer) keys it keeps: found once, not per pass.
+    pattern_reads: tuple[tuple[P.Op, tuple[tuple[str, int], ...]], ...] = ()
     # The plan's module reads and writes with their index in plan.ops (the module hooks
     # look only at these, each pass: most plans have none or one).
     hidden_ops: tuple[tuple[int, P.Op], ...] = ()
@@ -104,7 +106,10 @@ class Sequence:
         return found[0]
 
     def __post_init__(self) -> None:
-        self.reads_patterns = any(isinstance(op.action, P.ReadAttentionPattern) for op in self.plan.ops)
+        self.pattern_reads = tuple(
+            (op, tuple((key, int(key.rsplit("@", 1)[1])) for key, _ in op.action.module_reads(op.name)))
+            for op in self.plan.ops if isinstance(op.action, P.ReadAttentionPattern))
+        self.reads_patterns = bool(self.pattern_reads)
         self.hidden_ops = tuple((k, op) for k, op in enumerate(self.plan.ops) if isinstance(op.action, P.HIDDEN_OPS))
         if all(_always(op) for op in self.plan.ops):
             self.constant = StepOps.of(self.plan.ops)
