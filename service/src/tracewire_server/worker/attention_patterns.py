@@ -175,8 +175,11 @@ class AttentionPatterns:
         """A new forward pass: no tasks yet; caches of requests that ended go."""
         self._tasks = {}
         if self._holders:
-            for req_id in [r for r in self._holders if r not in live]:
+            gone = [r for r in self._holders if r not in live]
+            for req_id in gone:
                 self._holders.pop(req_id).key_caches.clear()
+            if gone:  # (pools are keyed by what requests chose: empty ones go too)
+                self._pools = {key: pool for key, pool in self._pools.items() if pool.used}
 
     def plan(self, req_id: str, seq: Sequence, span: Rows) -> None:
         """This pass's tasks for one request: every pattern read that still needs keys
