@@ -330,9 +330,15 @@ def test_key_pool_pages_are_taken_reused_and_gathered_by_position():
     gen = torch.Generator().manual_seed(1)
     a, b = (KeyCache(pool, (0, 1), 100, (0, 1, 2, 3), 2) for _ in range(2))
     keys_a, keys_b = torch.randn(40, 2, 4, generator=gen), torch.randn(40, 2, 4, generator=gen)
+
+    def write(cache, start, keys):
+        end = start + keys.shape[0]
+        pool.write(torch.tensor(cache.slots(start, end)), keys, cache.kv_index)
+        cache.wrote(end)
+
     for start, end in [(0, 5), (5, 21), (21, 22), (22, 40)]:  # interleaved: their pages interleave
-        a.write(start, keys_a[start:end])
-        b.write(start, keys_b[start:end])
+        write(a, start, keys_a[start:end])
+        write(b, start, keys_b[start:end])
     assert len(a.pages) == len(b.pages) == -(-40 // PAGE) and not set(a.pages) & set(b.pages)
     torch.testing.assert_close(a.upto(23), keys_a[:23], rtol=0, atol=0)
     both = gather([a, b], [40, 17])
@@ -349,7 +355,7 @@ def test_key_pool_pages_are_taken_reused_and_gathered_by_position():
     del a
     assert pool.used == len(b.pages) and len(pool._free) >= held
     c = KeyCache(pool, (0, 1), 100, (0, 1), 2)
-    c.write(0, keys_a[:PAGE])
+    write(c, 0, keys_a[:PAGE])
     assert pool.used == len(b.pages) + 1
     del b, c
     assert pool.used == 0 and pool.pages.shape[0] == 0

@@ -307,7 +307,7 @@ class AttentionPatterns:
         for first, rows, slot_list, ends in by_pool.values():
             try:
                 both = on_device(np.array([rows, slot_list], dtype=np.int64), k.device, torch.long)
-                first.pool.write(both[1], k.index_select(0, both[0]).index_select(1, first.kv_index).to(torch.float32))
+                first.pool.write(both[1], k.index_select(0, both[0]), first.kv_index)
             except Exception as e:  # noqa: BLE001 - fails these requests' traces only
                 log.exception("attention-pattern keys at layer %d failed", index)
                 for task, _ in ends:

@@ -88,9 +88,10 @@ class KeyPool:
         if not self.used:  # nothing live: the memory goes back to the allocator
             self.pages, self._free = self._empty(0), []
 
-    def write(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        """`keys` [n, kv_heads, head_dim] (float32) at flat `slots` [n]."""
-        self.flat.index_copy_(0, slots, keys)
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, kv_index: torch.Tensor) -> None:
+        """The `kv_index` heads of `keys` [n, all kv heads, head_dim], as float32, at flat
+        `slots` [n]."""
+        self.flat.index_copy_(0, slots, keys.index_select(1, kv_index).to(torch.float32))
 
 
 class KeyCache:
@@ -120,8 +121,8 @@ class KeyCache:
         weakref.finalize(self, pool.give, self.pages)
 
     def slots(self, pos0: int, end: int) -> list[int]:
-        """The pool slots of positions pos0 .. end - 1, taking pages as needed; checked
-        as `write` documents."""
+        """The pool slots to write positions pos0 .. end - 1 at, taking pages as needed:
+        never past max_len, never leaving positions unwritten before them."""
         if end > self.max_len:
             raise RuntimeError(f"position {end - 1} is past the {self.max_len} positions the read was planned for")
         if pos0 > self.known:
@@ -134,20 +135,12 @@ class KeyCache:
         return [pages[p // PAGE] * PAGE + p % PAGE for p in range(pos0, end)]
 
     def wrote(self, end: int) -> None:
+        """Positions up to end - 1 are written (at `slots`, with KeyPool.write)."""
         self.known = max(self.known, end)
-
-    def write(self, pos0: int, keys: torch.Tensor) -> None:
-        """Keys of positions pos0 .. pos0 + len(keys) - 1: [n, all kv heads, head_dim]."""
-        end = pos0 + keys.shape[0]
-        slots = on_device(self.slots(pos0, end), keys.device, torch.long)
-        self.pool.write(slots, keys.index_select(1, self.kv_index).to(torch.float32))
-        self.wrote(end)
 
     def upto(self, length: int) -> torch.Tensor:
         """Keys of positions 0 .. length - 1, every one of them written: [length, kv, D]."""
-        if length > self.known:
-            raise RuntimeError(f"keys up to position {length - 1} asked for, {self.known} known")
-        return self.pool.flat.index_select(0, on_device(self.slots(0, length), self.pool.device, torch.long))
+        return gather([self], [length])[0]
 
 
 def gather(caches: list[KeyCache], lengths: list[int]) -> torch.Tensor:
