@@ -251,6 +251,57 @@ def test_head_and_neuron_reads_at_prompt_positions_and_every_step_equal_hf_and_t
             np.testing.assert_allclose(served, expected, atol=ATOL, err_msg=name)
 
 
+@pytest.mark.parametrize("server", ["graph", "eager"])
+def test_concurrent_head_and_neuron_reads_at_every_step_as_one_column_equal_hf(server, request, hf):
+    """Traces that only read heads or neurons at each new token are block rows: every
+    row reading a unit address is one column of its module input, each selection cut
+    from it once (worker/module_reads.Column.units). Concurrent traces with different
+    prompts and selections (ids, top k, every unit; two sharing one read) each get
+    their own rows, on the compiled server's unit buffers and the eager server's hooks."""
+    target = request.getfixturevalue(server).target
+    steps = 4
+    heads = I.ReadModule(module="layers.1.self_attn.heads", units=I.UnitSelection(ids=I.UnitIds(ids=[2, 0])))
+    traces = {
+        "The capital of France is": [iv("heads", read_module=heads)],
+        "Tuesday, Wednesday,": [iv("heads", read_module=heads), iv("top", read_module=I.ReadModule(
+            module="layers.2.mlp.act", units=I.UnitSelection(top_k=I.TopK(k=4))))],
+        "One, two, three,": [iv("chosen", read_module=I.ReadModule(
+            module="layers.0.mlp.act", units=I.UnitSelection(ids=I.UnitIds(ids=[5, 600])))),
+            iv("every", read_module=I.ReadModule(module="layers.2.self_attn.heads"))],
+    }
+
+    def one(prompt):
+        with grpc.insecure_channel(target) as channel:
+            return run(service_pb2_grpc.TraceServiceStub(channel), trace(invoke(prompt, *traces[prompt]),
+                                                                          max_tokens=steps, **GREEDY))
+
+    with concurrent.futures.ThreadPoolExecutor(len(traces)) as pool:
+        results = dict(zip(traces, pool.map(one, traces), strict=True))
+    for prompt, res in results.items():
+        ids = hf.encode(prompt)
+        tokens = res.tokens()
+        assert tokens == hf.greedy(ids, steps), prompt
+        ref, _ = hf_inputs(hf, ids + tokens[:-1])
+        names = {i.name for i in traces[prompt]}
+        assert all(len(res.values(name)) == steps for name in names), prompt
+        for step in range(steps):
+            at = len(ids) - 1 + step
+            msg = f"{prompt!r} step {step}"
+            if "heads" in names:
+                np.testing.assert_allclose(res.values("heads")[step], ref["layers.1.self_attn.heads"][at][[2, 0]],
+                                           atol=ATOL, err_msg=msg)
+            if "top" in names:
+                row = ref["layers.2.mlp.act"][at]
+                np.testing.assert_array_equal(res.ids("top")[step], np.argsort(-row)[:4], err_msg=msg)
+                np.testing.assert_allclose(res.values("top")[step], np.sort(row)[::-1][:4], atol=ATOL, err_msg=msg)
+            if "chosen" in names:
+                np.testing.assert_allclose(res.values("chosen")[step], ref["layers.0.mlp.act"][at][[5, 600]],
+                                           atol=ATOL, err_msg=msg)
+                assert res.values("every")[step].shape == (4, 64)
+                np.testing.assert_allclose(res.values("every")[step], ref["layers.2.self_attn.heads"][at],
+                                           atol=ATOL, err_msg=msg)
+
+
 def test_what_the_read_buffers_cannot_read_is_refused_naming_the_field(gstub, bstub):
     cases = [
         (iv("h", read_module=I.ReadModule(module="layers.3")), "read_module.module", "layers 0, 1, 2 only"),

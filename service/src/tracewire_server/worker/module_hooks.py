@@ -313,14 +313,15 @@ class ModuleHooks:
             found.rows.extend(rows)
             found.positions.extend(positions)
 
-    def _gather_column(self, path: str, value: torch.Tensor, planned: PlannedColumn) -> None:
-        """An eager pass's column of `value` ([tokens, hidden]) for the batch rows reading
-        it, in one gather (a copy: later modules of the pass reuse the activations'
-        memory); its rows in the Column are then 0..n-1."""
+    def _gather_column(self, path: str, value: torch.Tensor, planned: PlannedColumn, unit_width: int = 0) -> None:
+        """An eager pass's column of `value` ([tokens, hidden]; a unit address's module
+        input, units of `unit_width`) for the batch rows reading it, in one gather (a
+        copy: later modules of the pass reuse the activations' memory); its rows in the
+        Column are then 0..n-1."""
         shared = self._shared_index(planned, value.device)
         assert shared.index is not None
         copied = value.index_select(0, shared.index).to(torch.float32)
-        self.columns[path] = Column(copied, np.arange(len(planned.rows)), shared.where, shared.positions)
+        self.columns[path] = Column(copied, np.arange(len(planned.rows)), shared.where, shared.positions, unit_width)
 
     def _shared_index(self, planned: PlannedColumn, device: torch.device | None) -> _ColumnIndex:
         """The column index of `planned` rows: the last one made when the rows are the same
@@ -394,8 +395,12 @@ class ModuleHooks:
             # overwrites the buffer, and on the same stream: module_reads.Column).
             try:
                 shared = self._shared_index(planned, None)
-                self.columns[path] = Column(self.buffers.output(path, tokens), shared.rows,
-                                            shared.where, shared.positions)
+                if P.unit_kind(path):  # heads / neurons: their module's input
+                    self.columns[path] = Column(self.buffers.unit_input(path, tokens), shared.rows, shared.where,
+                                                shared.positions, self.buffers.units[path].unit_width)
+                else:
+                    self.columns[path] = Column(self.buffers.output(path, tokens), shared.rows,
+                                                shared.where, shared.positions)
             except Exception:  # noqa: BLE001 - the blocks reading it fail (no column)
                 log.exception("read buffer column of %s failed", path)
         for path, path_wants in wants.items():
@@ -420,6 +425,9 @@ class ModuleHooks:
         try:
             if edits:
                 edit_units(value, unit_width, edits)  # in place: o_proj / down_proj see it
+            column = self._column_rows.get(path)
+            if column is not None:
+                self._gather_column(path, value.detach(), column, unit_width)
             if wants:
                 index = on_device([r for want in wants for r in want.rows], value.device, torch.long)
                 _keep(wants, take_rows(value, unit_width, index))

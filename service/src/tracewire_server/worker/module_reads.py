@@ -24,7 +24,7 @@ from .host import ColumnRow, ColumnRows, HostBatch, HostRead, on_device, to_host
 from .patch_store import PatchStore
 from .pattern_state import joined
 from .stream_norm import StreamNorm
-from .unit_hooks import select_units
+from .unit_hooks import select_units, take_rows
 from .vocab_topk import stats, top_k_packed, unpacked, warm_up, working_bytes
 
 # A top-k lens holds at most this many bytes of device memory at a time for its logits
@@ -243,6 +243,7 @@ class Column(NamedTuple):
     rows: np.ndarray
     where: np.ndarray
     positions: np.ndarray
+    unit_width: int = 0  # a unit address's column (its module input): one unit's width; else 0
 
     def rows_of(self, members: list[tuple[Block, str]]) -> np.ndarray:
         """The members' rows of `source`, block after block."""
@@ -252,6 +253,13 @@ class Column(NamedTuple):
         """The members' values, [rows, hidden] float32."""
         index = on_device(self.rows_of(members), self.source.device, torch.long)
         return self.source.index_select(0, index).to(torch.float32)
+
+    def units(self, members: list[tuple[Block, str]], read: P.ReadModule) -> HostBatch:
+        """A unit read's column for the members: the chosen units of each row's module
+        input (or the top k, with their ids), as a row's read gives them."""
+        index = on_device(self.rows_of(members), self.source.device, torch.long)
+        chosen, ids = select_units(take_rows(self.source, self.unit_width, index), read.module, read.units)
+        return HostBatch(to_host(chosen), to_host(ids) if ids is not None else None)
 
 
 def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: Lens | None,
@@ -278,6 +286,8 @@ def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: L
                 assert dictionaries is not None
                 x = columns[paths[0]].take(members)  # (a deleted or replaced dictionary fails these blocks)
                 batch = dictionary_column(read, dictionaries.get(read.dictionary), x)
+            elif P.unit_kind(read.module):
+                batch = columns[paths[0]].units(members, read)
             else:
                 batch = HostBatch(to_host(columns[paths[0]].take(members)), None)
         except Exception as e:  # noqa: BLE001 - fails the blocks reading it

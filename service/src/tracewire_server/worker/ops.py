@@ -21,8 +21,8 @@ class LogitsReadOp(NamedTuple):
     read: P.LogitsRead
 
 
-# A block's module read: its name, and a module's whole value, the logit lens or a
-# dictionary (probe, SAE) on a module, at the new token.
+# A block's module read: its name, and a module's whole value (or its chosen heads or
+# neurons), the logit lens or a dictionary (probe, SAE) on a module, at the new token.
 ColumnRead = tuple[str, P.ReadModule | P.ReadLogitLens | P.ReadDictionary]
 
 
@@ -37,12 +37,13 @@ class BlockKey(NamedTuple):
 
 def _column_read(op: P.Op) -> bool:
     """A read each row takes as one row of a column over the batch: a module's whole
-    value, the logit lens, or a dictionary's values (not a condition's), at the new token
+    value or its chosen units, the logit lens, or a dictionary's values (not a
+    condition's), at the new token
     (module_hooks.py gathers the modules' rows for all such rows at once; module_reads.py
     launches the column)."""
     a = op.action
-    if type(a) is P.ReadModule:
-        return not a.mean and a.positions.kind == "new_token" and P.unit_kind(a.module) is None
+    if type(a) is P.ReadModule:  # (heads and neurons too: their module input's column, units cut once)
+        return not a.mean and a.positions.kind == "new_token"
     if type(a) is P.ReadDictionary:
         return a.positions.kind == "new_token" and not a.internal
     return type(a) is P.ReadLogitLens and a.positions.kind == "new_token"
