@@ -181,6 +181,53 @@ def test_concurrent_sequences_keep_their_own_keys(client, hf_eager):
             np.testing.assert_allclose(got.weights[0, 0], ref[:, q, : q + 1], atol=ATOL)
 
 
+def test_concurrent_top_k_reads_at_every_step_are_one_column(client, hf_eager, hf):
+    """Traces whose only module reads are new-token top-k patterns (and layer reads) are
+    block rows: each layer's top k is computed for all of them at once and goes to the
+    host as one column (worker/module_reads._launch_pattern_column). Concurrent traces
+    with different prompts and reads (two sharing one read, one over two layers beside a
+    layer read) each equal their own transformers run."""
+    import concurrent.futures
+
+    k, steps = 4, STEPS
+    prompts = (PROMPT, "Once upon a time there was", "One, two, three, four,")
+
+    def one(prompt):
+        with client.trace(prompt, max_tokens=steps, **GREEDY) as tracer:
+            if prompt == prompts[2]:
+                saved = tracer.all().attention([0, 3], top_k=3).save()
+                stream = tracer.all().model.layers[1].output.save()
+            else:
+                saved = tracer.all().model.layers[1].self_attn.pattern(heads=[2, 1], top_k=k).save()
+                stream = None
+        return tracer, saved, stream
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(one, prompts))
+    for prompt, (tracer, saved, stream) in zip(prompts, results, strict=True):
+        prompt_ids = list(tracer.result.prompt_token_ids)
+        ids = sequence_ids(tracer, prompt_ids)
+        n = len(prompt_ids)
+        assert list(tracer.result.outputs[0].token_ids) == hf.greedy(prompt_ids, steps), prompt
+        attentions = hf_attentions(hf_eager, ids)
+        layers, heads, top = ([0, 3], [0, 1, 2, 3], 3) if stream is not None else ([1], [2, 1], k)
+        assert len(saved) == steps
+        for s, got in enumerate(saved):
+            q = n - 1 + s
+            assert got.weights.shape == (len(layers), 1, len(heads), top) and got.positions.tolist() == [q]
+            for li, layer in enumerate(layers):
+                for hi, h in enumerate(heads):
+                    row = attentions[layer, h, q, : q + 1]
+                    np.testing.assert_allclose(got.weights[li, 0, hi], np.sort(row)[::-1][:top], atol=ATOL,
+                                               err_msg=f"{prompt!r} step {s} layer {layer} head {h}")
+                    np.testing.assert_allclose(row[got.keys[li, 0, hi]], np.sort(row)[::-1][:top], atol=ATOL)
+        if stream is not None:
+            with torch.no_grad():
+                hidden = hf_eager(torch.tensor([ids]), output_hidden_states=True).hidden_states[2][0].numpy()
+            for s, value in enumerate(stream):
+                np.testing.assert_allclose(value, hidden[n - 1 + s], atol=1e-4, err_msg=f"step {s}")
+
+
 def test_bad_pattern_reads_name_the_field(eager):
     with grpc.insecure_channel(eager.target) as channel:
         stub = service_pb2_grpc.TraceServiceStub(channel)

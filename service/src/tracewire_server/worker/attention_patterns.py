@@ -85,6 +85,9 @@ class _Task:
     pos0: int
     rows: list[int]  # query rows (flat), at `positions`
     positions: list[int]
+    # A block row's read: its top k goes to the host with the block's column
+    # (module_reads._launch_pattern_column), not a copy of its own.
+    column: bool = False
 
 
 def shared_key_scores(queries: torch.Tensor, keys: torch.Tensor, cache: KeyCache) -> torch.Tensor:
@@ -181,9 +184,10 @@ class AttentionPatterns:
             if gone:  # (pools are keyed by what requests chose: empty ones go too)
                 self._pools = {key: pool for key, pool in self._pools.items() if pool.used}
 
-    def plan(self, req_id: str, seq: Sequence, span: Rows) -> None:
+    def plan(self, req_id: str, seq: Sequence, span: Rows, column: bool = False) -> None:
         """This pass's tasks for one request: every pattern read that still needs keys
-        records this pass's; those selected now compute their query rows."""
+        records this pass's; those selected now compute their query rows. `column`: its
+        row is a block row (its new token's top k goes to the host with the block's)."""
         step = seq.step
         kept = False
         for op, keys in seq.pattern_reads:
@@ -202,7 +206,7 @@ class AttentionPatterns:
                         seq.error = seq.error or f"attention pattern read {op.name!r}: layer {index}: {problem}"
                         return
                 self._tasks.setdefault(index, []).append(_Task(
-                    seq, key, read, cache, span.first, span.last, span.pos0, rows, positions))
+                    seq, key, read, cache, span.first, span.last, span.pos0, rows, positions, column))
         if kept:
             self._holders[req_id] = seq
         elif seq.key_caches:
@@ -342,7 +346,13 @@ class AttentionPatterns:
             probs = _softmax(own_key_scores(queries, keys, cache) * layer.scale, positions, layer)  # [B, heads, L]
             if read.top_k:
                 values, ids = top_k(probs, positions, read.top_k, layer)
-                # (a one-layer read takes its row of this copy: module_reads._pattern_value)
+                # (a one-layer read of a row, not a block's, takes its row of this copy:
+                # module_reads._pattern_value; a block's rows go with the block's column)
+                if all(task.column for task in part):
+                    for j, task in enumerate(part):
+                        task.seq.patterns.setdefault(task.key, []).append(PatternChunk(task.positions, values, ids,
+                                                                                       None, j))
+                    continue
                 host_values, host_ids = to_host(values).numpy(), to_host(ids).numpy()
                 for j, task in enumerate(part):
                     chunk = PatternChunk(task.positions, values, ids, (host_values[j:j + 1], host_ids[j:j + 1]), j)

@@ -255,7 +255,7 @@ class ModuleHooks:
                 continue  # (a plan with pattern reads has hidden ops)
             now = seq.constant if seq.column_only else seq.ops_at(seq.step)
             columns = bool(now.column_reads) and seq.blocks(now)
-            if columns:  # its row joins a block: its module reads are columns (its writes: below)
+            if columns and now.column_paths:  # its row joins a block: its module reads are columns
                 group = column_groups.get(now.column_paths)
                 if group is None:
                     group = column_groups[now.column_paths] = ([], [], [])
@@ -270,8 +270,8 @@ class ModuleHooks:
                 continue
             span = Span.of(len(seq.prompt_ids), self.runner.output_count(req_id),
                            int(starts[i]), int(starts[i + 1]), int(computed[i]))
-            if seq.reads_patterns:  # (their keys at every pass, selected or not)
-                self.patterns.plan(req_id, seq, span)
+            if seq.reads_patterns:  # (their keys at every pass, selected or not; a block's top k: a column)
+                self.patterns.plan(req_id, seq, span, column=columns)
             for replay in [] if compiled else span.replays(seq):  # a recomputed request: its writes there again
                 assert isinstance(replay.op.action, P.WriteModule)
                 self._edit(seq, replay.op.action, replay.step, replay.rows, replay.positions)

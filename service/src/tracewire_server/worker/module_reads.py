@@ -22,7 +22,7 @@ from .dictionary_reads import DictionaryWant, launch_dictionary_reads
 from .dictionary_reads import column as dictionary_column
 from .host import ColumnRow, ColumnRows, HostBatch, HostRead, on_device, to_host
 from .patch_store import PatchStore
-from .pattern_state import joined
+from .pattern_state import PatternChunk, joined
 from .stream_norm import StreamNorm
 from .unit_hooks import select_units, take_rows
 from .vocab_topk import stats, top_k_packed, unpacked, warm_up, working_bytes
@@ -274,6 +274,9 @@ def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: L
         for name, read in block.ops.column_reads:
             groups.setdefault(read, []).append((block, name))
     for read, members in groups.items():
+        if type(read) is P.ReadAttentionPattern:
+            _launch_pattern_column(read, members)
+            continue
         paths = [path for _, path in read.module_reads("")]
         members = _complete(members, paths, columns)
         if not members:
@@ -294,10 +297,77 @@ def launch_column_reads(blocks: list[Block], columns: dict[str, Column], lens: L
             for block, _ in members:
                 block.error = block.error or f"{type(e).__name__}: {e}"
             continue
-        offset = 0
-        for block, name in members:  # each block's rows: one range of the column
-            block.reads[name] = ColumnRows(batch, list(range(offset, offset + len(block.index))))
-            offset += len(block.index)
+        _give_rows(batch, members)
+
+
+def _give_rows(batch: HostBatch, members: list[tuple[Block, str]]) -> None:
+    """Each member block's rows of a column made for them in this order."""
+    offset = 0
+    for block, name in members:  # each block's rows: one range of the column
+        block.reads[name] = ColumnRows(batch, list(range(offset, offset + len(block.index))))
+        offset += len(block.index)
+
+
+def _launch_pattern_column(read: P.ReadAttentionPattern, members: list[tuple[Block, str]]) -> None:
+    """A new token's top-k attention pattern for every member block row: [rows, layers,
+    1, heads, k] weights and key positions, and the rows' positions beside them (as a
+    row's read gives them: _pattern_value). attention_patterns.py computed each layer's
+    top k for many sequences at once; their rows are gathered here with one index per
+    layer and batch, and the column goes to the host in one copy each. A block a row
+    of which has no pattern fails alone."""
+    layers = len(read.layers)
+    kept: list[tuple[Block, str]] = []
+    chunks: list[list[PatternChunk]] = []  # per kept row: its chunk at each layer
+    for block, name in sorted(members, key=lambda member: member[0].route):  # (as _complete orders them)
+        keys = [key for key, _ in read.module_reads(name)]
+        rows: list[list[PatternChunk]] = []
+        for seq in block.seqs:
+            found = [seq.patterns.pop(key, None) for key in keys]
+            if not all(f is not None and len(f) == 1 and f[0].row is not None for f in found):
+                block.error = block.error or (f"read {name!r} of layers {list(read.layers)} saw no attention "
+                                              "pattern of the new token (its forward pass did not compute it)")
+                break
+            rows.append([f[0] for f in found])  # type: ignore[index]
+        else:
+            kept.append((block, name))
+            chunks.extend(rows)
+    if not kept:
+        return
+    try:
+        values = torch.stack([_pattern_rows([row[layer] for row in chunks], False) for layer in range(layers)], 1)
+        ids = torch.stack([_pattern_rows([row[layer] for row in chunks], True) for layer in range(layers)], 1)
+        positions = np.array([row[0].positions for row in chunks], np.int32)  # [rows, 1]
+        batch = HostBatch.of_arrays(to_host(values.unsqueeze(2)).numpy(), to_host(ids.unsqueeze(2)).numpy(),
+                                    positions)
+    except Exception as e:  # noqa: BLE001 - fails the blocks reading it
+        for block, _ in kept:
+            block.error = block.error or f"{type(e).__name__}: {e}"
+        return
+    _give_rows(batch, kept)
+
+
+def _pattern_rows(chunks: list[PatternChunk], ids: bool) -> torch.Tensor:
+    """The chunks' rows of their batches' top k ([rows, heads, k] values, or key
+    positions): one index per batch (most often one batch for them all)."""
+    by_batch: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for out, chunk in enumerate(chunks):
+        source = chunk.ids if ids else chunk.values
+        assert source is not None and chunk.row is not None
+        found = by_batch.get(id(source))
+        if found is None:
+            found = by_batch[id(source)] = (source, [], [])
+        found[1].append(chunk.row)
+        found[2].append(out)
+    parts, order = [], []
+    for source, rows, outs in by_batch.values():
+        parts.append(source.index_select(0, on_device(rows, source.device, torch.long)))
+        order.extend(outs)
+    if len(parts) == 1:
+        return parts[0]
+    joined_rows = torch.cat(parts)
+    back = np.empty(len(order), np.int64)
+    back[order] = np.arange(len(order))  # output row -> its place in joined_rows
+    return joined_rows.index_select(0, on_device(back, joined_rows.device, torch.long))
 
 
 def _complete(members: list[tuple[Block, str]], paths: list[str],

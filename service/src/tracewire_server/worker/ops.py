@@ -22,8 +22,10 @@ class LogitsReadOp(NamedTuple):
 
 
 # A block's module read: its name, and a module's whole value (or its chosen heads or
-# neurons), the logit lens or a dictionary (probe, SAE) on a module, at the new token.
-ColumnRead = tuple[str, P.ReadModule | P.ReadLogitLens | P.ReadDictionary]
+# neurons), the logit lens, a dictionary (probe, SAE) on a module or an attention
+# pattern's top k, at the new token.
+ColumnReadAction = P.ReadModule | P.ReadLogitLens | P.ReadDictionary | P.ReadAttentionPattern
+ColumnRead = tuple[str, ColumnReadAction]
 
 
 class BlockKey(NamedTuple):
@@ -37,15 +39,18 @@ class BlockKey(NamedTuple):
 
 def _column_read(op: P.Op) -> bool:
     """A read each row takes as one row of a column over the batch: a module's whole
-    value or its chosen units, the logit lens, or a dictionary's values (not a
-    condition's), at the new token
-    (module_hooks.py gathers the modules' rows for all such rows at once; module_reads.py
-    launches the column)."""
+    value or its chosen units, the logit lens, a dictionary's values (not a
+    condition's), or an attention pattern's top k, at the new token (module_hooks.py
+    gathers the modules' rows for all such rows at once, attention_patterns.py computes
+    their patterns' top k at once; module_reads.py launches the column). A pattern's
+    full rows are not: each row's length is its own position's."""
     a = op.action
     if type(a) is P.ReadModule:  # (heads and neurons too: their module input's column, units cut once)
         return not a.mean and a.positions.kind == "new_token"
     if type(a) is P.ReadDictionary:
         return a.positions.kind == "new_token" and not a.internal
+    if type(a) is P.ReadAttentionPattern:
+        return a.positions.kind == "new_token" and a.top_k > 0
     return type(a) is P.ReadLogitLens and a.positions.kind == "new_token"
 
 
@@ -73,7 +78,7 @@ class StepOps:
     # Only logits reads, reads of the drawn token and column reads, none with a
     # condition: rows with equal keys (and frontend) form one Block. None: each row is a Row.
     block_key: BlockKey | None
-    # A block's module reads, and the distinct module paths they read.
+    # A block's module reads, and the distinct module paths whose rows they read.
     column_reads: tuple[ColumnRead, ...] = ()
     column_paths: tuple[str, ...] = ()
 
@@ -90,7 +95,7 @@ class StepOps:
         internal = frozenset(op.name for op, read in reads if isinstance(read, P.ReadDictionary) and read.internal)
         plain = len(reads) == len(drawn) and all(op.condition is None for op in drawn) and not internal
         blockable = bool(ops) and plain and all(_column_read(op) for op in module_reads)
-        column_reads = (tuple((op.name, cast("P.ReadModule | P.ReadLogitLens | P.ReadDictionary", op.action))
+        column_reads = (tuple((op.name, cast(ColumnReadAction, op.action))
                               for op in module_reads)
                         if blockable else ())
         found = cls(
@@ -105,7 +110,10 @@ class StepOps:
             internal,
             BlockKey(logits_reads, samples, column_reads) if blockable else None,
             column_reads,
-            tuple(dict.fromkeys(path for name, read in column_reads for _, path in read.module_reads(name))),
+            # (modules whose rows are gathered: a pattern's keys and queries are the
+            # attention hooks', planned per sequence, not a column)
+            tuple(dict.fromkeys(path for name, read in column_reads if type(read) is not P.ReadAttentionPattern
+                                for _, path in read.module_reads(name))),
         )
         if found.block_key is None:
             return found

@@ -116,7 +116,8 @@ class Sequence:
             if self.blocks(self.constant):
                 self.block = (self.plan.route, id(self.constant))  # (held here: the id stays theirs)
                 column_ops = {name for name, _ in self.constant.column_reads}
-                if self.constant.column_paths and all(op.name in column_ops for _, op in self.hidden_ops):
+                if (self.constant.column_paths and not self.reads_patterns
+                        and all(op.name in column_ops for _, op in self.hidden_ops)):
                     self.column_only = self.constant.column_paths
         lasts = [op.steps.last() for op in self.plan.ops]
         if all(last is not None for last in lasts):
