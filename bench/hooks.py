@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT / "service" / "src")]
 
 from tracewire_server.shared import plan as P  # noqa: E402
 from tracewire_server.shared import steering  # noqa: E402
-from tracewire_server.shared.read_buffers import ReadBuffers  # noqa: E402
+from tracewire_server.shared.read_buffers import ReadBuffers, UnitInput  # noqa: E402
 from tracewire_server.worker.batch import StepWork  # noqa: E402
 from tracewire_server.worker.hooks import PlanHooks  # noqa: E402
 from tracewire_server.worker.sender import Sender  # noqa: E402
@@ -116,7 +116,7 @@ def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: boo
     hooks.senders[0] = Sender(address)
     tables = steering.SteeringTables([f"layers.{layer}" for layer in range(4)], slots=rows + 1, max_tokens=rows,
                                      hidden=256, dtype=torch.float32, device=torch.device("cpu"))
-    hooks.install_compiled_steering(tables)
+    hooks.install_compiled_steering([tables])
     forward = engine._model_forward
 
     def before_draw() -> None:
@@ -129,11 +129,14 @@ def measure_steering(rows: int, vocab: int, steps: int, address: str, churn: boo
 
 
 # --compiled-reads: reads served from the read buffers (stand-in model: 4 layers, --hidden wide)
+HEADS = "layers.1.self_attn.heads"  # (a stand-in o_proj input: 4 heads of hidden / 4 each)
 COMPILED_READS = {
     "layer read every step (compiled, read buffers)": (
         P.Op("h", P.StepSet(), None, P.ReadModule("layers.1", P.Positions())),),
     "logit lens top-5 of 4 layers every step (compiled)": (
         P.Op("lens", P.StepSet(), None, P.ReadLogitLens((0, 1, 2, 3), P.Positions(), 5)),),
+    "head read (2 of 4 heads) every step (compiled, unit buffers)": (
+        P.Op("heads", P.StepSet(), None, P.ReadModule(HEADS, P.Positions(), units=P.Units(ids=(0, 2)))),),
 }
 
 
@@ -146,8 +149,9 @@ def measure_compiled_reads(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: 
     random pass throughout). The requests are spread over one frontend per address."""
     engine = _decoding(rows, ops, len(addresses))
     give_model(engine, 4, hidden, vocab)
+    units = {HEADS: UnitInput("unit_0", hidden, hidden // 4)}
     buffers = ReadBuffers([0, 1, 2, 3], max_tokens=rows, hidden=hidden, dtype=torch.float32,
-                          device=torch.device("cpu"))
+                          device=torch.device("cpu"), units=units)
     for name in buffers.names:
         getattr(buffers, name).normal_()
     hooks = hooks_over(engine)
