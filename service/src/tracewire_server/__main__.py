@@ -31,17 +31,11 @@ _EMBEDDED_MODEL = Path(__file__).resolve().parents[3] / "models" / "tracewire-ti
 
 def parse_args(argv: list[str]) -> ServerConfig:
     from .frontend.engine import (
+        GRAPH_HOOK_FLAGS,
         default_cpu_environment,
-        use_compiled_dictionary_clamps,
         use_compiled_mean_ablation,
-        use_compiled_module_reads,
-        use_compiled_module_steering,
-        use_compiled_pattern_reads,
-        use_compiled_reads,
-        use_compiled_steering,
-        use_compiled_unit_reads,
-        use_compiled_unit_steering,
         use_default_graph_hooks,
+        use_graph_hooks,
     )
     from .frontend.vllm_compat import AsyncEngineArgs, FlexibleArgumentParser
 
@@ -271,13 +265,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         parser.error("--max-sequences must be >= 1")
     if (problem := platform_ray_problem(args.distributed_executor_backend)) is not None:
         parser.error(problem)
-    graph_flags = {"--compiled-steering": args.compiled_steering, "--compiled-reads": args.compiled_reads,
-                   "--compiled-unit-reads": args.compiled_unit_reads,
-                   "--compiled-unit-steering": args.compiled_unit_steering,
-                   "--compiled-pattern-reads": args.compiled_pattern_reads,
-                   "--compiled-module-reads": args.compiled_module_reads,
-                   "--compiled-module-steering": args.compiled_module_steering,
-                   "--compiled-dictionary-clamps": args.compiled_dictionary_clamps}
+    graph_flags = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in GRAPH_HOOK_FLAGS}
     if args.pipeline_parallel_size > 1 and any(graph_flags.values()):
         # The steering tables and read buffers of earlier stages' layers would be filled and
         # read by hooks that run on the last stage only (where the sample is drawn).
@@ -285,27 +273,9 @@ def parse_args(argv: list[str]) -> ServerConfig:
         parser.error(f"{flag} needs --pipeline-parallel-size 1: under pipeline parallelism the compiled "
                      "graph's hooks run on the last stage only (module interventions need --enforce-eager there)")
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    if args.compiled_steering:
-        use_compiled_steering(engine_args, _layer_list(parser, "--compiled-steering", args.compiled_steering))
-    if args.compiled_reads:
-        use_compiled_reads(engine_args, _layer_list(parser, "--compiled-reads", args.compiled_reads))
-    if args.compiled_unit_steering:
-        use_compiled_unit_steering(engine_args, _layer_list(parser, "--compiled-unit-steering",
-                                                            args.compiled_unit_steering))
-    if args.compiled_unit_reads:
-        use_compiled_unit_reads(engine_args, _layer_list(parser, "--compiled-unit-reads", args.compiled_unit_reads))
-    if args.compiled_pattern_reads:
-        use_compiled_pattern_reads(engine_args, _layer_list(parser, "--compiled-pattern-reads",
-                                                            args.compiled_pattern_reads))
-    if args.compiled_module_reads:
-        use_compiled_module_reads(engine_args, _layer_list(parser, "--compiled-module-reads",
-                                                           args.compiled_module_reads))
-    if args.compiled_module_steering:
-        use_compiled_module_steering(engine_args, _layer_list(parser, "--compiled-module-steering",
-                                                              args.compiled_module_steering))
-    if args.compiled_dictionary_clamps:
-        use_compiled_dictionary_clamps(engine_args, _layer_list(parser, "--compiled-dictionary-clamps",
-                                                                args.compiled_dictionary_clamps))
+    for flag, value in graph_flags.items():
+        if value:
+            use_graph_hooks(engine_args, flag, _layer_list(parser, flag, value))
     if args.compiled_mean_ablation:
         use_compiled_mean_ablation(engine_args)
     if args.graph_hook_bytes < 0:

@@ -295,60 +295,33 @@ def use_worker_hooks(engine_args: Any) -> None:
     engine_args.worker_extension_cls = WORKER_EXTENSION
 
 
-def use_compiled_steering(engine_args: Any, layers: list[int] | None = None) -> None:
-    """`--compiled-steering [LAYERS]`: build decoder-layer writes into the compiled
-    graph, on `layers` (None: all). The model loads through steering.py's loader
-    (wrapping the configured load format), which attaches the graph's tables before
-    vLLM compiles the model. Eager engines need none of it: their module hooks serve
-    every write."""
-    _graph_hooks(engine_args, steering.LAYERS, layers)
+# The --compiled-* flags that take LAYERS, and the additional_config key each sets (what
+# steering.py's loader attaches to the model before vLLM compiles it; eager engines need
+# none of it: their module hooks serve everything):
+GRAPH_HOOK_FLAGS = {
+    # decoder-layer writes (add / replace / zero on layers.N) in steering tables
+    "--compiled-steering": steering.LAYERS,
+    # decoder layers' residual streams in read buffers (read_buffers.py)
+    "--compiled-reads": read_buffers.LAYERS,
+    # attention heads' and MLP neurons' writes (UnitTables on o_proj's / down_proj's inputs)
+    "--compiled-unit-steering": steering.UNIT_LAYERS,
+    # attention heads (o_proj's input) and MLP neurons (down_proj's input) in read buffers
+    "--compiled-unit-reads": read_buffers.UNIT_LAYERS,
+    # attention queries and keys after rotary in read buffers (the host computes patterns)
+    "--compiled-pattern-reads": read_buffers.PATTERN_LAYERS,
+    # the embeddings', the final norm's and the layers' attention and MLP outputs in read buffers
+    "--compiled-module-reads": read_buffers.MODULE_LAYERS,
+    # writes (and patches, dictionary steers) of those modules in module tables
+    "--compiled-module-steering": steering.MODULE_LAYERS,
+    # the layers' steering tables get columns for dictionary clamps and ablations
+    "--compiled-dictionary-clamps": steering.CLAMP_LAYERS,
+}
 
 
-def use_compiled_reads(engine_args: Any, layers: list[int] | None = None) -> None:
-    """`--compiled-reads [LAYERS]`: keep decoder layers' residual streams in buffers the
-    compiled graph fills (read_buffers.py), on `layers` (None: all), through the same
-    loader as the steering tables. Eager engines read through their module hooks."""
-    _graph_hooks(engine_args, read_buffers.LAYERS, layers)
-
-
-def use_compiled_unit_steering(engine_args: Any, layers: list[int] | None = None) -> None:
-    """`--compiled-unit-steering [LAYERS]`: build add / replace / zero writes of decoder
-    layers' attention heads and MLP neurons into the compiled graph (steering.py's
-    UnitTables on o_proj's and down_proj's inputs), on `layers` (None: all)."""
-    _graph_hooks(engine_args, steering.UNIT_LAYERS, layers)
-
-
-def use_compiled_unit_reads(engine_args: Any, layers: list[int] | None = None) -> None:
-    """`--compiled-unit-reads [LAYERS]`: keep decoder layers' attention heads (o_proj's
-    input) and MLP neurons (down_proj's input) in buffers the compiled graph fills, on
-    `layers` (None: all), through the same loader."""
-    _graph_hooks(engine_args, read_buffers.UNIT_LAYERS, layers)
-
-
-def use_compiled_pattern_reads(engine_args: Any, layers: list[int] | None = None) -> None:
-    """`--compiled-pattern-reads [LAYERS]`: keep decoder layers' attention queries and keys
-    (after rotary) in buffers the compiled graph fills, on `layers` (None: all), through the
-    same loader; the host computes attention patterns from them after each pass."""
-    _graph_hooks(engine_args, read_buffers.PATTERN_LAYERS, layers)
-
-
-def use_compiled_module_reads(engine_args: Any, layers: list[int] | None = None) -> None:
-    """`--compiled-module-reads [LAYERS]`: keep the embeddings', the final norm's and
-    `layers`' (None: all) attention and MLP outputs in buffers the compiled graph fills."""
-    _graph_hooks(engine_args, read_buffers.MODULE_LAYERS, layers)
-
-
-def use_compiled_module_steering(engine_args: Any, layers: list[int] | None = None) -> None:
-    """`--compiled-module-steering [LAYERS]`: build add / replace / zero (and patch, and
-    dictionary steer) writes of the embeddings, the final norm and `layers`' (None: all)
-    attention and MLP outputs into the compiled graph (steering.py's module tables)."""
-    _graph_hooks(engine_args, steering.MODULE_LAYERS, layers)
-
-
-def use_compiled_dictionary_clamps(engine_args: Any, layers: list[int] | None = None) -> None:
-    """`--compiled-dictionary-clamps [LAYERS]`: give `layers`' (None: all) steering tables
-    columns for dictionary clamps and ablations (steering.py)."""
-    _graph_hooks(engine_args, steering.CLAMP_LAYERS, layers)
+def use_graph_hooks(engine_args: Any, flag: str, layers: list[int] | None = None) -> None:
+    """`flag [LAYERS]` (one of GRAPH_HOOK_FLAGS): that kind of hook in the compiled
+    graph, on `layers` (None: all)."""
+    _graph_hooks(engine_args, GRAPH_HOOK_FLAGS[flag], layers)
 
 
 def use_compiled_mean_ablation(engine_args: Any) -> None:
