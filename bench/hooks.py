@@ -30,9 +30,10 @@ sys.path[:0] = [str(ROOT / "service" / "src")]
 
 from tracewire_server.shared import plan as P  # noqa: E402
 from tracewire_server.shared import steering  # noqa: E402
-from tracewire_server.shared.read_buffers import ReadBuffers, UnitInput  # noqa: E402
+from tracewire_server.shared.read_buffers import AttentionInput, ReadBuffers, UnitInput  # noqa: E402
 from tracewire_server.worker.batch import StepWork  # noqa: E402
 from tracewire_server.worker.hooks import PlanHooks  # noqa: E402
+from tracewire_server.worker.runner import AttentionLayer  # noqa: E402
 from tracewire_server.worker.sender import Sender  # noqa: E402
 from tracewire_server.worker.standin import Sampler, give_model, hooks_over, request, runner  # noqa: E402
 
@@ -66,11 +67,16 @@ def measure(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: int, address: s
 
 
 def _hooked_minus_bare(hooks: PlanHooks, rows: int, vocab: int, steps: int,
-                       before_draw: Callable[[], None] = lambda: None) -> float:
+                       before_draw: Callable[[], None] = lambda: None, installed: Sampler | None = None) -> float:
     """Median µs per row per step of `before_draw` (the forward pass's host work) and a
-    sampler with `hooks` installed, less a bare sampler's."""
-    bare, hooked = Sampler(), Sampler()
-    hooks.install(hooked)
+    sampler with `hooks` installed (`installed`: one they already are on), less a bare
+    sampler's."""
+    bare = Sampler()
+    if installed is None:
+        hooked = Sampler()
+        hooks.install(hooked)
+    else:
+        hooked = installed
     logits = torch.randn(rows, vocab)
 
     def run(sampler: Sampler, before: Callable[[], None]) -> float:
@@ -161,6 +167,49 @@ def measure_compiled_reads(ops: tuple[P.Op, ...], rows: int, vocab: int, steps: 
     return _hooked_minus_bare(hooks, rows, vocab, steps, engine._model_forward)
 
 
+# The stand-in's attention at layer 1 for the pattern row: 4 query heads, 2 KV heads of --hidden / 4.
+PATTERN_HEADS, PATTERN_KV = 4, 2
+
+
+def measure_compiled_patterns(rows: int, vocab: int, steps: int, addresses: list[str], hidden: int) -> float:
+    """The same for an attention pattern's top 5 (layer 1, every head) at every new token
+    on a compiled engine: each pass's keys into the key pool, the new tokens' scores, top
+    k and column (attention_patterns.py, module_reads.py) from random queries and keys in
+    the read buffers. One prefill pass first (the prompts' keys), then the same decode
+    pass again (each request's new token at position 2)."""
+    head_dim = hidden // PATTERN_HEADS
+    read = P.ReadAttentionPattern((1,), tuple(range(PATTERN_HEADS)), P.Positions(), 5, tuple(range(PATTERN_KV)),
+                                  head_dim, 64)
+    engine = _decoding(rows, (P.Op("a", P.StepSet(), None, read),), len(addresses))
+    give_model(engine, 4, hidden, vocab)
+    attention = {1: AttentionInput(hidden, PATTERN_KV * head_dim)}
+    buffers = ReadBuffers([0, 1, 2, 3], max_tokens=2 * rows, hidden=hidden, dtype=torch.float32,
+                          device=torch.device("cpu"), attention=attention)
+    for name in ("queries_1", "keys_1"):
+        getattr(buffers, name).normal_()
+    hooks = hooks_over(engine)
+    for route, address in enumerate(addresses):
+        hooks.senders[route] = Sender(address)
+    hooks.install_compiled_reads(buffers)
+    # (the stand-in has no vLLM Attention module for the runner to find: its shape, as found)
+    hooks.modules.patterns.layers = {1: AttentionLayer(None, PATTERN_HEADS, PATTERN_KV, head_dim,
+                                                       head_dim ** -0.5, None, None, "")}
+    decode = engine.query_start_loc.np
+    engine.query_start_loc.np = np.arange(rows + 1) * 2  # the prefill: both prompt tokens each
+    engine.input_batch.num_computed_tokens_cpu = np.zeros(rows, np.int64)
+    prefill = Sampler()
+    hooks.install(prefill)
+    engine._model_forward()
+    prefill.forward(torch.randn(rows, vocab), None)
+    engine.query_start_loc.np = decode
+    engine.input_batch.num_computed_tokens_cpu = np.full(rows, 2)
+    taken = _hooked_minus_bare(hooks, rows, vocab, steps, engine._model_forward, installed=prefill)
+    failed = [seq.error for seq in hooks.sequences.by_id.values() if seq is not None and seq.error]
+    if failed or not hooks.modules.patterns._pools:
+        raise RuntimeError(f"the pattern row did not run: {failed[:1] or 'no keys kept'}")
+    return taken
+
+
 def measure_collector(rows: int, routes: int, vocab: int, addresses: list[str]) -> tuple[float, float]:
     """The collector's work for one top-20 step of `rows` rows spread over `routes`
     frontends, in ms: alone, and on its own thread beside a thread busy in Python and
@@ -248,6 +297,10 @@ def main() -> int:
         if args.only not in name:
             continue
         cells = [measure_compiled_reads(ops, r, args.vocab, args.steps, addresses, args.hidden) for r in levels]
+        print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    name = "attention pattern top-5 (layer 1, 4 heads) every step (compiled, read buffers)"
+    if args.only in name:
+        cells = [measure_compiled_patterns(r, args.vocab, args.steps, addresses, args.hidden) for r in levels]
         print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     if args.only not in "collector":
         for reader in readers:
